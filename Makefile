@@ -1,0 +1,43 @@
+# Every target creates the virtualenv if missing and installs the pinned project into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+STORE ?= model_store
+PYTEST_ARGS ?=
+
+.PHONY: venv java models serve test lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+java:
+	bash scripts/ensure_java.sh
+
+# The store is rebuilt when the training code or the handler changes.
+models: $(STORE)/index.json
+
+$(STORE)/index.json: $(STAMP) $(wildcard training/*.py) handlers/digits_handler.py
+	$(PY) -m training.pipeline --store $(STORE)
+
+serve: models java
+	$(PY) -m loadtest.stock_torchserve --model-store $(STORE) --models all
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: venv java models lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build $(STORE)/*.mar $(STORE)/index.json $(STORE)/report

@@ -1,0 +1,294 @@
+"""TorchServe-contract handler for the digits CNN, whatever artefact its archive carries.
+
+One handler serves every variant the pipeline builds. The archive's model-config YAML has a
+`handler:` section (TorchServe passes unknown sections through to `context.model_yaml_config`)
+that says which artefact format the serialized file is:
+
+    eager | compiled   state_dict (weights_only=True) + digits_model.py; compiled adds torch.compile
+    torchscript        torch.jit.load (also the dynamic-int8 variant)
+    aoti               torch._inductor.aoti_load_package (.pt2 built for `aoti_device`)
+    onnx               onnxruntime InferenceSession
+
+Inputs, one per request (`data` or `body`): a JSON list of 64 pixel intensities in 0..16, an
+8x8 nested list, an array/tensor of either shape, or a PNG/JPEG image (grayscale, resized to
+8x8; dark ink on light paper is inverted to match the training data's light-on-dark). Output:
+`{"label": int, "topk": [{"label": int, "probability": float}, ...]}`. A bad item gets
+`{"error": ..., "code": 400}` and status 400 for its index only; its batch-mates are answered.
+
+The module defines exactly one class because TorchServe's loader requires that of a handler
+module, and it imports nothing from the `ts` package, so Mariner can load it without TorchServe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+PIXELS = 64
+SIDE = 8
+PIXEL_MAX = 16.0
+IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")
+FORMATS = ("eager", "compiled", "torchscript", "aoti", "onnx")
+
+
+def _config_section(context: Any) -> dict[str, Any]:
+    cfg = getattr(context, "model_yaml_config", None) or {}
+    section = cfg.get("handler") or {}
+    if not isinstance(section, dict):
+        raise ValueError("model-config 'handler' section must be a mapping")
+    return section
+
+
+def _pick_device(context: Any, prefer: str) -> torch.device:
+    """cuda:{gpu_id} when CUDA is usable and the archive allows it, else CPU."""
+    gpu_id = context.system_properties.get("gpu_id")
+    if prefer != "cpu" and torch.cuda.is_available() and gpu_id is not None:
+        return torch.device(f"cuda:{int(gpu_id)}")
+    return torch.device("cpu")
+
+
+def _load_module_from(path: Path, name: str) -> Any:
+    """Import a .py file shipped in the archive without touching sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pixels_from_image(raw: bytes) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(raw))
+        img.load()
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"body looks like an image but could not be decoded: {exc}") from exc
+    gray = np.asarray(img.convert("L"), dtype=np.float32)
+    border = np.concatenate([gray[0], gray[-1], gray[:, 0], gray[:, -1]])
+    if border.mean() > 127.0:  # dark ink on light paper: flip to the training data's polarity
+        gray = 255.0 - gray
+    small = Image.fromarray(gray.astype(np.uint8)).resize((SIDE, SIDE), Image.Resampling.BOX)
+    return np.asarray(small, dtype=np.float32).reshape(PIXELS) * (PIXEL_MAX / 255.0)
+
+
+def _check_numbers(value: Any, depth: int = 0) -> None:
+    """Walk a JSON list before numpy sees it: numpy would turn "3" or true into 3.0 and 1.0."""
+    if isinstance(value, (list, tuple)):
+        if depth >= 2 or len(value) not in (PIXELS, SIDE):
+            where = "a nested row" if depth else "the list"
+            raise ValueError(
+                "expected 64 pixels as a flat list of 64 numbers or an 8x8 nested list, "
+                f"but {where} has {len(value)} items"
+            )
+        for v in value:
+            _check_numbers(v, depth + 1)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"pixels must be numbers in [0, 16], got {type(value).__name__} {str(value)[:20]!r}")
+
+
+def _pixels_from_array(value: Any) -> np.ndarray:
+    if isinstance(value, dict):
+        if "data" not in value:
+            raise ValueError("a JSON object input must have a 'data' key holding the 64 pixels")
+        value = value["data"]
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    if not isinstance(value, np.ndarray):
+        _check_numbers(value)
+    try:
+        arr = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"pixels must be a flat list of 64 numbers or an 8x8 nested list: {exc}") from exc
+    if arr.shape not in ((PIXELS,), (SIDE, SIDE)):
+        raise ValueError(
+            f"expected 64 pixels as a flat list of 64 or an 8x8 nested list, got shape {list(arr.shape)}"
+        )
+    if not np.isfinite(arr).all():
+        raise ValueError("pixels must be finite numbers (no NaN or Infinity)")
+    if arr.min() < 0.0 or arr.max() > PIXEL_MAX:
+        raise ValueError(f"pixel intensities must be in [0, 16], got min {arr.min():g} and max {arr.max():g}")
+    return arr.reshape(PIXELS)
+
+
+def decode_item(row: Any) -> np.ndarray:
+    """One request -> 64 raw pixel intensities in 0..16; ValueError says what was wrong."""
+    payload = row
+    if isinstance(row, dict) and ("data" in row or "body" in row):
+        payload = row.get("data") if row.get("data") is not None else row.get("body")
+    if payload is None:
+        raise ValueError("empty request: send 64 pixels as JSON or a PNG/JPEG image")
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        raw = bytes(payload)
+        if not raw.strip():
+            raise ValueError("empty body: send 64 pixels as JSON or a PNG/JPEG image")
+        if raw.startswith(IMAGE_MAGIC):
+            return _pixels_from_image(raw)
+        try:
+            payload = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError("body is neither UTF-8 JSON nor a PNG/JPEG image") from exc
+    if isinstance(payload, str):
+        if not payload.strip():
+            raise ValueError("empty body: send 64 pixels as JSON or a PNG/JPEG image")
+        try:
+            payload = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"body is not valid JSON ({exc.msg} at position {exc.pos})") from exc
+    return _pixels_from_array(payload)
+
+
+class DigitsHandler:
+    """Loads the archive's artefact once; answers batches of digit images with top-k labels."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.model: Any = None
+        self.device = torch.device("cpu")
+        self.format = ""
+        self.mean = 0.0
+        self.std = 1.0
+        self.labels: list[str] = [str(i) for i in range(10)]
+        self.topk = 3
+        self._ort: Any = None
+
+    # -- TorchServe contract -------------------------------------------------------------
+    def initialize(self, context: Any) -> None:
+        props = context.system_properties
+        model_dir = Path(props.get("model_dir") or ".")
+        section = _config_section(context)
+        self.format = str(section.get("format", "")).lower()
+        if self.format not in FORMATS:
+            raise ValueError(f"model-config handler.format must be one of {FORMATS}, got {self.format!r}")
+        self.topk = int(section.get("topk", 3))
+        serialized = (context.manifest or {}).get("model", {}).get("serializedFile") or section.get(
+            "artefact"
+        )
+        if not serialized:
+            raise ValueError("the archive's manifest names no serializedFile")
+        artefact = model_dir / serialized
+
+        norm = json.loads((model_dir / "norm.json").read_text())
+        self.mean, self.std = float(norm["mean"]), float(norm["std"])
+        labels_path = model_dir / "labels.json"
+        if labels_path.exists():
+            self.labels = [str(v) for v in json.loads(labels_path.read_text())]
+
+        # AOTI packages and dynamic-int8 kernels only run on the device they were built for.
+        self.device = _pick_device(context, str(section.get("device", "any")))
+        self.model = self._load(artefact, model_dir, section)
+        self._warm_up(section, int(props.get("batch_size") or 1))
+        self.initialized = True
+        log.info(
+            "digits handler ready: format=%s device=%s artefact=%s", self.format, self.device, serialized
+        )
+
+    def handle(self, data: list[Any], context: Any) -> list[Any]:
+        results: list[Any] = [None] * len(data)
+        good_idx: list[int] = []
+        good_rows: list[np.ndarray] = []
+        for i, row in enumerate(data):
+            try:
+                good_rows.append(decode_item(row))
+                good_idx.append(i)
+            except ValueError as exc:
+                results[i] = {"error": str(exc), "code": 400}
+                setter = getattr(context, "set_response_status", None)
+                if setter is not None:
+                    setter(400, str(exc), idx=i)
+        if good_rows:
+            probs, idx = self.predict_topk(np.stack(good_rows))
+            for slot, p_row, i_row in zip(good_idx, probs, idx, strict=True):
+                results[slot] = {
+                    "label": int(i_row[0]),
+                    "topk": [
+                        {"label": int(c), "probability": round(float(p), 6)}
+                        for c, p in zip(i_row, p_row, strict=True)
+                    ],
+                }
+        return results
+
+    # -- model API used by verification and by Mariner's tensor path ----------------------
+    def normalise(self, pixels: np.ndarray) -> torch.Tensor:
+        """(N, 64) raw 0..16 pixels -> (N, 1, 8, 8) normalised float32, on the host."""
+        t = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)).reshape(-1, 1, SIDE, SIDE)
+        return (t - self.mean) / self.std
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised (N, 1, 8, 8) host tensor -> (N, 10) float32 logits on the host."""
+        if self.format == "onnx":
+            out = self._ort.run(None, {self._ort_input: x.numpy()})[0]
+            return torch.from_numpy(out)
+        with torch.inference_mode():
+            if self.device.type == "cuda":
+                x = x.pin_memory().to(self.device, non_blocking=True)
+            out = self.model(x)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            return out.float().cpu()
+
+    def predict_topk(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits = self.logits(self.normalise(pixels))
+        probs = torch.softmax(logits, dim=1)
+        p, i = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+        return p.numpy(), i.numpy()
+
+    # -- loading --------------------------------------------------------------------------
+    def _load(self, artefact: Path, model_dir: Path, section: dict[str, Any]) -> Any:
+        if self.format in ("eager", "compiled"):
+            module = _load_module_from(model_dir / "digits_model.py", "mariner_digits_model")
+            model = module.DigitsCNN(**section.get("model_kwargs", {}))
+            state = torch.load(artefact, map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+            model.eval().to(self.device)
+            if self.format == "compiled":
+                compile_cfg = section.get("compile") or {}
+                model = torch.compile(
+                    model, mode=compile_cfg.get("mode", "default"), dynamic=compile_cfg.get("dynamic", True)
+                )
+            return model
+        if self.format == "torchscript":
+            return torch.jit.load(str(artefact), map_location=self.device).eval()
+        if self.format == "aoti":
+            built_for = str(section.get("device", "cpu"))
+            if built_for == "cpu":
+                self.device = torch.device("cpu")
+            return torch._inductor.aoti_load_package(str(artefact))
+        # onnx
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        providers = ["CPUExecutionProvider"]
+        if self.device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        else:
+            self.device = torch.device("cpu")
+        self._ort = ort.InferenceSession(str(artefact), sess_options=opts, providers=providers)
+        self._ort_input = self._ort.get_inputs()[0].name
+        return self._ort
+
+    def _warm_up(self, section: dict[str, Any], batch_size: int) -> None:
+        """Run every batch-size bucket once so no request pays a compile or a first-call cost.
+
+        For the compiled variant this triggers torch.compile for each distinct graph (batch 1 is
+        specialised; larger sizes share dynamic graphs); for the others it faults in kernels.
+        """
+        sizes = section.get("warmup_batch_sizes")
+        if not sizes:
+            top = max(1, batch_size)
+            sizes = sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
+        zeros = np.zeros((1, PIXELS), dtype=np.float32)
+        for b in sizes:
+            self.logits(self.normalise(np.repeat(zeros, int(b), axis=0)))

@@ -1,0 +1,104 @@
+"""A TorchServe-shaped handler Context that needs no `ts` package.
+
+Handlers written for TorchServe read `context.system_properties`, `context.manifest` and
+`context.model_yaml_config`, and per request call `get_request_header`,
+`set_response_status` and `set_response_content_type`. This class offers the same surface so
+the same archive runs unchanged on stock TorchServe and on Mariner (and in our verification
+harness).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ResponseMeta:
+    """What a handler said about one response: status, reason and headers."""
+
+    status: int = 200
+    phrase: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Context:
+    """Per model instance; `begin_batch` resets the per-request parts before each handle()."""
+
+    def __init__(
+        self,
+        model_name: str,
+        model_dir: str,
+        manifest: Mapping[str, Any],
+        *,
+        batch_size: int,
+        gpu_id: int | None,
+        model_yaml_config: Mapping[str, Any] | None = None,
+        server_version: str = "mariner",
+    ) -> None:
+        self.model_name = model_name
+        self.manifest = dict(manifest)
+        self.model_yaml_config = dict(model_yaml_config or {})
+        self._system_properties: dict[str, Any] = {
+            "model_dir": model_dir,
+            "gpu_id": gpu_id,
+            "batch_size": batch_size,
+            "server_name": "Mariner",
+            "server_version": server_version,
+            "limit_max_image_pixels": True,
+        }
+        self.metrics = None
+        self.stopping_criteria = None
+        self.request_ids: dict[int, str] = {}
+        self._request_headers: list[dict[str, str]] = []
+        self._responses: list[ResponseMeta] = []
+
+    @property
+    def system_properties(self) -> dict[str, Any]:
+        return self._system_properties
+
+    # -- per batch ------------------------------------------------------------------------
+    def begin_batch(self, request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]) -> None:
+        self.request_ids = dict(enumerate(request_ids))
+        self._request_headers = [{k.lower(): v for k, v in h.items()} for h in headers]
+        self._responses = [ResponseMeta() for _ in request_ids]
+
+    def response_meta(self, idx: int) -> ResponseMeta:
+        return self._responses[idx]
+
+    # -- TorchServe's per-request API -----------------------------------------------------
+    def get_request_id(self, idx: int = 0) -> str | None:
+        return self.request_ids.get(idx)
+
+    def get_request_header(self, idx: int, key: str) -> str | None:
+        return self._request_headers[idx].get(key.lower())
+
+    def get_all_request_header(self, idx: int) -> dict[str, str]:
+        return dict(self._request_headers[idx])
+
+    def set_response_status(self, code: int = 200, phrase: str = "", idx: int = 0) -> None:
+        if 0 <= idx < len(self._responses):
+            self._responses[idx].status = int(code)
+            self._responses[idx].phrase = str(phrase)
+
+    def set_all_response_status(self, code: int = 200, phrase: str = "") -> None:
+        for idx in range(len(self._responses)):
+            self.set_response_status(code, phrase, idx)
+
+    def get_response_status(self, idx: int) -> tuple[int, str]:
+        meta = self._responses[idx]
+        return meta.status, meta.phrase
+
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        self.set_response_header(idx, "content-type", value)
+
+    def get_response_content_type(self, idx: int) -> str | None:
+        return self.get_response_headers(idx).get("content-type")
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        if 0 <= idx < len(self._responses):
+            self._responses[idx].headers[key.lower()] = str(value)
+
+    def get_response_headers(self, idx: int) -> dict[str, str]:
+        return dict(self._responses[idx].headers)

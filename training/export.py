@@ -1,0 +1,179 @@
+"""Export the trained digits CNN into every artefact format the handler serves.
+
+All exports start from the same checkpoint, loaded with weights_only=True, and every
+graph-capturing export declares the batch dimension dynamic from the first `torch.export`
+on: PT2E quantization of a statically exported graph specialises the batch size and the
+later export of the converted model then fails.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from training.model import DigitsCNN
+from training.train import load_checkpoint
+
+MAX_BATCH = 1024  # upper bound of the dynamic batch dim in exported graphs
+
+
+@dataclass(frozen=True)
+class Artefact:
+    """One exported file and how the handler must load it."""
+
+    variant: str
+    path: Path
+    format: str  # eager | compiled | torchscript | aoti | onnx
+    device: str  # "any", or the only device the artefact runs on ("cpu")
+    seconds: float  # time the export took
+
+
+def load_eager(checkpoint: Path) -> tuple[DigitsCNN, dict[str, Any]]:
+    """Rebuild the model from a weights_only checkpoint, in eval mode on CPU."""
+    ck = load_checkpoint(checkpoint)
+    cfg = ck["config"]
+    model = DigitsCNN(width=cfg["width"], hidden=cfg["hidden"], dropout=cfg["dropout"])
+    model.load_state_dict(ck["model"])
+    return model.eval(), ck
+
+
+def model_kwargs(ck: dict[str, Any]) -> dict[str, Any]:
+    cfg = ck["config"]
+    return {"width": cfg["width"], "hidden": cfg["hidden"], "dropout": cfg["dropout"]}
+
+
+def example_input(batch: int = 2) -> torch.Tensor:
+    # batch 2, not 1: export would otherwise be tempted to specialise on a size-1 dim.
+    return torch.randn(batch, 1, 8, 8)
+
+
+def batch_dynamic_shapes() -> dict[str, dict[int, Any]]:
+    return {"x": {0: Dim("batch", min=1, max=MAX_BATCH)}}
+
+
+def export_program(model: nn.Module) -> torch.export.ExportedProgram:
+    return torch.export.export(model, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def export_state_dict(model: nn.Module, out: Path) -> Artefact:
+    path = out / "digits_eager.pt"
+    secs = _timed(lambda: torch.save(model.state_dict(), path))
+    return Artefact("eager", path, "eager", "any", secs)
+
+
+def export_torchscript(
+    model: nn.Module, out: Path, name: str = "digits_ts.pt", variant: str = "torchscript", device: str = "any"
+) -> Artefact:
+    path = out / name
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            # TorchScript is deprecated upstream but still what many TorchServe users deploy.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            scripted = torch.jit.script(model)
+        scripted.save(str(path))
+
+    return Artefact(variant, path, "torchscript", device, _timed(run))
+
+
+def export_aoti(program: torch.export.ExportedProgram, path: Path, variant: str) -> Artefact:
+    """AOTInductor package; tied to this torch version and device (CPU here)."""
+
+    def run() -> None:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+
+    return Artefact(variant, path, "aoti", "cpu", _timed(run))
+
+
+def export_onnx(model: nn.Module, out: Path) -> Artefact:
+    path = out / "digits.onnx"
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                model,
+                (example_input(),),
+                dynamo=True,
+                dynamic_shapes=batch_dynamic_shapes(),
+                input_names=["x"],
+                output_names=["logits"],
+                external_data=False,
+            )
+        program.save(str(path))
+
+    return Artefact("onnx", path, "onnx", "any", _timed(run))
+
+
+def quantize_dynamic_int8(model: nn.Module, out: Path) -> Artefact:
+    """Dynamic int8 on the Linear layers (weights int8, activations quantized per batch).
+
+    Saved as TorchScript: dynamic-quantized modules hold packed weights that only script
+    serialisation round-trips. Quantized kernels are CPU-only, hence device "cpu".
+    """
+    torch.backends.quantized.engine = (
+        "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        qmodel = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    return export_torchscript(
+        qmodel, out, name="digits_int8_dynamic.pt", variant="int8_dynamic", device="cpu"
+    )
+
+
+def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -> Artefact:
+    """Static int8 with PT2E (torchao): export -> prepare -> calibrate -> convert -> AOTI."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    path = out / "digits_int8_pt2e.pt2"
+
+    def run() -> None:
+        quantizer = X86InductorQuantizer()
+        quantizer.set_global(get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(export_program(model).module(), quantizer)
+        with torch.no_grad():
+            for chunk in calibration.split(128):
+                prepared(chunk)
+        converted = convert_pt2e(prepared)
+        program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+
+    return Artefact("int8_pt2e", path, "aoti", "cpu", _timed(run))
+
+
+def export_all(
+    checkpoint: Path, out: Path, calibration: torch.Tensor
+) -> tuple[list[Artefact], dict[str, Any]]:
+    """Every artefact the store ships, plus the checkpoint dict they came from."""
+    out.mkdir(parents=True, exist_ok=True)
+    model, ck = load_eager(checkpoint)
+    eager = export_state_dict(model, out)
+    arts = [
+        eager,
+        Artefact("compiled", eager.path, "compiled", "any", 0.0),
+        export_torchscript(model, out),
+        export_aoti(export_program(model), out / "digits_aoti.pt2", "aoti"),
+        export_onnx(model, out),
+        quantize_dynamic_int8(load_eager(checkpoint)[0], out),
+        quantize_pt2e_int8(load_eager(checkpoint)[0], calibration, out),
+    ]
+    return arts, ck

@@ -1,0 +1,143 @@
+"""Stage each variant's files and package them as TorchServe .mar archives.
+
+Archives are made by the real `torch-model-archiver`, so stock TorchServe and Mariner load
+the very same bytes. Each archive carries the handler, the artefact, `norm.json`,
+`labels.json`, `model-config.yaml` and the variant's `verification.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+HANDLER = ROOT / "handlers" / "digits_handler.py"
+MODEL_DEF = ROOT / "training" / "model.py"
+ARCHIVE_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A variant's model dir before archiving: exactly what the archive will unpack to."""
+
+    variant: str
+    model_name: str
+    dir: Path
+    artefact: Path
+    manifest: dict[str, Any]
+    model_config: dict[str, Any]
+    extra_files: tuple[Path, ...]
+
+
+def model_config(
+    fmt: str,
+    device: str,
+    *,
+    batch_size: int,
+    max_batch_delay_ms: int,
+    model_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """TorchServe model-config keys plus the handler section our handler reads."""
+    handler: dict[str, Any] = {"format": fmt, "device": device, "topk": 3}
+    if fmt in ("eager", "compiled"):
+        handler["model_kwargs"] = model_kwargs
+    if fmt == "compiled":
+        # dynamic=True: one graph serves batch 2..N (batch 1 is specialised); warm-up
+        # visits every power-of-two bucket so any guard-driven recompiles happen at load.
+        handler["compile"] = {"mode": "default", "dynamic": True}
+    cfg: dict[str, Any] = {
+        "minWorkers": 1,
+        "maxWorkers": 1,
+        "batchSize": batch_size,
+        "maxBatchDelay": max_batch_delay_ms,
+        "responseTimeout": 120 if fmt == "compiled" else 30,
+        "handler": handler,
+    }
+    if device == "cpu":
+        cfg["deviceType"] = "cpu"
+    return cfg
+
+
+def stage(
+    *,
+    variant: str,
+    fmt: str,
+    device: str,
+    artefact: Path,
+    work: Path,
+    norm: dict[str, float],
+    model_kwargs: dict[str, Any],
+    batch_size: int,
+    max_batch_delay_ms: int,
+) -> Staged:
+    """Copy the artefact and the side files into `work/<model_name>/`."""
+    name = f"digits_{variant}"
+    d = work / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    art = d / artefact.name
+    shutil.copy2(artefact, art)
+    (d / "norm.json").write_text(json.dumps(norm, indent=2) + "\n")
+    (d / "labels.json").write_text(json.dumps([str(i) for i in range(10)]) + "\n")
+    cfg = model_config(
+        fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms, model_kwargs=model_kwargs
+    )
+    (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copy2(HANDLER, d / HANDLER.name)
+    extras = [d / "norm.json", d / "labels.json"]
+    if fmt in ("eager", "compiled"):
+        shutil.copy2(MODEL_DEF, d / "digits_model.py")
+        extras.append(d / "digits_model.py")
+    manifest = {
+        "model": {
+            "modelName": name,
+            "serializedFile": art.name,
+            "handler": HANDLER.name,
+            "modelVersion": ARCHIVE_VERSION,
+            "configFile": "model-config.yaml",
+        }
+    }
+    return Staged(variant, name, d, art, manifest, cfg, tuple(extras))
+
+
+def write_verification(staged: Staged, record: dict[str, Any]) -> Path:
+    path = staged.dir / "verification.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def archive(staged: Staged, verification: Path, store: Path) -> Path:
+    """Run torch-model-archiver (the real tool) and return the .mar path."""
+    store.mkdir(parents=True, exist_ok=True)
+    tool = Path(sys.executable).parent / "torch-model-archiver"
+    extras = [*staged.extra_files, verification]
+    cmd = [
+        str(tool if tool.exists() else "torch-model-archiver"),
+        "--model-name", staged.model_name,
+        "--version", ARCHIVE_VERSION,
+        "--serialized-file", str(staged.artefact),
+        "--handler", str(staged.dir / HANDLER.name),
+        "--extra-files", ",".join(str(p) for p in extras),
+        "--config-file", str(staged.dir / "model-config.yaml"),
+        "--export-path", str(store),
+        "--force",
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return store / f"{staged.model_name}.mar"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,164 @@
+"""Build the model store: train -> export -> quantize -> verify -> package -> index.
+
+`python -m training.pipeline` (what `make models` runs) writes `model_store/*.mar`,
+`model_store/index.json` (each archive's sha256, size and verification record) and the
+variant table as `model_store/report/variants.md` and `variants.png`. It exits non-zero if any
+variant is outside its tolerance or the eager model misses the accuracy target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training import package, report
+from training.data import load_splits, to_model_input
+from training.export import Artefact, export_all, load_eager, model_kwargs
+from training.train import TrainConfig, train
+from training.verify import Verification, verify_variant
+
+MIN_TEST_ACCURACY = 0.98
+QUANTIZED = {"int8_dynamic", "int8_pt2e"}
+
+
+def build(
+    store: Path,
+    work: Path,
+    *,
+    retrain: bool = False,
+    batch_size: int = 32,
+    max_batch_delay_ms: int = 5,
+    repeats: int = 50,
+) -> list[Verification]:
+    t_start = time.perf_counter()
+    best = work / "train" / "best.pt"
+    if retrain or not best.exists():
+        train(TrainConfig(), work / "train", progress=None)
+    splits = load_splits(seed=TrainConfig().seed)
+    model, ck = load_eager(best)
+    with torch.inference_mode():
+        eager_logits = model(to_model_input(splits.test.x, splits.norm))
+
+    calibration = to_model_input(splits.train.x, splits.norm)
+    artefacts, ck = export_all(best, work / "artefacts", calibration)
+    norm = ck["norm"]
+
+    rows: list[Verification] = []
+    entries: list[dict[str, Any]] = []
+    for art in artefacts:
+        rec, entry = _build_variant(
+            art, work / "stage", store, norm=norm, kwargs=model_kwargs(ck), batch_size=batch_size,
+            max_batch_delay_ms=max_batch_delay_ms, splits=splits, eager_logits=eager_logits,
+            repeats=repeats,
+        )  # fmt: skip
+        rows.append(rec)
+        entries.append(entry)
+        status = "ok" if rec.passed else "OUT OF TOLERANCE"
+        print(f"  {art.variant:<13} {rec.tolerance:<28} {status}", flush=True)
+
+    _write_index(store, entries, ck, time.perf_counter() - t_start)
+    rdir = store / "report"
+    rdir.mkdir(parents=True, exist_ok=True)
+    (rdir / "variants.md").write_text(report.markdown_table(rows))
+    report.write_chart(rows, rdir / "variants.png")
+    return rows
+
+
+def _build_variant(
+    art: Artefact,
+    stage_root: Path,
+    store: Path,
+    *,
+    norm: dict[str, float],
+    kwargs: dict[str, Any],
+    batch_size: int,
+    max_batch_delay_ms: int,
+    splits: Any,
+    eager_logits: torch.Tensor,
+    repeats: int,
+) -> tuple[Verification, dict[str, Any]]:
+    staged = package.stage(
+        variant=art.variant, fmt=art.format, device=art.device, artefact=art.path, work=stage_root,
+        norm=norm, model_kwargs=kwargs, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+    )  # fmt: skip
+    rec = verify_variant(
+        variant=art.variant,
+        fmt=art.format,
+        quantized=art.variant in QUANTIZED,
+        model_dir=staged.dir,
+        artefact=staged.artefact,
+        manifest=staged.manifest,
+        model_config=staged.model_config,
+        test_pixels=splits.test.x,
+        test_labels=splits.test.y,
+        eager_logits=eager_logits,
+        repeats=repeats,
+    )
+    record = {**asdict(rec), "export_seconds": round(art.seconds, 3)}
+    mar = package.archive(staged, package.write_verification(staged, record), store)
+    entry = {
+        "model": staged.model_name,
+        "version": package.ARCHIVE_VERSION,
+        "file": mar.name,
+        "sha256": package.sha256(mar),
+        "bytes": mar.stat().st_size,
+        "format": art.format,
+        "device": art.device,
+        "verification": record,
+    }
+    return rec, entry
+
+
+def _write_index(store: Path, entries: list[dict[str, Any]], ck: dict[str, Any], seconds: float) -> None:
+    index = {
+        "schema": 1,
+        "default_model": "digits_torchscript",
+        "built_with": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "build_seconds": round(seconds, 1),
+        },
+        "training": {"epoch": ck["epoch"], "val": ck["val"], "config": ck["config"]},
+        "archives": entries,
+    }
+    (store / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", type=Path, default=Path("model_store"))
+    p.add_argument("--work", type=Path, default=Path("build"))
+    p.add_argument("--retrain", action="store_true", help="train even if WORK/train/best.pt exists")
+    p.add_argument("--batch-size", type=int, default=32, help="batchSize in every model-config")
+    p.add_argument("--max-batch-delay", type=int, default=5, help="maxBatchDelay (ms) in every model-config")
+    p.add_argument("--repeats", type=int, default=50, help="timed runs per latency median")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = build(
+        args.store, args.work, retrain=args.retrain, batch_size=args.batch_size,
+        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
+    )  # fmt: skip
+    print(report.markdown_table(rows))
+    print(f"model store built in {time.perf_counter() - t0:.1f} s -> {args.store}")
+    eager_acc = rows[0].eager_accuracy
+    failed = [r.variant for r in rows if not r.passed]
+    if eager_acc < MIN_TEST_ACCURACY:
+        print(f"eager test accuracy {eager_acc:.4f} is below the {MIN_TEST_ACCURACY} target", file=sys.stderr)
+        return 1
+    if failed:
+        print(f"variants out of tolerance: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
