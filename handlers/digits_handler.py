@@ -38,6 +38,7 @@ PIXELS = 64
 SIDE = 8
 PIXEL_MAX = 16.0
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")
+MAX_IMAGE_PIXELS = 4096 * 4096  # decoding is bounded before PIL allocates anything
 FORMATS = ("eager", "compiled", "torchscript", "aoti", "onnx")
 
 
@@ -71,9 +72,15 @@ def _pixels_from_image(raw: bytes) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(raw))
+        img = Image.open(io.BytesIO(raw))  # reads the header only
+        width, height = img.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"image is {width}x{height}; at most {MAX_IMAGE_PIXELS} pixels are accepted "
+                "(it is resized to 8x8 anyway)"
+            )
         img.load()
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"body looks like an image but could not be decoded: {exc}") from exc
     gray = np.asarray(img.convert("L"), dtype=np.float32)
     border = np.concatenate([gray[0], gray[-1], gray[:, 0], gray[:, -1]])
@@ -109,7 +116,7 @@ def _pixels_from_array(value: Any) -> np.ndarray:
         _check_numbers(value)
     try:
         arr = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"pixels must be a flat list of 64 numbers or an 8x8 nested list: {exc}") from exc
     if arr.shape not in ((PIXELS,), (SIDE, SIDE)):
         raise ValueError(

@@ -130,6 +130,11 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     last_path, best_path = out / "last.pt", out / "best.pt"
     if resume and last_path.exists():
         ck = load_checkpoint(last_path)
+        if ck["config"] != asdict(cfg):
+            changed = sorted(k for k, v in asdict(cfg).items() if ck["config"].get(k) != v)
+            raise ValueError(
+                f"--resume needs the settings of the interrupted run; these differ: {', '.join(changed)}"
+            )
         model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])

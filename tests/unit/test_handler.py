@@ -385,13 +385,6 @@ def test_handle_accepts_images_in_a_batch(
     assert out[0]["label"] == out[1]["label"] == int(_expected_logits(reference_model, px).argmax())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="BUG: an integer too large for float (e.g. 1e400 written as an int) raises OverflowError "
-    "in np.asarray, which _pixels_from_array does not turn into ValueError, so handle() fails the "
-    "whole batch instead of answering 400 for that item",
-)
 def test_huge_integer_pixel_is_a_per_item_400(handler: DigitsHandler, ctx: Context) -> None:
     huge = b"[" + str(10**400).encode() + b"," + b",".join([b"1"] * 63) + b"]"
     out = _handle(handler, ctx, [{"data": [1] * 64}, {"body": huge}])
@@ -407,13 +400,6 @@ def _png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=Image.DecompressionBombError,
-    reason="BUG: a PNG whose header claims > 2 * Image.MAX_IMAGE_PIXELS makes PIL raise "
-    "DecompressionBombError (not OSError), which _pixels_from_image does not catch, so one 50-byte "
-    "request fails its whole batch instead of getting a 400",
-)
 def test_decompression_bomb_png_is_a_per_item_400(handler: DigitsHandler, ctx: Context) -> None:
     bomb = _png_header_only(30000, 30000)
     out = _handle(handler, ctx, [{"data": [1] * 64}, {"body": bomb}])
