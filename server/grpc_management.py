@@ -1,0 +1,356 @@
+"""TorchServe's gRPC management API (`org.pytorch.serve.grpc.management.ManagementAPIsService`).
+
+Read-only calls (ListModels, DescribeModel) answer with the JSON documents stock TorchServe
+returns, key for key, so scripts that parse them keep working. Changing calls (Register,
+Unregister, ScaleWorker, SetDefault) are delegated to the DataPlane, which refuses them with
+PERMISSION_DENIED unless management was enabled and only ever loads archives from the model
+store (a URL is never fetched). Answers of changing calls are TorchServe's status sentences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import grpc
+
+from server.errors import STATUS, Code, ServingError, as_serving_error
+from server.protogen import stubs_missing
+from server.types import ModelInfo
+
+try:
+    from server._proto.torchserve import management_pb2, management_pb2_grpc
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
+    raise stubs_missing(exc) from exc
+
+if TYPE_CHECKING:
+    from server.metrics import Metrics
+
+log = logging.getLogger("mariner.grpc.management")
+
+SERVICE_NAME: str = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
+
+# TorchServe's page size bounds for ListModels.
+MAX_PAGE = 100
+
+T = TypeVar("T")
+
+
+class ManagementPlane(Protocol):
+    """The slice of the DataPlane this adapter needs (the real one and test fakes provide it)."""
+
+    metrics: Metrics
+    management_enabled: bool
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def describe(self, model: str, version: str | None = None) -> list[ModelInfo]: ...
+
+    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]: ...
+
+    async def unregister(self, model: str, version: str | None = None) -> None: ...
+
+    async def set_default(self, model: str, version: str) -> None: ...
+
+    async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None: ...
+
+
+def _model_url(info: ModelInfo) -> str:
+    """The archive's file name, as TorchServe shows it; never a server-side path."""
+    return PurePath(info.archive).name
+
+
+def list_models_json(models: Sequence[ModelInfo], limit: int, next_page_token: int) -> str:
+    """TorchServe's ListModels document: default versions sorted by name, paginated.
+
+    One deliberate difference: proto3 cannot tell an unset `limit` from 0, and stock TorchServe
+    then returns an empty page; here 0 means the default page size (100), like its REST API.
+    """
+    if limit <= 0 or limit > MAX_PAGE:
+        limit = MAX_PAGE
+    start = max(next_page_token, 0)
+    defaults: dict[str, ModelInfo] = {}
+    for info in models:
+        if info.is_default or info.name not in defaults:
+            defaults[info.name] = info
+    names = sorted(defaults)
+    doc: dict[str, Any] = {}
+    last = start + limit
+    if last > len(names):
+        last = len(names)
+    else:  # TorchServe sets the token whenever the page was full, even at the very end
+        doc["nextPageToken"] = str(last)
+    doc["models"] = [{"modelName": n, "modelUrl": _model_url(defaults[n])} for n in names[start:last]]
+    return json.dumps(doc, indent=2)
+
+
+def _pending(metrics: Metrics | None, info: ModelInfo) -> int:
+    if metrics is None:
+        return 0
+    value = metrics.registry.get_sample_value(
+        "mariner_queue_depth", {"model": info.name, "version": info.version}
+    )
+    return int(value or 0)
+
+
+def describe_entry(info: ModelInfo, metrics: Metrics | None = None) -> dict[str, Any]:
+    """One element of TorchServe's DescribeModel list, in its key order.
+
+    Settings Mariner does not have (sequence batching, venvs, job tickets...) carry TorchServe's
+    defaults so clients that index those keys keep working. Mariner's own facts are under
+    "mariner", a key TorchServe does not use.
+    """
+    gpu = any(w.device.startswith("cuda") for w in info.workers)
+    pending = _pending(metrics, info)
+    return {
+        "modelName": info.name,
+        "modelVersion": info.version,
+        "modelUrl": _model_url(info),
+        "runtime": "python",
+        "minWorkers": info.min_workers,
+        "maxWorkers": info.max_workers,
+        "batchSize": info.batch_size,
+        "maxBatchDelay": round(info.max_batch_delay_ms),
+        "responseTimeout": round(info.response_timeout_s),
+        "startupTimeout": 120,
+        "maxRetryTimeoutInSec": 300,
+        "clientTimeoutInMills": 0,
+        "parallelType": "",
+        "parallelLevel": 0,
+        "deviceType": "gpu" if gpu else "cpu",
+        "continuousBatching": False,
+        "useJobTicket": False,
+        "useVenv": False,
+        "stateful": False,
+        "sequenceMaxIdleMSec": 0,
+        "sequenceTimeoutMSec": 0,
+        "maxNumSequence": 0,
+        "maxSequenceJobQueueSize": 0,
+        "loadedAtStartup": True,
+        "workers": [
+            {
+                "id": w.id,
+                "status": w.status,
+                "memoryUsage": 0,
+                "pid": os.getpid(),  # runners are threads of this process
+                "gpu": w.device.startswith("cuda"),
+                "gpuUsage": "N/A",
+            }
+            for w in info.workers
+        ],
+        "jobQueueStatus": {
+            "remainingCapacity": max(info.queue_size - pending, 0),
+            "pendingRequests": pending,
+        },
+        "mariner": {
+            "isDefault": info.is_default,
+            "state": info.state.value,
+            "handler": info.handler,
+            "sha256": info.sha256,
+            "queueSize": info.queue_size,
+            "loadSeconds": info.load_seconds,
+            "devices": [w.device for w in info.workers],
+            "batches": [w.batches for w in info.workers],
+        },
+    }
+
+
+def describe_json(
+    plane: ManagementPlane, model: str, version: str | None, metrics: Metrics | None = None
+) -> str:
+    """TorchServe's DescribeModel document: the default version, one version, or "all"."""
+    if not model:
+        raise ServingError(Code.INVALID_ARGUMENT, "model_name is required: name a model this server serves")
+    if version == "all":
+        infos = plane.describe(model, None)
+    elif version:
+        infos = plane.describe(model, version)
+    else:
+        every = plane.describe(model, None)
+        infos = [i for i in every if i.is_default] or every[:1]
+    return json.dumps([describe_entry(i, metrics) for i in infos], indent=2)
+
+
+def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str, Any]:
+    """RegisterModelRequest fields as DataPlane overrides; refuses the ones Mariner cannot honour.
+
+    proto3 sends 0 / "" for unset fields, so only non-zero values override the archive's config.
+    """
+    if request.handler:
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            "handler overrides are not supported: the handler named in the archive's MANIFEST.json is used",
+        )
+    if request.runtime and request.runtime != "python":
+        raise ServingError(
+            Code.INVALID_ARGUMENT, f"runtime {request.runtime!r} is not supported; only 'python' is"
+        )
+    if request.s3_sse_kms:
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            "s3_sse_kms is not supported: archives are loaded only from the model store",
+        )
+    overrides: dict[str, Any] = {}
+    if request.model_name:
+        overrides["name"] = request.model_name
+    if request.batch_size > 0:
+        overrides["batch_size"] = request.batch_size
+    if request.max_batch_delay > 0:
+        overrides["max_batch_delay_ms"] = float(request.max_batch_delay)
+    if request.response_timeout > 0:
+        overrides["response_timeout_s"] = float(request.response_timeout)
+    if request.initial_workers > 0:
+        overrides["min_workers"] = request.initial_workers
+    return overrides
+
+
+def registered_message(info: ModelInfo) -> str:
+    """TorchServe's RegisterModel answer, counting the workers that are up."""
+    ready = sum(w.status == "READY" for w in info.workers)
+    return f'Model "{info.name}" Version: {info.version} registered with {ready} initial workers'
+
+
+class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
+    """ManagementAPIsService over the DataPlane.
+
+    `on_change` runs after a successful register/unregister/set-default so the health service
+    can follow at once instead of at its next poll.
+    """
+
+    def __init__(
+        self, dataplane: ManagementPlane, on_change: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        self._plane = dataplane
+        self._on_change = on_change
+
+    async def ListModels(
+        self, request: management_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        async def list_models() -> str:
+            return list_models_json(self._plane.models(), request.limit, request.next_page_token)
+
+        msg = await self._call(context, "listing models", list_models)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def DescribeModel(
+        self, request: management_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        if request.customized and request.model_version != "all":
+            await context.abort(
+                STATUS[Code.UNIMPLEMENTED].grpc,
+                "customized (handler-provided) model metadata is not supported; "
+                "call DescribeModel without customized",
+            )
+        metrics = getattr(self._plane, "metrics", None)
+
+        async def describe() -> str:
+            return describe_json(self._plane, request.model_name, request.model_version or None, metrics)
+
+        msg = await self._call(context, "describing the model", describe)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def RegisterModel(
+        self, request: management_pb2.RegisterModelRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        async def register() -> str:
+            # The DataPlane decides first whether management is allowed at all, so a refused
+            # caller learns nothing about which arguments would have been accepted.
+            overrides = register_overrides(request) if self._plane.management_enabled else {}
+            if self._plane.management_enabled and not request.url:
+                raise ServingError(
+                    Code.INVALID_ARGUMENT, "url is required: the file name of an archive in the model store"
+                )
+            infos = await self._plane.register(request.url, **overrides)
+            await self._changed()
+            return "; ".join(registered_message(i) for i in infos) or f'Archive "{request.url}" registered'
+
+        msg = await self._call(context, "registering the model", register)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def UnregisterModel(
+        self, request: management_pb2.UnregisterModelRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        async def unregister() -> str:
+            if self._plane.management_enabled and not request.model_name:
+                raise ServingError(Code.INVALID_ARGUMENT, "model_name is required")
+            await self._plane.unregister(request.model_name, request.model_version or None)
+            await self._changed()
+            return f'Model "{request.model_name}" unregistered'
+
+        msg = await self._call(context, "unregistering the model", unregister)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def ScaleWorker(
+        self, request: management_pb2.ScaleWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        # TorchServe's defaults: min_worker 0 means 1, max_worker 0 means min_worker.
+        min_workers = request.min_worker if request.min_worker > 0 else 1
+        max_workers = request.max_worker if request.max_worker > 0 else min_workers
+        version = request.model_version or None
+
+        async def scale() -> str:
+            if self._plane.management_enabled and max_workers < min_workers:
+                raise ServingError(
+                    Code.INVALID_ARGUMENT, f"max_worker ({max_workers}) must be >= min_worker ({min_workers})"
+                )
+            await self._plane.scale(request.model_name, version, min_workers, max_workers)
+            await self._changed()
+            suffix = f", version: {version}" if version else ""
+            return f"Workers scaled to {min_workers} for model: {request.model_name}{suffix}"
+
+        msg = await self._call(context, "scaling workers", scale)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def SetDefault(
+        self, request: management_pb2.SetDefaultRequest, context: grpc.aio.ServicerContext
+    ) -> management_pb2.ManagementResponse:
+        async def set_default() -> str:
+            if self._plane.management_enabled and not (request.model_name and request.model_version):
+                raise ServingError(Code.INVALID_ARGUMENT, "model_name and model_version are both required")
+            await self._plane.set_default(request.model_name, request.model_version)
+            await self._changed()
+            return (
+                f'Default version successfully updated for model "{request.model_name}" '
+                f'to "{request.model_version}"'
+            )
+
+        msg = await self._call(context, "setting the default version", set_default)
+        return management_pb2.ManagementResponse(msg=msg)
+
+    async def _changed(self) -> None:
+        if self._on_change is None:
+            return
+        try:
+            await self._on_change()
+        except Exception:  # the change itself succeeded; health catches up at its next refresh
+            log.exception("health refresh after a management change failed")
+
+    async def _call(self, context: grpc.aio.ServicerContext, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run `fn`; a ServingError aborts with its mapped status, anything else with INTERNAL."""
+        try:
+            return await fn()
+        except asyncio.CancelledError:
+            raise
+        except ServingError as exc:
+            error = exc
+        except Exception as exc:
+            log.exception("management call failed while %s", what)
+            error = as_serving_error(exc, what)
+        await context.abort(STATUS[error.code].grpc, error.message)
+        raise AssertionError("unreachable: context.abort always raises")
+
+
+def add_to_server(
+    dataplane: ManagementPlane,
+    server: grpc.aio.Server,
+    on_change: Callable[[], Awaitable[None]] | None = None,
+) -> ManagementServicer:
+    """Register the management service on `server`; returns the servicer."""
+    servicer = ManagementServicer(dataplane, on_change)
+    management_pb2_grpc.add_ManagementAPIsServiceServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,199 @@
+"""The two gRPC listeners (inference 7070, management 7071) with health and reflection.
+
+Both servers carry the standard `grpc.health.v1.Health` service, backed by one shared
+HealthServicer: "" (overall) and the inference service name are SERVING only when every model
+is ready; each model has a service of its own name, SERVING once that model is ready, so a
+load balancer can route per model. Server reflection lets grpcurl and friends list the services.
+
+Message size limits are set explicitly on both directions (grpc's defaults are asymmetric:
+4 MiB in, unlimited out), and SO_REUSEPORT is off, so a second server on the same port (say a
+stock TorchServe still running) fails to start instead of silently sharing the traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from server import grpc_inference, grpc_management
+from server.types import ModelInfo
+
+log = logging.getLogger("mariner.grpc")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# How often health follows the DataPlane on its own (model loads, failures, registrations
+# through HTTP); explicit refresh_health() calls make changes visible at once.
+DEFAULT_HEALTH_POLL_S = 1.0
+
+
+class GrpcPlane(grpc_inference.InferencePlane, grpc_management.ManagementPlane, Protocol):
+    """Everything the gRPC adapters and the health service need from the DataPlane."""
+
+    def model_ready(self, model: str, version: str | None = None) -> bool: ...
+
+    def is_ready(self) -> bool: ...
+
+    def models(self) -> list[ModelInfo]: ...
+
+
+def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _bind(server: grpc.aio.Server, address: str, what: str) -> int:
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen for gRPC {what} on {address!r}: {exc}") from exc
+    if port == 0:  # older grpc versions report a failed bind as port 0
+        raise RuntimeError(f"cannot listen for gRPC {what} on {address!r}: address in use or invalid")
+    return port
+
+
+class GrpcServers:
+    """Both grpc.aio servers, their bound ports and the shared health state.
+
+    Build with `build_grpc_servers` inside the running event loop; then `start()`, and on
+    shutdown `set_not_serving()` (readiness first) followed by `stop(grace)`.
+    """
+
+    def __init__(
+        self,
+        dataplane: GrpcPlane,
+        *,
+        inference: grpc.aio.Server,
+        management: grpc.aio.Server,
+        inference_port: int,
+        management_port: int,
+        health: health_aio.HealthServicer,
+        health_poll_s: float | None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.inference = inference
+        self.management = management
+        self.inference_port = inference_port
+        self.management_port = management_port
+        self.health = health
+        self._health_poll_s = health_poll_s
+        self._poller: asyncio.Task[None] | None = None
+        self._known_models: set[str] = set()
+        self._shutting_down = False
+
+    async def start(self) -> None:
+        """Publish health first (grpc's HealthServicer starts out SERVING), then listen."""
+        await self.refresh_health()
+        await self.inference.start()
+        await self.management.start()
+        if self._health_poll_s and self._poller is None:
+            self._poller = asyncio.create_task(
+                self._poll_health(self._health_poll_s), name="grpc-health-poll"
+            )
+        log.info("gRPC listening: inference %d, management %d", self.inference_port, self.management_port)
+
+    async def refresh_health(self) -> None:
+        """Set every health status from the DataPlane: overall, inference service, one per model."""
+        if self._shutting_down:
+            return
+        overall = SERVING if self.dataplane.is_ready() else NOT_SERVING
+        await self.health.set("", overall)
+        await self.health.set(grpc_inference.SERVICE_NAME, overall)
+        names = {info.name for info in self.dataplane.models()}
+        for name in sorted(names):
+            await self.health.set(name, SERVING if self.dataplane.model_ready(name) else NOT_SERVING)
+        # A model that was unregistered stays known to health checkers, as NOT_SERVING.
+        for gone in sorted(self._known_models - names):
+            await self.health.set(gone, NOT_SERVING)
+        self._known_models |= names
+
+    async def set_not_serving(self) -> None:
+        """Shutdown step one: every status NOT_SERVING, for good (later refreshes are ignored)."""
+        self._shutting_down = True
+        await self._stop_poller()
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float) -> None:
+        """Stop both listeners; calls in flight get up to `grace` seconds to finish."""
+        await self.set_not_serving()
+        await asyncio.gather(self.inference.stop(grace), self.management.stop(grace))
+
+    async def _stop_poller(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+
+    async def _poll_health(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh_health()
+            except Exception:  # keep polling: a failed refresh must not freeze health forever
+                log.exception("gRPC health refresh failed")
+
+
+def build_grpc_servers(
+    dataplane: GrpcPlane,
+    *,
+    inference_address: str,
+    management_address: str,
+    max_message_bytes: int,
+    health_poll_s: float | None = DEFAULT_HEALTH_POLL_S,
+) -> GrpcServers:
+    """Create and bind (not start) the inference and management servers.
+
+    Addresses are "host:port"; port 0 picks a free port, reported in `inference_port` /
+    `management_port`. Must run inside the event loop that will serve the calls.
+    `health_poll_s` None disables the background health refresh.
+    """
+    if max_message_bytes <= 0:
+        raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
+    options = _server_options(max_message_bytes)
+    health = health_aio.HealthServicer()
+
+    inference = grpc.aio.server(options=options)
+    grpc_inference.add_to_server(dataplane, inference)
+    health_pb2_grpc.add_HealthServicer_to_server(health, inference)
+    reflection.enable_server_reflection(
+        (grpc_inference.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), inference
+    )
+
+    management = grpc.aio.server(options=options)
+    servers: GrpcServers | None = None
+
+    async def on_change() -> None:
+        if servers is not None:
+            await servers.refresh_health()
+
+    grpc_management.add_to_server(dataplane, management, on_change)
+    health_pb2_grpc.add_HealthServicer_to_server(health, management)
+    reflection.enable_server_reflection(
+        (grpc_management.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), management
+    )
+
+    inference_port = _bind(inference, inference_address, "inference")
+    management_port = _bind(management, management_address, "management")
+    servers = GrpcServers(
+        dataplane,
+        inference=inference,
+        management=management,
+        inference_port=inference_port,
+        management_port=management_port,
+        health=health,
+        health_poll_s=health_poll_s,
+    )
+    return servers
