@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv java models serve test lint format clean
+.PHONY: venv protos java models serve test lint format clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
+
+# gRPC stubs are generated from proto/ (never committed, never hand-edited); a no-op when fresh.
+protos: $(STAMP)
+	$(PY) -m server.protogen
 
 java:
 	bash scripts/ensure_java.sh
@@ -25,10 +29,13 @@ models: $(STORE)/index.json
 $(STORE)/index.json: $(STAMP) $(wildcard training/*.py) handlers/digits_handler.py
 	$(PY) -m training.pipeline --store $(STORE)
 
-serve: models java
+serve: models protos
+	$(VENV)/bin/mariner serve --model-store $(STORE) --models all
+
+serve-torchserve: models java
 	$(PY) -m loadtest.stock_torchserve --model-store $(STORE) --models all
 
-lint: venv
+lint: venv protos
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -36,7 +43,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv java models lint
+test: venv protos java models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

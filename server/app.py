@@ -1,0 +1,157 @@
+"""Assemble and run the server: HTTP (uvicorn) and gRPC (grpc.aio) on one event loop.
+
+Start-up order: listeners first (so `/healthz` answers and `/readyz` says 503 while models
+load), then every model loads concurrently, then health flips to SERVING. Shutdown on
+SIGTERM/SIGINT: readiness goes NOT_SERVING first, new inference calls are refused with
+UNAVAILABLE, accepted requests finish within the grace period, then listeners stop; exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from server.config import ServerConfig, model_specs, pinned_digests
+from server.dataplane import DataPlane, PlaneSettings
+from server.grpc_server import build_grpc_servers
+from server.http_app import inference_app, management_app, metrics_app
+from server.metrics import Metrics, MetricsConfig
+
+log = logging.getLogger("mariner")
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the app owns SIGTERM for an ordered drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass(frozen=True)
+class BoundPorts:
+    inference: int
+    management: int
+    metrics: int
+    grpc_inference: int
+    grpc_management: int
+
+
+class MarinerServer:
+    """One server process: a DataPlane plus its five listeners."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self._tmp = None if cfg.work_dir else tempfile.TemporaryDirectory(prefix="mariner-")
+        work_dir = cfg.work_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
+        self.dataplane = DataPlane(
+            PlaneSettings(
+                model_store=cfg.model_store,
+                work_dir=work_dir,
+                default_max_queue=cfg.max_queue,
+                torch_threads=cfg.torch_threads,
+                management_enabled=cfg.enable_model_management,
+            ),
+            self.metrics,
+        )
+        self.grpc = build_grpc_servers(
+            self.dataplane,
+            inference_address=cfg.grpc_inference_address,
+            management_address=cfg.grpc_management_address,
+            max_message_bytes=cfg.max_request_bytes,
+        )
+        self._http: list[_EmbeddedUvicorn] = []
+        for app, address in (
+            (inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes), cfg.inference_address),
+            (management_app(self.dataplane), cfg.management_address),
+            (metrics_app(self.dataplane), cfg.metrics_address),
+        ):
+            host, port = _split(address)
+            self._http.append(
+                _EmbeddedUvicorn(
+                    uvicorn.Config(
+                        app,
+                        host=host,
+                        port=port,
+                        loop="none",
+                        lifespan="off",
+                        access_log=cfg.access_log,
+                        log_level="warning",
+                        timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
+                    )
+                )
+            )
+        self._http_tasks: list[asyncio.Task[None]] = []
+        self.stopped = asyncio.Event()
+        self.ports: BoundPorts | None = None
+
+    async def start(self) -> BoundPorts:
+        await self.grpc.start()
+        for srv in self._http:
+            self._http_tasks.append(asyncio.create_task(srv.serve()))
+        while not all(s.started for s in self._http):
+            for t in self._http_tasks:
+                if t.done():
+                    t.result()  # re-raise a bind failure
+                    raise RuntimeError("an HTTP listener stopped during start-up")
+            await asyncio.sleep(0.005)
+        http_ports = [s.servers[0].sockets[0].getsockname()[1] for s in self._http]
+        self.ports = BoundPorts(*http_ports, self.grpc.inference_port, self.grpc.management_port)
+        log.info("listening %s", self.ports)
+        return self.ports
+
+    async def load(self) -> None:
+        pinned = pinned_digests(self.cfg.model_store) if self.cfg.pin_index else None
+        specs = model_specs(self.cfg, pinned)
+        await self.dataplane.load_models(specs)
+        await self.grpc.refresh_health()
+        ready = [f"{m.name}:{m.version}" for m in self.dataplane.models() if m.state.value == "READY"]
+        log.info("models ready: %s (all ready: %s)", ", ".join(ready) or "none", self.dataplane.is_ready())
+
+    async def shutdown(self) -> None:
+        """Ordered drain: not-ready, refuse new calls, finish accepted ones, stop listeners."""
+        if self.dataplane.draining:
+            return
+        log.info("shutting down: draining for up to %.1f s", self.cfg.grace_seconds)
+        self.dataplane.start_draining()
+        await self.grpc.set_not_serving()
+        await self.dataplane.close(self.cfg.grace_seconds)
+        for srv in self._http:
+            srv.should_exit = True
+        await self.grpc.stop(grace=2.0)
+        await asyncio.gather(*self._http_tasks, return_exceptions=True)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        self.stopped.set()
+        log.info("stopped")
+
+
+async def run(cfg: ServerConfig) -> int:
+    server = MarinerServer(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    loader = asyncio.create_task(server.load())
+    await stop.wait()
+    if not loader.done():
+        loader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await loader
+    await server.shutdown()
+    return 0

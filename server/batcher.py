@@ -1,0 +1,261 @@
+"""The dynamic batcher: one per model version, pure asyncio, no idle wait.
+
+Semantics (DESIGN.md):
+- Every request gets a future; the dispatcher wakes on arrival.
+- When an instance is idle, whatever is queued is dispatched at once (up to max_batch_size
+  items). While all instances are busy, arrivals accumulate, so the next batch is as full as
+  the load makes it. `max_batch_delay` > 0 additionally waits up to that long (measured from the
+  oldest queued request, with time.monotonic) to fill a batch, for users who ask for it.
+- The queue is bounded: a full queue rejects at once with RESOURCE_EXHAUSTED.
+- Requests whose deadline passed, or whose caller went away (future cancelled), are dropped
+  before they reach the device.
+- Per-item outcomes come back per item; a whole-batch failure fails only that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from server.errors import Code, ServingError, internal
+from server.types import InferRequest, InferResult
+
+log = logging.getLogger("mariner.batcher")
+
+
+class BatchRunner(Protocol):
+    id: str
+
+    async def run(
+        self,
+        data: Sequence[Mapping[str, Any]],
+        request_ids: Sequence[str],
+        headers: Sequence[Mapping[str, str]],
+    ) -> list[InferResult]: ...
+
+
+class BatchObserver(Protocol):
+    """Hooks for metrics; the batcher itself stays free of Prometheus."""
+
+    def queue_depth(self, items: int) -> None: ...
+    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None: ...
+    def batch_finished(self, seconds: float) -> None: ...
+
+
+class _NullObserver:
+    def queue_depth(self, items: int) -> None:
+        pass
+
+    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+        pass
+
+    def batch_finished(self, seconds: float) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 8
+    max_batch_delay_s: float = 0.0
+    max_queue: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_batch_delay_s < 0:
+            raise ValueError(f"invalid batch policy {self}")
+
+
+@dataclass
+class _Pending:
+    req: InferRequest
+    future: asyncio.Future[InferResult]
+    enqueued: float
+
+
+class Batcher:
+    """Queues requests for one model version and feeds batches to its idle runners."""
+
+    def __init__(
+        self,
+        runners: Sequence[BatchRunner],
+        policy: BatchPolicy,
+        *,
+        observer: BatchObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not runners:
+            raise ValueError("a batcher needs at least one runner")
+        self.policy = policy
+        self._runners = list(runners)
+        self._observer = observer or _NullObserver()
+        self._clock = clock
+        self._queue: deque[_Pending] = deque()
+        self._queued_items = 0
+        self._arrival = asyncio.Event()
+        self._idle: asyncio.Queue[BatchRunner] = asyncio.Queue()
+        for r in self._runners:
+            self._idle.put_nowait(r)
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- public ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._dispatch_loop(), name="batcher")
+
+    @property
+    def queued_items(self) -> int:
+        return self._queued_items
+
+    @property
+    def inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    async def submit(self, req: InferRequest) -> InferResult:
+        """Queue `req` and wait for its result. Raises ServingError."""
+        if self._closed:
+            raise ServingError(
+                Code.UNAVAILABLE, f"model {req.model} is shutting down; retry on another replica"
+            )
+        if req.items > self.policy.max_batch_size:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f"request has {req.items} rows; model {req.model} accepts at most "
+                f"{self.policy.max_batch_size} per request (its max batch size)",
+            )
+        if self._queued_items + req.items > self.policy.max_queue:
+            raise ServingError(
+                Code.RESOURCE_EXHAUSTED,
+                f"model {req.model} is overloaded: its queue holds {self._queued_items} of "
+                f"{self.policy.max_queue} items; retry later",
+            )
+        fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Pending(req, fut, self._clock()))
+        self._queued_items += req.items
+        self._observer.queue_depth(self._queued_items)
+        self._arrival.set()
+        return await fut  # a cancelled caller cancels `fut`; the dispatcher then skips it
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, finish queued and in-flight ones (within `timeout`), stop."""
+        self._closed = True
+        deadline = None if timeout is None else self._clock() + timeout
+        while self._queue or self._inflight:
+            remaining = None if deadline is None else deadline - self._clock()
+            if remaining is not None and remaining <= 0:
+                break
+            waiters = list(self._inflight) or [asyncio.ensure_future(asyncio.sleep(0.005))]
+            await asyncio.wait(waiters, timeout=remaining)
+        for p in self._queue:
+            if not p.future.done():
+                p.future.set_exception(
+                    ServingError(Code.UNAVAILABLE, "server shut down before this request ran")
+                )
+        self._queue.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # -- dispatcher -----------------------------------------------------------------------
+    def _take(self, budget: int) -> list[_Pending]:
+        """Pop up to `budget` items' worth of live requests, failing the dead ones."""
+        batch: list[_Pending] = []
+        items = 0
+        now = self._clock()
+        while self._queue:
+            p = self._queue[0]
+            if p.future.done():  # caller cancelled
+                self._pop()
+                continue
+            if p.req.deadline is not None and p.req.deadline <= now:
+                self._pop()
+                p.future.set_exception(
+                    ServingError(
+                        Code.DEADLINE_EXCEEDED, "deadline passed while queued; the request did not run"
+                    )
+                )
+                continue
+            if items + p.req.items > budget:
+                break
+            self._pop()
+            batch.append(p)
+            items += p.req.items
+        self._observer.queue_depth(self._queued_items)
+        return batch
+
+    def _pop(self) -> None:
+        p = self._queue.popleft()
+        self._queued_items -= p.req.items
+
+    async def _wait_arrival(self, timeout: float | None) -> bool:
+        self._arrival.clear()
+        try:
+            await asyncio.wait_for(self._arrival.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _dispatch_loop(self) -> None:
+        max_items = self.policy.max_batch_size
+        while True:
+            while not self._queue:
+                await self._wait_arrival(None)
+            runner = await self._idle.get()
+            batch = self._take(max_items)
+            if self.policy.max_batch_delay_s > 0 and batch:
+                items = sum(p.req.items for p in batch)
+                fill_by = batch[0].enqueued + self.policy.max_batch_delay_s
+                while items < max_items and (left := fill_by - self._clock()) > 0:
+                    if not self._queue and not await self._wait_arrival(left):
+                        break
+                    more = self._take(max_items - items)
+                    if not more and self._queue:
+                        break  # the next request does not fit this batch
+                    batch.extend(more)
+                    items += sum(p.req.items for p in more)
+            if not batch:
+                self._idle.put_nowait(runner)
+                continue
+            task = asyncio.get_running_loop().create_task(self._run(runner, batch))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _run(self, runner: BatchRunner, batch: list[_Pending]) -> None:
+        try:
+            started = self._clock()
+            self._observer.batch_started(
+                sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
+            )
+            try:
+                results = await runner.run(
+                    [p.req.data for p in batch],
+                    [p.req.request_id for p in batch],
+                    [p.req.headers for p in batch],
+                )
+                if len(results) != len(batch):
+                    log.error(
+                        "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
+                    )
+                    raise internal("matching results to requests")
+            except Exception as exc:
+                err = exc if isinstance(exc, ServingError) else internal("running the batch")
+                if not isinstance(exc, ServingError):
+                    log.exception("runner %s failed a batch of %d", runner.id, len(batch))
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(err)
+                return
+            finally:
+                self._observer.batch_finished(self._clock() - started)
+            for p, r in zip(batch, results, strict=True):
+                if not p.future.done():
+                    p.future.set_result(r)
+        finally:
+            self._idle.put_nowait(runner)

@@ -1,0 +1,259 @@
+"""Server settings: every setting is a CLI flag, a MARINER_* environment variable and a config-file key.
+
+Precedence: built-in defaults < config file < environment < command line. The config file is
+YAML/JSON with our keys, or a TorchServe `config.properties`, of which we understand the keys
+users already have (`inference_address`, `management_address`, `metrics_address`,
+`grpc_inference_port`, `grpc_management_port`, `model_store`, `load_models`,
+`default_workers_per_model`, `models={...}` with batchSize/maxBatchDelay/minWorkers/
+maxWorkers/responseTimeout). Everything binds 127.0.0.1 unless configured otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from server.dataplane import ModelSpec
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_store: Path = Path("model_store")
+    models: str = "all"
+    inference_address: str = "127.0.0.1:8080"
+    management_address: str = "127.0.0.1:8081"
+    metrics_address: str = "127.0.0.1:8082"
+    grpc_inference_address: str = "127.0.0.1:7070"
+    grpc_management_address: str = "127.0.0.1:7071"
+    batch_size: int | None = None
+    max_batch_delay_ms: float | None = None
+    min_workers: int | None = None
+    response_timeout_s: float | None = None
+    max_queue: int = 1024
+    torch_threads: int | None = None
+    work_dir: Path | None = None
+    max_request_bytes: int = 8 << 20
+    grace_seconds: float = 30.0
+    slo_ms: float = 25.0
+    enable_model_management: bool = False
+    log_level: str = "INFO"
+    access_log: bool = False
+    pin_index: bool = False
+    config_file: Path | None = None
+    model_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+_HELP = {
+    "model_store": "directory holding the .mar archives (archives load only from here)",
+    "models": "'all', or comma-separated 'file.mar' / 'name=file.mar' entries (like torchserve --models)",
+    "inference_address": "HTTP inference listener host:port (TorchServe API, /ping, /healthz, /readyz)",
+    "management_address": "HTTP management listener host:port (/models)",
+    "metrics_address": "HTTP Prometheus listener host:port (/metrics)",
+    "grpc_inference_address": "gRPC inference listener host:port",
+    "grpc_management_address": "gRPC management listener host:port",
+    "batch_size": "override every model's batchSize",
+    "max_batch_delay_ms": "override every model's maxBatchDelay (ms to wait to fill a batch; 0 = never wait)",
+    "min_workers": "override every model's instance count (minWorkers)",
+    "response_timeout_s": "override every model's responseTimeout (seconds)",
+    "max_queue": "queued items per model version before requests are rejected (RESOURCE_EXHAUSTED)",
+    "torch_threads": "torch intra-op threads per CPU instance (default: torch's)",
+    "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
+    "max_request_bytes": "largest gRPC message / HTTP body accepted",
+    "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
+    "slo_ms": "p99 latency SLO: histogram buckets are dense around it",
+    "enable_model_management": "allow register/unregister/scale (archives from the model store only)",
+    "log_level": "DEBUG, INFO, WARNING, ERROR",
+    "access_log": "log one line per HTTP request",
+    "pin_index": "refuse archives whose sha256 differs from MODEL_STORE/index.json",
+    "config_file": "YAML/JSON config, or a TorchServe config.properties",
+}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    kind = {f.name: f.type for f in fields(ServerConfig)}[name]
+    if "bool" in str(kind):
+        if isinstance(value, bool):
+            return value
+        return str(value).strip().lower() in ("1", "true", "yes", "on")
+    if "Path" in str(kind):
+        return Path(str(value))
+    if "int" in str(kind):
+        return int(value)
+    if "float" in str(kind):
+        return float(value)
+    if "Mapping" in str(kind):
+        return value
+    return str(value)
+
+
+def _host_port(address: str, default_port: int) -> str:
+    """'http://0.0.0.0:8080' or '0.0.0.0:8080' -> '0.0.0.0:8080'."""
+    if "://" in address:
+        u = urlparse(address)
+        return f"{u.hostname}:{u.port or default_port}"
+    return address
+
+
+def read_properties(text: str) -> dict[str, str]:
+    """Java .properties: key=value lines, '#'/'!' comments, backslash line continuations."""
+    out: dict[str, str] = {}
+    logical, buf = [], ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith(("#", "!"))):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1]
+            continue
+        logical.append(buf + line)
+        buf = ""
+    if buf:
+        logical.append(buf)
+    for line in logical:
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
+    """Map the TorchServe keys we understand onto ours."""
+    out: dict[str, Any] = {}
+    for ts_key, ours, port in (
+        ("inference_address", "inference_address", 8080),
+        ("management_address", "management_address", 8081),
+        ("metrics_address", "metrics_address", 8082),
+    ):
+        if ts_key in props:
+            out[ours] = _host_port(props[ts_key], port)
+    host = props.get("grpc_inference_address", "127.0.0.1")
+    if "grpc_inference_port" in props:
+        out["grpc_inference_address"] = f"{host}:{props['grpc_inference_port']}"
+    host = props.get("grpc_management_address", "127.0.0.1")
+    if "grpc_management_port" in props:
+        out["grpc_management_address"] = f"{host}:{props['grpc_management_port']}"
+    if "model_store" in props:
+        out["model_store"] = props["model_store"]
+    if "load_models" in props:
+        out["models"] = props["load_models"]
+    if "default_workers_per_model" in props:
+        out["min_workers"] = props["default_workers_per_model"]
+    if "models" in props:
+        out["model_overrides"] = json.loads(props["models"])
+    return out
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".properties":
+        return from_torchserve_properties(read_properties(text))
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of settings")
+    unknown = set(data) - {f.name for f in fields(ServerConfig)}
+    if unknown:
+        raise ValueError(f"config file {path}: unknown keys {sorted(unknown)}")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mariner serve", description="Serve TorchServe .mar archives fast.")
+    for f in fields(ServerConfig):
+        if f.name == "model_overrides":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if "bool" in str(f.type):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name])
+        else:
+            p.add_argument(flag, default=None, help=f"{_HELP[f.name]} (env MARINER_{f.name.upper()})")
+    return p
+
+
+def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """defaults < config file < MARINER_* env < flags."""
+    env = os.environ if env is None else env
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.get("config_file") or env.get("MARINER_CONFIG_FILE")
+    merged: dict[str, Any] = {}
+    if config_file:
+        merged.update(read_config_file(Path(config_file)))
+        merged["config_file"] = config_file
+    for f in fields(ServerConfig):
+        key = f"MARINER_{f.name.upper()}"
+        if key in env and f.name != "model_overrides":
+            merged[f.name] = env[key]
+    merged.update({k: v for k, v in args.items() if v is not None})
+    return replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
+
+
+def _override_for(cfg: ServerConfig, name: str, archive: str) -> dict[str, Any]:
+    """Settings from a TorchServe `models={...}` block for this model (its default version)."""
+    versions = cfg.model_overrides.get(name) or {}
+    chosen: Mapping[str, Any] = {}
+    for v in versions.values() if isinstance(versions, Mapping) else []:
+        if isinstance(v, Mapping) and (v.get("marName") in (None, archive) or v.get("defaultVersion")):
+            chosen = v
+            break
+    keys = {
+        "batchSize": "batch_size",
+        "maxBatchDelay": "max_batch_delay_ms",
+        "responseTimeout": "response_timeout_s",
+        "minWorkers": "min_workers",
+        "maxWorkers": "max_workers",
+    }
+    return {ours: chosen[ts] for ts, ours in keys.items() if ts in chosen}
+
+
+def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> list[ModelSpec]:
+    """Expand `models` ('all' or a list) into ModelSpecs with the overrides applied."""
+    entries: list[tuple[str | None, str]] = []
+    if cfg.models.strip() in ("all", "ALL", ""):
+        entries = [(None, p.name) for p in sorted(cfg.model_store.glob("*.mar"))]
+    else:
+        for item in cfg.models.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, sep, archive = item.partition("=")
+            if sep:
+                entries.append((name.strip(), archive.strip()))
+            else:
+                entries.append((None, item if item.endswith(".mar") else f"{item}.mar"))
+    specs = []
+    for name, archive in entries:
+        model_name = name or Path(archive).stem
+        over = _override_for(cfg, model_name, archive)
+        specs.append(
+            ModelSpec(
+                archive=archive,
+                name=name,
+                batch_size=cfg.batch_size or over.get("batch_size"),
+                max_batch_delay_ms=(
+                    cfg.max_batch_delay_ms
+                    if cfg.max_batch_delay_ms is not None
+                    else over.get("max_batch_delay_ms")
+                ),
+                response_timeout_s=cfg.response_timeout_s or over.get("response_timeout_s"),
+                min_workers=cfg.min_workers or over.get("min_workers"),
+                max_workers=over.get("max_workers"),
+                max_queue=cfg.max_queue,
+                sha256=(pinned or {}).get(archive),
+            )
+        )
+    return specs
+
+
+def pinned_digests(store: Path) -> dict[str, str]:
+    """archive file name -> sha256 from the store's index.json (written by the pipeline)."""
+    index = json.loads((store / "index.json").read_text())
+    return {a["file"]: a["sha256"] for a in index.get("archives", [])}

@@ -1,0 +1,345 @@
+"""The protocol-neutral core: which models exist, whether they are ready, and inference.
+
+Transports translate wire messages to `InferRequest` and call `DataPlane.infer`; this module
+resolves the model version, admits the request (readiness, draining) and hands it to that
+version's batcher. Nothing here knows about gRPC or HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.archive import ArchiveLimits, ModelArchive, open_archive, resolve_in_store
+from server.batcher import Batcher, BatchPolicy
+from server.errors import Code, ServingError
+from server.metrics import Metrics
+from server.runner import Runner, place_instances
+from server.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+
+log = logging.getLogger("mariner.dataplane")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to load: an archive file in the store plus settings that override its config."""
+
+    archive: str
+    name: str | None = None
+    batch_size: int | None = None
+    max_batch_delay_ms: float | None = None
+    response_timeout_s: float | None = None
+    min_workers: int | None = None
+    max_workers: int | None = None
+    max_queue: int | None = None
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class PlaneSettings:
+    model_store: Path
+    work_dir: Path
+    default_max_queue: int = 1024
+    torch_threads: int | None = None
+    management_enabled: bool = False
+    limits: ArchiveLimits = ArchiveLimits()
+
+
+class _ObserverAdapter:
+    """Feeds batcher events into the Prometheus metrics of one model version."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str) -> None:
+        self._depth = metrics.queue_depth.labels(model, version)
+        self._queue = metrics.queue_duration.labels(model, version)
+        self._compute = metrics.compute_duration.labels(model, version)
+        self._size = metrics.batch_size.labels(model, version)
+
+    def queue_depth(self, items: int) -> None:
+        self._depth.set(items)
+
+    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+        self._size.observe(items)
+        for w in queue_waits:
+            self._queue.observe(w)
+
+    def batch_finished(self, seconds: float) -> None:
+        self._compute.observe(seconds)
+
+
+def _cfg_int(cfg: dict[str, Any], key: str, default: int) -> int:
+    value = cfg.get(key, default)
+    return int(value) if value is not None else default
+
+
+class ModelEndpoint:
+    """One loaded model version: its archive, runners, batcher and serving settings."""
+
+    def __init__(
+        self, archive: ModelArchive, spec: ModelSpec, settings: PlaneSettings, metrics: Metrics
+    ) -> None:
+        cfg = archive.model_config
+        self.archive = archive
+        self.name = archive.name
+        self.version = archive.version
+        self.batch_size = spec.batch_size or _cfg_int(cfg, "batchSize", 1)
+        delay_ms = (
+            spec.max_batch_delay_ms
+            if spec.max_batch_delay_ms is not None
+            else float(cfg.get("maxBatchDelay", 0))
+        )
+        self.max_batch_delay_ms = delay_ms
+        self.response_timeout_s = float(
+            spec.response_timeout_s
+            if spec.response_timeout_s is not None
+            else cfg.get("responseTimeout", 120)
+        )
+        self.min_workers = spec.min_workers or _cfg_int(cfg, "minWorkers", 1)
+        self.max_workers = max(
+            self.min_workers, spec.max_workers or _cfg_int(cfg, "maxWorkers", self.min_workers)
+        )
+        self.max_queue = spec.max_queue or settings.default_max_queue
+        self.state = ModelState.LOADING
+        self.load_seconds: float | None = None
+        placements = place_instances(
+            self.min_workers, device_type=cfg.get("deviceType"), torch_threads=settings.torch_threads
+        )
+        self.runners = [
+            Runner(archive, instance=i, placement=p, batch_size=self.batch_size)
+            for i, p in enumerate(placements)
+        ]
+        self._metrics = metrics
+        self.batcher: Batcher | None = None
+        self.policy = BatchPolicy(self.batch_size, self.max_batch_delay_ms / 1e3, self.max_queue)
+
+    async def load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(r.start() for r in self.runners))
+        except BaseException:
+            self.state = ModelState.FAILED
+            self._metrics.model_ready.labels(self.name, self.version).set(0)
+            raise
+        self.batcher = Batcher(
+            self.runners, self.policy, observer=_ObserverAdapter(self._metrics, self.name, self.version)
+        )
+        self.batcher.start()
+        self.load_seconds = time.perf_counter() - t0
+        self.state = ModelState.READY
+        self._metrics.model_load_seconds.labels(self.name, self.version).set(self.load_seconds)
+        self._metrics.model_ready.labels(self.name, self.version).set(1)
+
+    async def infer(self, req: InferRequest) -> InferResult:
+        if self.state is not ModelState.READY or self.batcher is None:
+            raise ServingError(
+                Code.UNAVAILABLE, f"model {self.name} version {self.version} is {self.state.value}"
+            )
+        deadline = time.monotonic() + self.response_timeout_s
+        if req.deadline is None or req.deadline > deadline:
+            req = _with_deadline(req, deadline)
+        remaining = max(0.0, req.deadline - time.monotonic()) if req.deadline else None
+        try:
+            return await asyncio.wait_for(self.batcher.submit(req), remaining)
+        except TimeoutError:
+            raise ServingError(
+                Code.DEADLINE_EXCEEDED,
+                f"model {self.name} did not answer within the deadline "
+                f"(responseTimeout {self.response_timeout_s:g} s or the client's)",
+            ) from None
+
+    async def close(self, timeout: float | None) -> None:
+        self.state = ModelState.STOPPING
+        self._metrics.model_ready.labels(self.name, self.version).set(0)
+        if self.batcher is not None:
+            await self.batcher.close(timeout)
+        for r in self.runners:
+            r.close()
+        shutil.rmtree(self.archive.model_dir, ignore_errors=True)
+
+    def info(self, is_default: bool) -> ModelInfo:
+        return ModelInfo(
+            name=self.name,
+            version=self.version,
+            archive=self.archive.path.name,
+            sha256=self.archive.sha256,
+            handler=self.archive.handler,
+            is_default=is_default,
+            state=self.state,
+            batch_size=self.batch_size,
+            max_batch_delay_ms=self.max_batch_delay_ms,
+            response_timeout_s=self.response_timeout_s,
+            queue_size=self.max_queue,
+            min_workers=self.min_workers,
+            max_workers=self.max_workers,
+            workers=tuple(WorkerInfo(r.id, r.placement.device, r.status, r.batches) for r in self.runners),
+            load_seconds=self.load_seconds,
+        )
+
+
+def _with_deadline(req: InferRequest, deadline: float) -> InferRequest:
+    from dataclasses import replace
+
+    return replace(req, deadline=deadline)
+
+
+class DataPlane:
+    """All model versions this server serves, and the one entry point for inference."""
+
+    def __init__(self, settings: PlaneSettings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.management_enabled = settings.management_enabled
+        self._endpoints: dict[str, dict[str, ModelEndpoint]] = {}
+        self._defaults: dict[str, str] = {}
+        self._expected: list[ModelSpec] = []
+        self.draining = False
+        self._started = time.monotonic()
+
+    # -- loading --------------------------------------------------------------------------
+    async def load_models(self, specs: Sequence[ModelSpec]) -> None:
+        """Unpack every archive, then initialise all models concurrently (each on its own threads)."""
+        self._expected.extend(specs)
+        endpoints = [self._open(spec) for spec in specs]
+        results = await asyncio.gather(*(ep.load() for ep in endpoints), return_exceptions=True)
+        for ep, res in zip(endpoints, results, strict=True):
+            if isinstance(res, BaseException):
+                log.error("model %s version %s failed to load: %s", ep.name, ep.version, res)
+
+    def _open(self, spec: ModelSpec) -> ModelEndpoint:
+        path = resolve_in_store(self.settings.model_store, spec.archive)
+        archive = open_archive(
+            path,
+            self.settings.work_dir,
+            limits=self.settings.limits,
+            expected_sha256=spec.sha256,
+            name_override=spec.name,
+        )
+        versions = self._endpoints.setdefault(archive.name, {})
+        if archive.version in versions:
+            raise ServingError(
+                Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+            )
+        ep = ModelEndpoint(archive, spec, self.settings, self.metrics)
+        versions[archive.version] = ep
+        self._defaults.setdefault(archive.name, archive.version)
+        self.metrics.model_ready.labels(ep.name, ep.version).set(0)
+        return ep
+
+    # -- lookups --------------------------------------------------------------------------
+    def resolve(self, model: str, version: str | None = None) -> ModelEndpoint:
+        versions = self._endpoints.get(model)
+        if not versions:
+            raise ServingError(
+                Code.NOT_FOUND, f"model {model!r} is not served here; see GET /models for what is"
+            )
+        v = version or self._defaults[model]
+        ep = versions.get(v)
+        if ep is None:
+            raise ServingError(
+                Code.NOT_FOUND,
+                f"model {model!r} has no version {v!r}; versions served: {', '.join(sorted(versions))}",
+            )
+        return ep
+
+    def known_label(self, model: str, version: str | None) -> tuple[str, str]:
+        """Metric label values: a loaded model's name/version, or 'unknown' (bounded cardinality)."""
+        try:
+            ep = self.resolve(model, version)
+        except ServingError:
+            return "unknown", "unknown"
+        return ep.name, ep.version
+
+    def models(self) -> list[ModelInfo]:
+        return [
+            ep.info(ep.version == self._defaults.get(name))
+            for name in sorted(self._endpoints)
+            for ep in self._endpoints[name].values()
+        ]
+
+    def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
+        if version is None or version == "all":
+            if model not in self._endpoints:
+                self.resolve(model)
+            return [ep.info(ep.version == self._defaults[model]) for ep in self._endpoints[model].values()]
+        ep = self.resolve(model, version)
+        return [ep.info(ep.version == self._defaults[model])]
+
+    def is_live(self) -> bool:
+        return True
+
+    def is_ready(self) -> bool:
+        eps = [ep for v in self._endpoints.values() for ep in v.values()]
+        return (
+            not self.draining
+            and bool(eps)
+            and len(eps) >= len(self._expected)
+            and all(ep.state is ModelState.READY for ep in eps)
+        )
+
+    def model_ready(self, model: str, version: str | None = None) -> bool:
+        try:
+            return not self.draining and self.resolve(model, version).state is ModelState.READY
+        except ServingError:
+            return False
+
+    # -- inference ------------------------------------------------------------------------
+    async def infer(self, req: InferRequest) -> InferResult:
+        if self.draining:
+            raise ServingError(Code.UNAVAILABLE, "server is shutting down; retry on another replica")
+        return await self.resolve(req.model, req.version).infer(req)
+
+    # -- management -----------------------------------------------------------------------
+    def _require_management(self, what: str) -> None:
+        if not self.management_enabled:
+            raise ServingError(
+                Code.PERMISSION_DENIED,
+                f"{what} is disabled: start the server with --enable-model-management to allow it "
+                "(archives are then taken only from the model store)",
+            )
+
+    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+        self._require_management("model registration")
+        spec = ModelSpec(archive=archive_name, **overrides)
+        ep = self._open(spec)
+        self._expected.append(spec)
+        await ep.load()
+        return [ep.info(ep.version == self._defaults[ep.name])]
+
+    async def unregister(self, model: str, version: str | None = None) -> None:
+        self._require_management("model unregistration")
+        ep = self.resolve(model, version)
+        del self._endpoints[model][ep.version]
+        if not self._endpoints[model]:
+            del self._endpoints[model]
+            self._defaults.pop(model, None)
+        elif self._defaults.get(model) == ep.version:
+            self._defaults[model] = next(iter(self._endpoints[model]))
+        self._expected = [s for s in self._expected if (s.name or Path(s.archive).stem) != model]
+        await ep.close(timeout=ep.response_timeout_s)
+
+    async def set_default(self, model: str, version: str) -> None:
+        self._require_management("changing the default version")
+        self.resolve(model, version)
+        self._defaults[model] = version
+
+    async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
+        self._require_management("scaling workers")
+        raise ServingError(
+            Code.UNIMPLEMENTED,
+            "scaling a loaded model is not supported yet; restart with --min-workers instead",
+        )
+
+    # -- shutdown -------------------------------------------------------------------------
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def close(self, grace: float) -> None:
+        """Finish accepted requests within `grace` seconds, then stop every runner."""
+        self.draining = True
+        eps = [ep for v in self._endpoints.values() for ep in v.values()]
+        await asyncio.gather(*(ep.close(grace) for ep in eps))

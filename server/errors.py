@@ -1,0 +1,93 @@
+"""One error type for the whole server, mapped to gRPC and HTTP status in exactly one place.
+
+Transports never invent status codes: they catch `ServingError` and ask this table. Anything
+else that escapes is turned into INTERNAL with a sanitized message (never a traceback, never
+gRPC UNKNOWN).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import grpc
+
+
+class Code(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    UNAVAILABLE = "unavailable"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    UNAUTHENTICATED = "unauthenticated"
+    UNIMPLEMENTED = "unimplemented"
+    PERMISSION_DENIED = "permission_denied"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class StatusPair:
+    grpc: grpc.StatusCode
+    http: int
+
+
+STATUS: dict[Code, StatusPair] = {
+    Code.INVALID_ARGUMENT: StatusPair(grpc.StatusCode.INVALID_ARGUMENT, 400),
+    Code.NOT_FOUND: StatusPair(grpc.StatusCode.NOT_FOUND, 404),
+    Code.UNAVAILABLE: StatusPair(grpc.StatusCode.UNAVAILABLE, 503),
+    Code.RESOURCE_EXHAUSTED: StatusPair(grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    Code.DEADLINE_EXCEEDED: StatusPair(grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    Code.UNAUTHENTICATED: StatusPair(grpc.StatusCode.UNAUTHENTICATED, 401),
+    Code.UNIMPLEMENTED: StatusPair(grpc.StatusCode.UNIMPLEMENTED, 501),
+    Code.PERMISSION_DENIED: StatusPair(grpc.StatusCode.PERMISSION_DENIED, 403),
+    Code.CANCELLED: StatusPair(grpc.StatusCode.CANCELLED, 499),
+    Code.INTERNAL: StatusPair(grpc.StatusCode.INTERNAL, 500),
+}
+
+# Seconds a client should wait before retrying an overloaded endpoint (HTTP Retry-After).
+RETRY_AFTER_SECONDS = 1
+
+_HTTP_TO_CODE = {
+    400: Code.INVALID_ARGUMENT,
+    404: Code.NOT_FOUND,
+    413: Code.INVALID_ARGUMENT,
+    415: Code.INVALID_ARGUMENT,
+    422: Code.INVALID_ARGUMENT,
+    429: Code.RESOURCE_EXHAUSTED,
+    503: Code.UNAVAILABLE,
+    504: Code.DEADLINE_EXCEEDED,
+}
+
+
+class ServingError(Exception):
+    """A failure with a code from `Code` and a message that says what was wrong and what is allowed."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def grpc_status(self) -> grpc.StatusCode:
+        return STATUS[self.code].grpc
+
+    @property
+    def http_status(self) -> int:
+        return STATUS[self.code].http
+
+    @classmethod
+    def from_http_status(cls, status: int, message: str) -> ServingError:
+        """A handler's per-item status (e.g. 400 from set_response_status) as a ServingError."""
+        return cls(
+            _HTTP_TO_CODE.get(status, Code.INTERNAL if status >= 500 else Code.INVALID_ARGUMENT), message
+        )
+
+
+def internal(what: str) -> ServingError:
+    """Sanitized INTERNAL: names the stage that failed, never the exception text or traceback."""
+    return ServingError(Code.INTERNAL, f"internal error while {what}; see the server log")
+
+
+def as_serving_error(exc: BaseException, what: str) -> ServingError:
+    return exc if isinstance(exc, ServingError) else internal(what)

@@ -1,0 +1,111 @@
+"""Prometheus metrics, named as in DESIGN.md, on a registry of our own (not the global one).
+
+Buckets are dense around the p99 SLO so the quantiles users alert on are resolved where it
+matters. Label values come from a bounded set: model names and versions are those loaded
+from the store, protocols and codes are enums; a client never mints a label value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def latency_buckets(slo_s: float) -> tuple[float, ...]:
+    """Geometric buckets from 50 us to 10 s, plus a dense band from SLO/4 to 2xSLO."""
+    base = [5e-5 * 2**k for k in range(18)]  # 50 us .. ~6.5 s
+    dense = [slo_s * f for f in (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.25, 1.5, 2.0)]
+    return tuple(sorted({round(b, 7) for b in [*base, *dense, 10.0]}))
+
+
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    slo_seconds: float = 0.025
+
+
+class Metrics:
+    """All server metrics. One instance per server; tests make their own."""
+
+    def __init__(self, cfg: MetricsConfig | None = None) -> None:
+        cfg = cfg or MetricsConfig()
+        self.registry = CollectorRegistry(auto_describe=True)
+        lat = latency_buckets(cfg.slo_seconds)
+        labels = ("model", "version")
+        self.request_duration = Histogram(
+            "mariner_request_duration_seconds",
+            "Time from request arrival to answer, per model version and protocol.",
+            (*labels, "protocol"),
+            buckets=lat,
+            registry=self.registry,
+        )
+        self.queue_duration = Histogram(
+            "mariner_queue_duration_seconds",
+            "Time a request waited in the batcher queue before its batch started.",
+            labels,
+            buckets=lat,
+            registry=self.registry,
+        )
+        self.compute_duration = Histogram(
+            "mariner_compute_duration_seconds",
+            "Time the handler took for one batch (preprocess + inference + postprocess).",
+            labels,
+            buckets=lat,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "mariner_batch_size",
+            "Items per batch handed to the handler.",
+            labels,
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "mariner_queue_depth",
+            "Items waiting in the batcher queue.",
+            labels,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "mariner_requests",
+            "Requests answered, by model version, protocol and result code.",
+            (*labels, "protocol", "code"),
+            registry=self.registry,
+        )
+        self.model_load_seconds = Gauge(
+            "mariner_model_load_seconds",
+            "Seconds the last load of this model version took (unpack + initialize + warm-up).",
+            labels,
+            registry=self.registry,
+        )
+        self.model_ready = Gauge(
+            "mariner_model_ready",
+            "1 when the model version has at least one ready instance.",
+            labels,
+            registry=self.registry,
+        )
+        self.gpu_memory_bytes = Gauge(
+            "mariner_gpu_memory_allocated_bytes",
+            "torch.cuda.memory_allocated per device (only when CUDA is in use).",
+            ("device",),
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        self._sample_gpu()
+        return generate_latest(self.registry)
+
+    def _sample_gpu(self) -> None:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i in range(torch.cuda.device_count()):
+                self.gpu_memory_bytes.labels(f"cuda:{i}").set(torch.cuda.memory_allocated(i))

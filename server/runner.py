@@ -1,0 +1,228 @@
+"""A model instance: a dedicated thread that owns one handler, its device and its CUDA stream.
+
+Inference never runs on the event loop: each runner has a single-thread executor, so the
+handler is initialised and called on the same OS thread for its whole life (CUDA context,
+stream and thread-local torch state stay put), and the event loop only awaits futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import itertools
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from server.archive import ModelArchive
+from server.context import Context
+from server.errors import Code, ServingError
+from server.types import InferResult
+
+log = logging.getLogger("mariner.runner")
+_module_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an instance runs: `gpu_id` None means CPU."""
+
+    gpu_id: int | None
+    torch_threads: int | None = None
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
+
+
+def place_instances(count: int, *, device_type: str | None, torch_threads: int | None) -> list[Placement]:
+    """Round-robin instances over visible GPUs; CPU when there are none or the model asks for CPU."""
+    gpus = 0
+    if device_type != "cpu":
+        try:
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            gpus = 0
+    return [Placement(gpu_id=(i % gpus) if gpus else None, torch_threads=torch_threads) for i in range(count)]
+
+
+def encode_output(value: Any) -> bytes:
+    """Encode one handler result exactly as TorchServe's Python backend does."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            import io
+
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            return buf.getvalue()
+    except ImportError:  # pragma: no cover
+        pass
+    return json.dumps(value, indent=2).encode("utf-8")
+
+
+def load_entry_point(archive: ModelArchive) -> tuple[Any, Any]:
+    """Import the archive's handler the way TorchServe does; return (handle, initialize).
+
+    `handler` is `file.py`, `file.py:function` or `module:function`. A module must define a
+    `handle` function or exactly one class (instantiated, then its `initialize`/`handle`).
+    The model dir goes on sys.path so the handler can import files shipped beside it.
+    """
+    spec_str = archive.handler
+    module_part, _, func_name = spec_str.partition(":")
+    file_name = module_part if module_part.endswith(".py") else f"{module_part}.py"
+    path = archive.model_dir / file_name
+    if not path.is_file():
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            f"handler {spec_str!r} is not a file in the archive; "
+            "built-in TorchServe handlers need the ts package",
+        )
+    if str(archive.model_dir) not in sys.path:
+        sys.path.append(str(archive.model_dir))
+    mod_name = f"mariner_handler_{next(_module_ids)}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ServingError(Code.INVALID_ARGUMENT, f"cannot import handler {spec_str!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    func_name = func_name or "handle"
+    if hasattr(module, func_name) and callable(getattr(module, func_name)):
+        return getattr(module, func_name), getattr(module, "initialize", lambda _ctx: None)
+    classes = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == mod_name]
+    if len(classes) != 1:
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            f"handler module {file_name} must define a 'handle' function or exactly one class, "
+            f"found {len(classes)}",
+        )
+    instance = classes[0]()
+    return instance.handle, getattr(instance, "initialize", lambda _ctx: None)
+
+
+class Runner:
+    """One instance of one model version on one device."""
+
+    def __init__(
+        self, archive: ModelArchive, *, instance: int, placement: Placement, batch_size: int
+    ) -> None:
+        self.archive = archive
+        self.id = f"{archive.name}-{archive.version}-{instance}"
+        self.placement = placement
+        self.batch_size = batch_size
+        self.status = "LOADING"
+        self.batches = 0
+        self.load_seconds: float | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{self.id}")
+        self._handle: Any = None
+        self._context: Context | None = None
+        self._stream: Any = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self._load)
+        except BaseException:
+            self.status = "FAILED"
+            raise
+        self.status = "READY"
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        import torch
+
+        if self.placement.torch_threads and self.placement.gpu_id is None:
+            torch.set_num_threads(self.placement.torch_threads)
+        if self.placement.gpu_id is not None:
+            torch.cuda.set_device(self.placement.gpu_id)
+            self._stream = torch.cuda.Stream()
+        self._context = Context(
+            self.archive.name,
+            str(self.archive.model_dir),
+            self.archive.manifest,
+            batch_size=self.batch_size,
+            gpu_id=self.placement.gpu_id,
+            model_yaml_config=self.archive.model_config,
+        )
+        handle, initialize = load_entry_point(self.archive)
+        self._run_on_stream(initialize, self._context)
+        self._handle = handle
+        self.load_seconds = time.perf_counter() - t0
+        log.info("instance %s ready on %s in %.2f s", self.id, self.placement.device, self.load_seconds)
+
+    def _run_on_stream(self, fn: Any, *args: Any) -> Any:
+        if self._stream is None:
+            return fn(*args)
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            out = fn(*args)
+        self._stream.synchronize()
+        return out
+
+    async def run(
+        self,
+        data: Sequence[Mapping[str, Any]],
+        request_ids: Sequence[str],
+        headers: Sequence[Mapping[str, str]],
+    ) -> list[InferResult]:
+        """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._run_batch, list(data), request_ids, headers)
+
+    def _run_batch(
+        self, data: list[Mapping[str, Any]], request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]
+    ) -> list[InferResult]:
+        ctx = self._context
+        if ctx is None or self._handle is None:
+            raise ServingError(Code.UNAVAILABLE, f"model instance {self.id} is not loaded")
+        ctx.begin_batch(request_ids, headers)
+        try:
+            outputs = self._run_on_stream(self._handle, data, ctx)
+        except ServingError:
+            raise
+        except Exception:
+            log.exception("handler of %s raised for a batch of %d", self.id, len(data))
+            raise ServingError(
+                Code.INTERNAL, "the model's handler failed on this batch; see the server log"
+            ) from None
+        finally:
+            self.batches += 1
+        if not isinstance(outputs, list) or len(outputs) != len(data):
+            got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+            log.error("handler of %s returned %s results for a batch of %d", self.id, got, len(data))
+            raise ServingError(
+                Code.INTERNAL, f"the model's handler returned {got} results for a batch of {len(data)}"
+            )
+        results = []
+        for i, value in enumerate(outputs):
+            meta = ctx.response_meta(i)
+            results.append(
+                InferResult(
+                    body=encode_output(value),
+                    status=meta.status,
+                    phrase=meta.phrase,
+                    content_type=meta.headers.get("content-type"),
+                    headers={k: v for k, v in meta.headers.items() if k != "content-type"},
+                    model_version=self.archive.version,
+                )
+            )
+        return results
+
+    def close(self) -> None:
+        self.status = "STOPPED"
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,94 @@
+"""Values that cross module boundaries: requests in, results out, model descriptions.
+
+Transports build `InferRequest`s from wire messages and turn `InferResult`s back into wire
+messages; the dataplane, batcher and runners see only these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Protocol(enum.Enum):
+    """Bounded label set for metrics: which API and transport a request came in on."""
+
+    TS_HTTP = "torchserve-http"
+    TS_GRPC = "torchserve-grpc"
+    OIP_HTTP = "oip-http"
+    OIP_GRPC = "oip-grpc"
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """One client request, protocol-neutral.
+
+    `data` is what the handler receives for this request, in TorchServe's shape: a dict such as
+    {"body": <parsed JSON | str | bytes>} or the gRPC `input` map's entries. `items` is the
+    number of batch slots the request takes (rows of a tensor request; 1 otherwise).
+    `deadline` is a `time.monotonic()` instant after which the answer is useless.
+    """
+
+    model: str
+    version: str | None
+    data: Mapping[str, Any]
+    protocol: Protocol
+    request_id: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    deadline: float | None = None
+    items: int = 1
+
+
+@dataclass(frozen=True)
+class InferResult:
+    """The handler's answer for one request, already encoded as TorchServe encodes it.
+
+    `body` is bytes (a str is UTF-8 encoded, other values JSON with indent=2, exactly as
+    TorchServe's Python backend does, so both servers return the same bytes). `status` is the
+    per-request status the handler set (200 unless it called set_response_status).
+    """
+
+    body: bytes
+    status: int = 200
+    phrase: str = ""
+    content_type: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    model_version: str = ""
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    device: str
+    status: str  # READY | LOADING | FAILED
+    batches: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What management APIs describe: one model version and its serving settings."""
+
+    name: str
+    version: str
+    archive: str
+    sha256: str
+    handler: str
+    is_default: bool
+    state: ModelState
+    batch_size: int
+    max_batch_delay_ms: float
+    response_timeout_s: float
+    queue_size: int
+    min_workers: int
+    max_workers: int
+    workers: tuple[WorkerInfo, ...]
+    load_seconds: float | None
