@@ -1,0 +1,625 @@
+"""The TorchServe REST apps against real uvicorn servers on port 0, with a fake DataPlane.
+
+The servers run in background threads (each with its own event loop); tests talk to them with
+`requests`, as TorchServe clients do. The fake records what reached `infer`, so tests can check
+that bad requests fail before they are queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+import uvicorn
+
+from server.errors import RETRY_AFTER_SECONDS, Code, ServingError
+from server.http_app import inference_app, management_app, metrics_app
+from server.metrics import Metrics
+from server.types import InferRequest, InferResult, ModelInfo, ModelState, Protocol, WorkerInfo
+
+pytestmark = pytest.mark.unit
+
+MAX_BODY = 512 * 1024
+TIMEOUT = 10
+
+
+class QuietMetrics(Metrics):
+    """Real metrics without the CUDA sampling, which would import torch into a unit test."""
+
+    def _sample_gpu(self) -> None:
+        pass
+
+
+def make_info(name: str, version: str, *, default: bool = True, device: str = "cpu") -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        version=version,
+        archive=f"{name}.mar",
+        sha256="ab" * 32,
+        handler="handler.py",
+        is_default=default,
+        state=ModelState.READY,
+        batch_size=8,
+        max_batch_delay_ms=5.0,
+        response_timeout_s=120.0,
+        queue_size=1024,
+        min_workers=1,
+        max_workers=1,
+        workers=(WorkerInfo(id=f"{name}-{version}-0", device=device, status="READY", batches=3),),
+        load_seconds=0.5,
+    )
+
+
+Answer = Callable[[InferRequest], Awaitable[InferResult]]
+
+
+async def ok_answer(req: InferRequest) -> InferResult:
+    return InferResult(body=b'{\n  "ok": true\n}', model_version="1.0")
+
+
+class FakePlane:
+    """DataPlane's surface, driven by the test: `answer` decides what infer does."""
+
+    def __init__(self) -> None:
+        self.metrics = QuietMetrics()
+        self.reset()
+
+    def reset(self) -> None:
+        self.ready = True
+        self.draining = False
+        self.management_enabled = False
+        self.answer: Answer = ok_answer
+        self.calls: list[InferRequest] = []
+        self.management_calls: list[tuple[Any, ...]] = []
+        self.cancelled = threading.Event()
+        self.infos = [
+            make_info("digits", "1.0"),
+            make_info("digits", "2.0", default=False, device="cuda:1"),
+            make_info("other", "1"),
+        ]
+
+    async def infer(self, req: InferRequest) -> InferResult:
+        self.calls.append(req)
+        return await self.answer(req)
+
+    def models(self) -> list[ModelInfo]:
+        return list(self.infos)
+
+    def _find(self, model: str, version: str | None) -> ModelInfo:
+        for i in self.infos:
+            if i.name == model and (i.version == version if version else i.is_default):
+                return i
+        raise ServingError(Code.NOT_FOUND, f"model {model!r} is not served here; see GET /models for what is")
+
+    def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
+        if version is None or version == "all":
+            self._find(model, None)
+            return [i for i in self.infos if i.name == model]
+        return [self._find(model, version)]
+
+    def is_live(self) -> bool:
+        return True
+
+    def is_ready(self) -> bool:
+        return self.ready and not self.draining
+
+    def model_ready(self, model: str, version: str | None = None) -> bool:
+        return self.is_ready()
+
+    def known_label(self, model: str, version: str | None) -> tuple[str, str]:
+        try:
+            i = self._find(model, version)
+        except ServingError:
+            return "unknown", "unknown"
+        return i.name, i.version
+
+    def _require_management(self, what: str) -> None:
+        if not self.management_enabled:
+            raise ServingError(
+                Code.PERMISSION_DENIED, f"{what} is disabled: start with --enable-model-management"
+            )
+
+    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+        self._require_management("model registration")
+        self.management_calls.append(("register", archive_name, overrides))
+        info = make_info(overrides.get("name", archive_name.removesuffix(".mar")), "3.0")
+        self.infos.append(info)
+        return [info]
+
+    async def unregister(self, model: str, version: str | None = None) -> None:
+        self._require_management("model unregistration")
+        self.management_calls.append(("unregister", model, version))
+
+    async def set_default(self, model: str, version: str) -> None:
+        self._require_management("changing the default version")
+        self.management_calls.append(("set_default", model, version))
+
+    async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
+        self._require_management("scaling workers")
+        self.management_calls.append(("scale", model, version, min_workers, max_workers))
+
+
+@contextlib.contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run `app` on uvicorn at 127.0.0.1:0 in a thread; yield its base URL."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:  # readiness poll
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.005)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def shared_plane() -> FakePlane:
+    return FakePlane()
+
+
+@pytest.fixture
+def plane(shared_plane: FakePlane) -> FakePlane:
+    shared_plane.reset()
+    return shared_plane
+
+
+@pytest.fixture(scope="module")
+def inference_url(shared_plane: FakePlane) -> Iterator[str]:
+    with serve(inference_app(shared_plane, max_body_bytes=MAX_BODY)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def management_url(shared_plane: FakePlane) -> Iterator[str]:
+    with serve(management_app(shared_plane)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def metrics_url(shared_plane: FakePlane) -> Iterator[str]:
+    with serve(metrics_app(shared_plane)) as url:
+        yield url
+
+
+def count(plane: FakePlane, model: str, version: str, code: str) -> float:
+    labels = {"model": model, "version": version, "protocol": "torchserve-http", "code": code}
+    return plane.metrics.registry.get_sample_value("mariner_requests_total", labels) or 0.0
+
+
+def assert_error(resp: requests.Response, status: int, code: Code) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"] == "application/json"
+    body = resp.json()
+    assert body["code"] == status
+    assert body["type"] == code.name
+    assert body["message"]
+    return body
+
+
+# -- health -----------------------------------------------------------------------------------
+def test_ping_is_torchserve_shaped(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.get(f"{inference_url}/ping", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "Healthy"}
+    plane.ready = False
+    resp = requests.get(f"{inference_url}/ping", timeout=TIMEOUT)
+    assert resp.status_code == 500
+    assert resp.json() == {"status": "Unhealthy"}
+
+
+def test_healthz_answers_while_not_ready(plane: FakePlane, inference_url: str) -> None:
+    plane.ready = False
+    assert requests.get(f"{inference_url}/healthz", timeout=TIMEOUT).status_code == 200
+
+
+def test_readyz_follows_readiness_and_draining(plane: FakePlane, inference_url: str) -> None:
+    assert requests.get(f"{inference_url}/readyz", timeout=TIMEOUT).status_code == 200
+    plane.ready = False
+    assert requests.get(f"{inference_url}/readyz", timeout=TIMEOUT).status_code == 503
+    plane.ready = True
+    plane.draining = True
+    resp = requests.get(f"{inference_url}/readyz", timeout=TIMEOUT)
+    assert resp.status_code == 503
+    assert resp.json() == {"status": "draining"}
+
+
+# -- predictions: decoding ----------------------------------------------------------------------
+def test_json_body_is_parsed_and_answer_passes_through(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.post(
+        f"{inference_url}/predictions/digits",
+        json={"pixels": [0, 16, 3]},
+        headers={"X-Trace": "t1"},
+        timeout=TIMEOUT,
+    )
+    assert resp.status_code == 200
+    assert resp.content == b'{\n  "ok": true\n}'
+    assert resp.headers["content-type"] == "application/json"
+    (req,) = plane.calls
+    assert req.data == {"body": {"pixels": [0, 16, 3]}}
+    assert (req.model, req.version, req.protocol, req.items) == ("digits", None, Protocol.TS_HTTP, 1)
+    assert re.fullmatch(r"[0-9a-f]{32}", req.request_id)
+    assert resp.headers["x-request-id"] == req.request_id
+    assert req.headers["x-trace"] == "t1"  # names lower-cased, as TorchServe's context shows them
+    assert req.headers["content-type"] == "application/json"
+
+
+def test_version_in_path_and_put_like_torchserve(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.put(f"{inference_url}/predictions/digits/2.0", data=b"\x01", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert (plane.calls[0].model, plane.calls[0].version) == ("digits", "2.0")
+
+
+@pytest.mark.parametrize(
+    ("content_type", "expected"),
+    [
+        ("image/png", b"\x89PNG\r\n\x1a\n\x00\xff"),
+        ("application/octet-stream", b"\x89PNG\r\n\x1a\n\x00\xff"),
+        (None, b"\x89PNG\r\n\x1a\n\x00\xff"),
+        ("text/plain; charset=utf-8", "\x89PNG"),
+    ],
+)
+def test_body_decoding_by_content_type(
+    plane: FakePlane, inference_url: str, content_type: str | None, expected: Any
+) -> None:
+    body = expected.encode("utf-8") if isinstance(expected, str) else expected
+    headers = {"Content-Type": content_type} if content_type else {}
+    resp = requests.post(f"{inference_url}/predictions/digits", data=body, headers=headers, timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert plane.calls[0].data == {"body": expected}
+    assert type(plane.calls[0].data["body"]) is type(expected)
+
+
+def test_large_json_body_is_decoded(plane: FakePlane, inference_url: str) -> None:
+    rows = [[float(i)] * 64 for i in range(600)]  # ~300 KB: decoded off the event loop
+    body = json.dumps(rows).encode()
+    assert 256 * 1024 < len(body) < MAX_BODY
+    resp = requests.post(
+        f"{inference_url}/predictions/digits",
+        data=body,
+        headers={"Content-Type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert resp.status_code == 200
+    assert plane.calls[0].data["body"] == rows
+
+
+def test_multipart_form_like_torchserve(plane: FakePlane, inference_url: str) -> None:
+    png = bytes(range(256)) * 4 + b"\r\n--not-a-boundary\r\n\r\n"
+    resp = requests.post(
+        f"{inference_url}/predictions/digits",
+        files={
+            "data": ("digit.png", png, "image/png"),
+            "meta": ("meta.json", b'{"k": 1}', "application/json"),
+        },
+        data={"field": "v"},
+        timeout=TIMEOUT,
+    )
+    assert resp.status_code == 200, resp.text
+    assert plane.calls[0].data == {"data": png, "meta": {"k": 1}, "field": b"v"}
+
+
+def test_urlencoded_form_fields_are_bytes(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.post(f"{inference_url}/predictions/digits", data={"a": "1", "b": "é x"}, timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert plane.calls[0].data == {"a": b"1", "b": "é x".encode()}
+
+
+# -- predictions: rejected before queueing ---------------------------------------------------
+def test_malformed_json_is_400_before_infer(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.post(
+        f"{inference_url}/predictions/digits",
+        data=b'{"pixels": [1, 2,',
+        headers={"Content-Type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    body = assert_error(resp, 400, Code.INVALID_ARGUMENT)
+    assert "line 1 column" in body["message"]
+    assert re.fullmatch(r"[0-9a-f]{32}", resp.headers["x-request-id"])
+    assert plane.calls == []
+
+
+def test_invalid_utf8_text_is_400(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.post(
+        f"{inference_url}/predictions/digits",
+        data=b"ab\xff",
+        headers={"Content-Type": "text/plain"},
+        timeout=TIMEOUT,
+    )
+    assert "byte 2" in assert_error(resp, 400, Code.INVALID_ARGUMENT)["message"]
+    assert plane.calls == []
+
+
+def test_empty_body_is_400(plane: FakePlane, inference_url: str) -> None:
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"", timeout=TIMEOUT)
+    assert "empty body" in assert_error(resp, 400, Code.INVALID_ARGUMENT)["message"]
+    assert plane.calls == []
+
+
+def test_oversized_body_is_413_naming_the_limit(plane: FakePlane, inference_url: str) -> None:
+    before = count(plane, "digits", "1.0", "413")
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"x" * (MAX_BODY + 1), timeout=TIMEOUT)
+    assert str(MAX_BODY) in assert_error(resp, 413, Code.INVALID_ARGUMENT)["message"]
+    # Without Content-Length (chunked upload) the limit is enforced while reading.
+    chunks = (b"y" * 65536 for _ in range(MAX_BODY // 65536 + 1))
+    resp = requests.post(f"{inference_url}/predictions/digits", data=chunks, timeout=TIMEOUT)
+    assert_error(resp, 413, Code.INVALID_ARGUMENT)
+    assert plane.calls == []
+    assert count(plane, "digits", "1.0", "413") == before + 2
+    # The connection stays usable for the next request.
+    assert requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT).status_code == 200
+
+
+# -- predictions: answers and errors ------------------------------------------------------------
+def test_handler_error_status_and_body_pass_through(plane: FakePlane, inference_url: str) -> None:
+    async def bad_input(req: InferRequest) -> InferResult:
+        return InferResult(body=b'{"error": "expected 64 pixels"}', status=400)
+
+    plane.answer = bad_input
+    before = count(plane, "digits", "1.0", "400")
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"[1]", timeout=TIMEOUT)
+    assert resp.status_code == 400
+    assert resp.content == b'{"error": "expected 64 pixels"}'
+    assert resp.headers["content-type"] == "application/json"
+    assert count(plane, "digits", "1.0", "400") == before + 1
+
+
+def test_handler_content_type_and_headers_are_kept(plane: FakePlane, inference_url: str) -> None:
+    async def csv(req: InferRequest) -> InferResult:
+        return InferResult(
+            body=b"a,b\n1,2\n",
+            content_type="text/csv",
+            headers={"x-model-note": "hi", "content-length": "999"},
+        )
+
+    plane.answer = csv
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert resp.content == b"a,b\n1,2\n"
+    assert resp.headers["content-type"] == "text/csv"
+    assert resp.headers["x-model-note"] == "hi"
+    assert resp.headers["content-length"] == "8"
+
+
+def test_plain_answer_has_no_content_type_like_torchserve(plane: FakePlane, inference_url: str) -> None:
+    async def text(req: InferRequest) -> InferResult:
+        return InferResult(body=b"7")
+
+    plane.answer = text
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT)
+    assert resp.content == b"7"
+    assert "content-type" not in resp.headers
+
+
+def test_unknown_model_is_404_and_counted_as_unknown(plane: FakePlane, inference_url: str) -> None:
+    async def not_found(req: InferRequest) -> InferResult:
+        raise ServingError(Code.NOT_FOUND, f"model {req.model!r} is not served here")
+
+    plane.answer = not_found
+    before = count(plane, "unknown", "unknown", "404")
+    resp = requests.post(f"{inference_url}/predictions/no-such-model-xyz", data=b"1", timeout=TIMEOUT)
+    assert "no-such-model-xyz" in assert_error(resp, 404, Code.NOT_FOUND)["message"]
+    assert count(plane, "unknown", "unknown", "404") == before + 1
+
+
+def test_overload_is_503_with_retry_after(plane: FakePlane, inference_url: str) -> None:
+    async def full(req: InferRequest) -> InferResult:
+        raise ServingError(Code.RESOURCE_EXHAUSTED, "queue of digits is full (1024 items)")
+
+    plane.answer = full
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT)
+    assert (
+        assert_error(resp, 503, Code.RESOURCE_EXHAUSTED)["message"] == "queue of digits is full (1024 items)"
+    )
+    assert resp.headers["retry-after"] == str(RETRY_AFTER_SECONDS)
+
+
+def test_unexpected_exception_is_sanitized_500(plane: FakePlane, inference_url: str) -> None:
+    async def broken(req: InferRequest) -> InferResult:
+        raise RuntimeError("secret detail at /srv/secret.py")
+
+    plane.answer = broken
+    resp = requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT)
+    body = assert_error(resp, 500, Code.INTERNAL)
+    assert "secret" not in resp.text
+    assert "Traceback" not in resp.text
+    assert "server log" in body["message"]
+
+
+def test_client_disconnect_cancels_inference(plane: FakePlane, inference_url: str) -> None:
+    started = threading.Event()
+
+    async def hang(req: InferRequest) -> InferResult:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            plane.cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    plane.answer = hang
+    before = count(plane, "digits", "1.0", "499")
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=(TIMEOUT, 0.3))
+    assert started.is_set()
+    assert plane.cancelled.wait(TIMEOUT), "inference was not cancelled when the client went away"
+    deadline = time.monotonic() + TIMEOUT
+    while count(plane, "digits", "1.0", "499") == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert count(plane, "digits", "1.0", "499") == before + 1
+
+
+def test_unknown_route_and_method_are_json(plane: FakePlane, inference_url: str) -> None:
+    assert_error(requests.get(f"{inference_url}/nope", timeout=TIMEOUT), 404, Code.NOT_FOUND)
+    resp = requests.get(f"{inference_url}/predictions/digits", timeout=TIMEOUT)
+    assert resp.status_code == 405
+    assert resp.json()["code"] == 405
+
+
+# -- metrics ----------------------------------------------------------------------------------
+def test_metrics_expose_bounded_labels(plane: FakePlane, inference_url: str, metrics_url: str) -> None:
+    async def not_found(req: InferRequest) -> InferResult:
+        if req.model == "digits":
+            return InferResult(body=b"1")
+        raise ServingError(Code.NOT_FOUND, "not served")
+
+    plane.answer = not_found
+    requests.post(f"{inference_url}/predictions/digits", data=b"1", timeout=TIMEOUT)
+    requests.post(f"{inference_url}/predictions/attacker-chosen-label", data=b"1", timeout=TIMEOUT)
+    resp = requests.get(f"{metrics_url}/metrics", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    ok = 'mariner_requests_total{code="200",model="digits",protocol="torchserve-http",version="1.0"}'
+    unknown = (
+        'mariner_requests_total{code="404",model="unknown",protocol="torchserve-http",version="unknown"}'
+    )
+    assert re.search(re.escape(ok) + " [1-9]", text)
+    assert re.search(re.escape(unknown) + " [1-9]", text)
+    assert "mariner_request_duration_seconds_bucket" in text
+    assert "attacker-chosen-label" not in text
+
+
+# -- management -------------------------------------------------------------------------------
+def test_list_models_torchserve_shape_and_pages(plane: FakePlane, management_url: str) -> None:
+    resp = requests.get(f"{management_url}/models", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    assert resp.json() == {
+        "models": [
+            {"modelName": "digits", "modelUrl": "digits.mar"},
+            {"modelName": "other", "modelUrl": "other.mar"},
+        ]
+    }
+    page = requests.get(f"{management_url}/models?limit=1", timeout=TIMEOUT).json()
+    assert page == {"nextPageToken": "1", "models": [{"modelName": "digits", "modelUrl": "digits.mar"}]}
+    page = requests.get(f"{management_url}/models?limit=1&next_page_token=1", timeout=TIMEOUT).json()
+    assert page["models"] == [{"modelName": "other", "modelUrl": "other.mar"}]
+    # Malformed numbers fall back to the defaults, as in TorchServe.
+    page = requests.get(f"{management_url}/models?limit=abc&next_page_token=-4", timeout=TIMEOUT).json()
+    assert [m["modelName"] for m in page["models"]] == ["digits", "other"]
+
+
+def test_describe_model_torchserve_shape(plane: FakePlane, management_url: str) -> None:
+    resp = requests.get(f"{management_url}/models/digits", timeout=TIMEOUT)
+    assert resp.status_code == 200
+    (entry,) = resp.json()  # the default version only, like TorchServe
+    assert {k: entry[k] for k in ("modelName", "modelVersion", "modelUrl", "runtime")} == {
+        "modelName": "digits",
+        "modelVersion": "1.0",
+        "modelUrl": "digits.mar",
+        "runtime": "python",
+    }
+    assert (entry["minWorkers"], entry["maxWorkers"], entry["batchSize"]) == (1, 1, 8)
+    assert (entry["maxBatchDelay"], entry["responseTimeout"], entry["loadedAtStartup"]) == (5, 120, True)
+    (worker,) = entry["workers"]
+    assert worker["id"] == "digits-1.0-0"
+    assert worker["status"] == "READY"
+    assert worker["gpu"] is False
+    assert isinstance(worker["pid"], int)
+
+    every = requests.get(f"{management_url}/models/digits/all", timeout=TIMEOUT).json()
+    assert [e["modelVersion"] for e in every] == ["1.0", "2.0"]
+    (v2,) = requests.get(f"{management_url}/models/digits/2.0", timeout=TIMEOUT).json()
+    assert v2["workers"][0]["gpu"] is True
+    assert (v2["deviceType"], v2["deviceIds"]) == ("gpu", [1])
+
+    assert_error(requests.get(f"{management_url}/models/nope", timeout=TIMEOUT), 404, Code.NOT_FOUND)
+
+
+def test_changes_are_refused_unless_management_is_enabled(plane: FakePlane, management_url: str) -> None:
+    for method, path in [
+        ("POST", "/models?url=digits.mar"),
+        ("DELETE", "/models/digits"),
+        ("DELETE", "/models/digits/2.0"),
+        ("PUT", "/models/digits?min_worker=2"),
+        ("PUT", "/models/digits/2.0/set-default"),
+    ]:
+        resp = requests.request(method, f"{management_url}{path}", timeout=TIMEOUT)
+        assert "enable-model-management" in assert_error(resp, 403, Code.PERMISSION_DENIED)["message"]
+    assert plane.management_calls == []
+
+
+def test_register_from_url_is_always_refused(plane: FakePlane, management_url: str) -> None:
+    plane.management_enabled = True
+    for url in ["https://example.com/digits.mar", "file:///etc/passwd", "s3://bucket/x.mar"]:
+        resp = requests.post(f"{management_url}/models", params={"url": url}, timeout=TIMEOUT)
+        assert "model store" in assert_error(resp, 403, Code.PERMISSION_DENIED)["message"]
+    resp = requests.post(f"{management_url}/models", json={"url": "http://x/y.mar"}, timeout=TIMEOUT)
+    assert_error(resp, 403, Code.PERMISSION_DENIED)
+    assert plane.management_calls == []
+
+
+def test_register_when_enabled(plane: FakePlane, management_url: str) -> None:
+    plane.management_enabled = True
+    resp = requests.post(
+        f"{management_url}/models",
+        params={"url": "fresh.mar", "batch_size": "4", "max_batch_delay": "10", "initial_workers": "2"},
+        timeout=TIMEOUT,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"status": 'Model "fresh" Version: 3.0 registered with 1 initial workers'}
+    assert plane.management_calls == [
+        (
+            "register",
+            "fresh.mar",
+            {"batch_size": 4, "max_batch_delay_ms": 10.0, "min_workers": 2, "max_workers": 2},
+        )
+    ]
+    (entry,) = requests.get(f"{management_url}/models/fresh", timeout=TIMEOUT).json()
+    assert entry["loadedAtStartup"] is False
+
+    resp = requests.post(
+        f"{management_url}/models", params={"url": "x.mar", "handler": "h.py"}, timeout=TIMEOUT
+    )
+    assert "handler" in assert_error(resp, 400, Code.INVALID_ARGUMENT)["message"]
+    resp = requests.post(
+        f"{management_url}/models", params={"url": "x.mar", "batch_size": "two"}, timeout=TIMEOUT
+    )
+    assert_error(resp, 400, Code.INVALID_ARGUMENT)
+    assert_error(requests.post(f"{management_url}/models", timeout=TIMEOUT), 400, Code.INVALID_ARGUMENT)
+
+
+def test_scale_unregister_set_default_when_enabled(plane: FakePlane, management_url: str) -> None:
+    plane.management_enabled = True
+    resp = requests.put(f"{management_url}/models/digits?min_worker=2&max_worker=3", timeout=TIMEOUT)
+    assert resp.json() == {"status": "Workers scaled to 2 for model: digits"}
+    resp = requests.put(f"{management_url}/models/digits?min_worker=3&max_worker=2", timeout=TIMEOUT)
+    assert_error(resp, 400, Code.INVALID_ARGUMENT)
+    resp = requests.put(f"{management_url}/models/digits/2.0/set-default", timeout=TIMEOUT)
+    assert resp.json() == {"status": 'Default version successfully updated for model "digits" to "2.0"'}
+    resp = requests.delete(f"{management_url}/models/digits/2.0", timeout=TIMEOUT)
+    assert resp.json() == {"status": 'Model "digits" unregistered'}
+    assert plane.management_calls == [
+        ("scale", "digits", None, 2, 3),
+        ("set_default", "digits", "2.0"),
+        ("unregister", "digits", "2.0"),
+    ]
+
+
+def test_management_internal_error_is_sanitized(plane: FakePlane, management_url: str) -> None:
+    def explode() -> list[ModelInfo]:
+        raise RuntimeError("secret")
+
+    plane.models = explode  # type: ignore[method-assign]
+    try:
+        resp = requests.get(f"{management_url}/models", timeout=TIMEOUT)
+    finally:
+        del plane.models
+    assert_error(resp, 500, Code.INTERNAL)
+    assert "secret" not in resp.text
