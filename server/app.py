@@ -112,12 +112,15 @@ class MarinerServer:
         http_ports = [s.servers[0].sockets[0].getsockname()[1] for s in self._http]
         self.ports = BoundPorts(*http_ports, self.grpc.inference_port, self.grpc.management_port)
         log.info("listening %s", self.ports)
+        # Archives are checked and unpacked now, so health already names every model
+        # (NOT_SERVING) while the slow part, initialising handlers, happens in load().
+        pinned = pinned_digests(self.cfg.model_store) if self.cfg.pin_index else None
+        self.dataplane.open_models(model_specs(self.cfg, pinned))
+        await self.grpc.refresh_health()
         return self.ports
 
     async def load(self) -> None:
-        pinned = pinned_digests(self.cfg.model_store) if self.cfg.pin_index else None
-        specs = model_specs(self.cfg, pinned)
-        await self.dataplane.load_models(specs)
+        await self.dataplane.load_models()
         await self.grpc.refresh_health()
         ready = [f"{m.name}:{m.version}" for m in self.dataplane.models() if m.state.value == "READY"]
         log.info("models ready: %s (all ready: %s)", ", ".join(ready) or "none", self.dataplane.is_ready())
@@ -130,6 +133,11 @@ class MarinerServer:
         self.dataplane.start_draining()
         await self.grpc.set_not_serving()
         await self.dataplane.close(self.cfg.grace_seconds)
+        dp = self.dataplane
+        log.info("drained: accepted=%d answered=%d ok=%d", dp.accepted, dp.answered, dp.answered_ok)
+        # Keep listening a moment, answering UNAVAILABLE: a call that reaches grpc core while the
+        # server is stopping would otherwise be CANCELLED, which clients do not retry elsewhere.
+        await asyncio.sleep(min(self.cfg.refuse_seconds, self.cfg.grace_seconds))
         for srv in self._http:
             srv.should_exit = True
         await self.grpc.stop(grace=2.0)

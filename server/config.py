@@ -42,6 +42,7 @@ class ServerConfig:
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
     grace_seconds: float = 30.0
+    refuse_seconds: float = 1.0
     slo_ms: float = 25.0
     enable_model_management: bool = False
     log_level: str = "INFO"
@@ -68,6 +69,7 @@ _HELP = {
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
+    "refuse_seconds": "after draining, keep refusing new calls with UNAVAILABLE this long before closing",
     "slo_ms": "p99 latency SLO: histogram buckets are dense around it",
     "enable_model_management": "allow register/unregister/scale (archives from the model store only)",
     "log_level": "DEBUG, INFO, WARNING, ERROR",

@@ -198,13 +198,26 @@ class DataPlane:
         self._defaults: dict[str, str] = {}
         self._expected: list[ModelSpec] = []
         self.draining = False
-        self._started = time.monotonic()
+        # Accounting for the shutdown proof: every accepted request must be answered.
+        self.accepted = 0
+        self.answered = 0
+        self.answered_ok = 0
+        self._inflight = 0
+        self._idle: asyncio.Event | None = None
 
     # -- loading --------------------------------------------------------------------------
-    async def load_models(self, specs: Sequence[ModelSpec]) -> None:
-        """Unpack every archive, then initialise all models concurrently (each on its own threads)."""
+    def open_models(self, specs: Sequence[ModelSpec]) -> None:
+        """Check and unpack every archive; the models are then known (health NOT_SERVING) but LOADING."""
         self._expected.extend(specs)
-        endpoints = [self._open(spec) for spec in specs]
+        for spec in specs:
+            self._open(spec)
+
+    async def load_models(self, specs: Sequence[ModelSpec] = ()) -> None:
+        """Open `specs` (if any), then initialise every LOADING model concurrently."""
+        self.open_models(specs)
+        endpoints = [
+            ep for v in self._endpoints.values() for ep in v.values() if ep.state is ModelState.LOADING
+        ]
         results = await asyncio.gather(*(ep.load() for ep in endpoints), return_exceptions=True)
         for ep, res in zip(endpoints, results, strict=True):
             if isinstance(res, BaseException):
@@ -291,7 +304,19 @@ class DataPlane:
     async def infer(self, req: InferRequest) -> InferResult:
         if self.draining:
             raise ServingError(Code.UNAVAILABLE, "server is shutting down; retry on another replica")
-        return await self.resolve(req.model, req.version).infer(req)
+        ep = self.resolve(req.model, req.version)
+        self.accepted += 1
+        self._inflight += 1
+        try:
+            result = await ep.infer(req)
+        finally:
+            self.answered += 1
+            self._inflight -= 1
+            if self._inflight == 0 and self._idle is not None:
+                self._idle.set()
+        if result.status == 200:
+            self.answered_ok += 1
+        return result
 
     # -- management -----------------------------------------------------------------------
     def _require_management(self, what: str) -> None:
@@ -341,5 +366,15 @@ class DataPlane:
     async def close(self, grace: float) -> None:
         """Finish accepted requests within `grace` seconds, then stop every runner."""
         self.draining = True
+        deadline = time.monotonic() + grace
+        if self._inflight:
+            # Wait for every accepted request (queued, running, or between admission and the
+            # batcher) to be answered before the batchers close.
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace)
+            except TimeoutError:
+                log.error("grace period over with %d requests still in flight", self._inflight)
         eps = [ep for v in self._endpoints.values() for ep in v.values()]
-        await asyncio.gather(*(ep.close(grace) for ep in eps))
+        left = max(0.0, deadline - time.monotonic())
+        await asyncio.gather(*(ep.close(left) for ep in eps))

@@ -1,0 +1,234 @@
+"""Mariner with the real archives from the pipeline, on port 0, over real gRPC and HTTP.
+
+One in-process server loads every variant; clients are `requests` and stubs generated from our
+proto/. Answers are judged against the eager model; batching is read from /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import requests
+
+from server import protogen
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = pytest.mark.integration
+
+FP32 = ["digits_torchscript", "digits_onnx", "digits_aoti", "digits_eager", "digits_compiled"]
+INT8 = ["digits_int8_dynamic", "digits_int8_pt2e"]
+SAMPLES = 6
+MAX_REQUEST = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def pb() -> SimpleNamespace:
+    protogen.generate()
+    return SimpleNamespace(
+        inference=importlib.import_module("server._proto.torchserve.inference_pb2"),
+        inference_grpc=importlib.import_module("server._proto.torchserve.inference_pb2_grpc"),
+    )
+
+
+@pytest.fixture(scope="module")
+def mariner(model_store: Path) -> Iterator[InProcessMariner]:
+    models = ",".join(f"{m}.mar" for m in FP32 + INT8)
+    srv = InProcessMariner(model_store, models, max_request_bytes=MAX_REQUEST).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(mariner: InProcessMariner, pb: SimpleNamespace) -> Iterator[object]:
+    with grpc.insecure_channel(mariner.grpc_target) as channel:
+        yield pb.inference_grpc.InferenceAPIsServiceStub(channel)
+
+
+def _body(pixels: np.ndarray) -> bytes:
+    return json.dumps([float(v) for v in pixels]).encode()
+
+
+def _check_answer(answer: dict, expected_probs: np.ndarray, model: str) -> None:
+    assert answer["label"] == int(expected_probs.argmax())
+    if model in FP32:
+        for entry in answer["topk"]:
+            assert entry["probability"] == pytest.approx(float(expected_probs[entry["label"]]), abs=1e-4)
+
+
+@pytest.mark.parametrize("model", FP32 + INT8)
+def test_http_predictions_match_eager(mariner: InProcessMariner, eager_reference, model: str) -> None:
+    pixels = eager_reference.test_pixels[:SAMPLES]
+    probs = eager_reference.probabilities(pixels)
+    for px, p in zip(pixels, probs, strict=True):
+        r = requests.post(
+            f"{mariner.http}/predictions/{model}",
+            data=_body(px),
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 200, r.text
+        _check_answer(r.json(), p, model)
+
+
+@pytest.mark.parametrize("model", FP32 + INT8)
+def test_grpc_predictions_match_eager(stub, pb, eager_reference, model: str) -> None:
+    pixels = eager_reference.test_pixels[SAMPLES : 2 * SAMPLES]
+    probs = eager_reference.probabilities(pixels)
+    for px, p in zip(pixels, probs, strict=True):
+        reply = stub.Predictions(pb.inference.PredictionsRequest(model_name=model, input={"data": _body(px)}))
+        _check_answer(json.loads(reply.prediction), p, model)
+
+
+def test_versioned_path_serves_the_default_version(mariner: InProcessMariner, eager_reference) -> None:
+    px = eager_reference.test_pixels[0]
+    r = requests.post(f"{mariner.http}/predictions/digits_torchscript/1.0", json=[float(v) for v in px])
+    assert r.status_code == 200
+    assert r.json()["label"] == int(eager_reference.probabilities(px).argmax())
+
+
+def _metric(text: str, name: str, model: str) -> float:
+    pattern = rf'^{name}\{{model="{model}",version="1.0"\}} (\S+)$'
+    m = re.search(pattern, text, re.MULTILINE)
+    assert m, f"{name} for {model} not in /metrics"
+    return float(m.group(1))
+
+
+def test_64_concurrent_requests_are_batched(mariner: InProcessMariner, pb, eager_reference) -> None:
+    model = "digits_torchscript"
+    before = requests.get(f"{mariner.metrics}/metrics").text
+    pixels = eager_reference.test_pixels[:64]
+    expected = eager_reference.probabilities(pixels).argmax(1)
+
+    async def fire() -> list[int]:
+        async with grpc.aio.insecure_channel(mariner.grpc_target) as ch:
+            s = pb.inference_grpc.InferenceAPIsServiceStub(ch)
+            replies = await asyncio.gather(
+                *(
+                    s.Predictions(
+                        pb.inference.PredictionsRequest(model_name=model, input={"data": _body(px)})
+                    )
+                    for px in pixels
+                )
+            )
+        return [json.loads(r.prediction)["label"] for r in replies]
+
+    labels = asyncio.run(fire())
+    assert labels == expected.tolist()
+    after = requests.get(f"{mariner.metrics}/metrics").text
+    batches = _metric(after, "mariner_batch_size_count", model) - _metric(
+        before, "mariner_batch_size_count", model
+    )
+    items = _metric(after, "mariner_batch_size_sum", model) - _metric(before, "mariner_batch_size_sum", model)
+    assert items == 64
+    assert batches < 64, "64 concurrent requests should share handler calls"
+
+
+# -- errors: the codes in DESIGN.md, with messages that say what was wrong ------------------------
+
+
+def test_http_errors(mariner: InProcessMariner) -> None:
+    url = f"{mariner.http}/predictions"
+    json_hdr = {"Content-Type": "application/json"}
+    r = requests.post(f"{url}/digits_torchscript", data=b"[1, 2,", headers=json_hdr)
+    assert r.status_code == 400
+    assert "JSON" in r.json()["message"]
+    r = requests.post(f"{url}/digits_torchscript", data=b"[1, 2, 3]", headers=json_hdr)
+    assert r.status_code == 400
+    assert "64" in r.text
+    r = requests.post(f"{url}/digits_torchscript", data=b"", headers=json_hdr)
+    assert r.status_code == 400
+    assert "empty" in r.text.lower()
+    r = requests.post(f"{url}/no_such_model", data=b"[1]", headers=json_hdr)
+    assert r.status_code == 404
+    assert "no_such_model" in r.json()["message"]
+    r = requests.post(f"{url}/digits_torchscript/9.9", data=b"[1]", headers=json_hdr)
+    assert r.status_code == 404
+    assert "9.9" in r.json()["message"]
+    r = requests.post(f"{url}/digits_torchscript", data=b"0" * (MAX_REQUEST + 1), headers=json_hdr)
+    assert r.status_code == 413
+    assert str(MAX_REQUEST) in r.text
+
+
+def _grpc_error(stub, pb, model: str, data: bytes, version: str = "") -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Predictions(
+            pb.inference.PredictionsRequest(model_name=model, model_version=version, input={"data": data})
+        )
+    return info.value
+
+
+def test_grpc_errors(stub, pb) -> None:
+    err = _grpc_error(stub, pb, "digits_torchscript", b"[1, 2,")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "JSON" in err.details()
+    err = _grpc_error(stub, pb, "digits_torchscript", b"[1, 2, 3]")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "64" in err.details()
+    err = _grpc_error(stub, pb, "digits_torchscript", b"")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "empty" in err.details().lower()
+    err = _grpc_error(stub, pb, "no_such_model", b"[1]")
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    err = _grpc_error(stub, pb, "digits_torchscript", b"[1]", version="9.9")
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    err = _grpc_error(stub, pb, "digits_torchscript", b"0" * (MAX_REQUEST + 1))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb, eager_reference) -> None:
+    pixels = eager_reference.test_pixels[:15]
+    expected = eager_reference.probabilities(pixels).argmax(1).tolist()
+    bodies = [_body(px) for px in pixels]
+    bodies.insert(7, b"[1, 2, 3]")
+
+    async def fire() -> list[object]:
+        async with grpc.aio.insecure_channel(mariner.grpc_target) as ch:
+            s = pb.inference_grpc.InferenceAPIsServiceStub(ch)
+            calls = [
+                s.Predictions(pb.inference.PredictionsRequest(model_name="digits_onnx", input={"data": b}))
+                for b in bodies
+            ]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    out = asyncio.run(fire())
+    bad = out.pop(7)
+    assert isinstance(bad, grpc.aio.AioRpcError)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [json.loads(r.prediction)["label"] for r in out] == expected
+
+
+# -- readiness -----------------------------------------------------------------------------------
+
+
+def test_health_is_serving_only_after_load(model_store: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = InProcessMariner(model_store, "digits_torchscript.mar").start(load=False)
+    try:
+        with grpc.insecure_channel(srv.grpc_target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+
+            def status(service: str) -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service=service)).status
+
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status("digits_torchscript") == not_serving
+            assert status("") == not_serving
+            assert requests.get(f"{srv.http}/readyz").status_code == 503
+            assert requests.get(f"{srv.http}/healthz").status_code == 200
+            srv.load()
+            assert status("digits_torchscript") == health_pb2.HealthCheckResponse.SERVING
+            assert status("") == health_pb2.HealthCheckResponse.SERVING
+            assert requests.get(f"{srv.http}/readyz").status_code == 200
+    finally:
+        srv.stop()
