@@ -1,0 +1,69 @@
+"""Shared fixtures: the built model store and the eager model every served variant is judged by.
+
+Heavy imports (torch, the training package) happen inside the fixtures, so collecting unit tests
+that need none of this stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILD_HINT = "run `make models` first"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def model_store() -> Path:
+    """model_store/ as `make models` leaves it; fails (not skips) when missing, saying how to build it."""
+    store = REPO_ROOT / "model_store"
+    if not (store / "index.json").is_file():
+        pytest.fail(f"{store / 'index.json'} is missing: {BUILD_HINT}")
+    return store
+
+
+@dataclass(frozen=True)
+class EagerReference:
+    """The trained eager model and the held-out test split, i.e. the answers a server must give."""
+
+    model: Any  # training.model.DigitsCNN in eval mode
+    norm: Any  # training.data.NormStats the archives were packaged with
+    test_pixels: np.ndarray  # (N, 64) raw intensities 0..16, float32
+    test_labels: np.ndarray  # (N,) true digits
+
+    def probabilities(self, pixels: np.ndarray) -> np.ndarray:
+        """(N, 64) or (64,) raw pixels -> (N, 10) float32 softmax, computed as the handler does."""
+        import torch
+
+        from training.data import to_model_input
+
+        with torch.inference_mode():
+            logits = self.model(to_model_input(np.atleast_2d(pixels), self.norm))
+        return torch.softmax(logits.float(), dim=1).numpy()
+
+
+@pytest.fixture(scope="session")
+def eager_reference(model_store: Path) -> EagerReference:
+    checkpoint = REPO_ROOT / "build" / "train" / "best.pt"
+    if not checkpoint.is_file():
+        pytest.fail(f"{checkpoint} is missing: {BUILD_HINT}")
+    from training.data import load_splits
+    from training.export import load_eager
+
+    model, _ = load_eager(checkpoint)
+    splits = load_splits()
+    return EagerReference(
+        model=model,
+        norm=splits.norm,
+        test_pixels=np.asarray(splits.test.x, dtype=np.float32),
+        test_labels=np.asarray(splits.test.y),
+    )
