@@ -194,3 +194,59 @@ def test_png_image_is_accepted(torchserve: StockTorchServe, eager_reference: Eag
     # The handler sees the 8-bit quantised intensities, so judge it against exactly those.
     decoded = gray.reshape(64).astype(np.float32) * (16.0 / 255.0)
     assert_matches_eager(r.json(), eager_reference.probabilities(decoded)[0])
+
+
+# -- Mariner vs the oracle: same archive, same requests, same bytes --------------------------------
+
+
+@pytest.fixture(scope="module")
+def mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
+    from tests.integration.mariner_inproc import InProcessMariner
+
+    srv = InProcessMariner(model_store, ",".join(f"{m}.mar" for m in (*FP32, *INT8))).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _grpc_predict(target: str, model: str, data: bytes) -> bytes:
+    import grpc
+
+    from server import protogen
+
+    protogen.generate()
+    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)
+        return stub.Predictions(inference_pb2.PredictionsRequest(model_name=model, input={"data": data})).prediction
+
+
+@pytest.mark.parametrize("model", (*FP32, *INT8))
+def test_mariner_returns_the_same_bytes_as_torchserve(
+    torchserve: StockTorchServe, mariner: Any, eager_reference: EagerReference, model: str
+) -> None:
+    """Our gRPC client is built from our proto/, so equal answers from TorchServe also prove the
+    proto is wire-compatible with TorchServe's."""
+    import json
+
+    for px in eager_reference.test_pixels[:8]:
+        body = json.dumps([float(v) for v in px]).encode()
+        hdr = {"Content-Type": "application/json"}
+        ts_http = requests.post(f"{torchserve.base_url}/predictions/{model}", data=body, headers=hdr, timeout=30)
+        ours_http = requests.post(f"{mariner.http}/predictions/{model}", data=body, headers=hdr, timeout=30)
+        assert ts_http.status_code == ours_http.status_code == 200
+        assert ours_http.content == ts_http.content
+        ts_grpc = _grpc_predict(torchserve.grpc_inference_target, model, body)
+        ours_grpc = _grpc_predict(mariner.grpc_target, model, body)
+        assert ours_grpc == ts_grpc == ts_http.content
+
+
+def test_mariner_bad_request_matches_torchserve(torchserve: StockTorchServe, mariner: Any) -> None:
+    bad = b"[1, 2, 3]"
+    hdr = {"Content-Type": "application/json"}
+    ts = requests.post(f"{torchserve.base_url}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
+    ours = requests.post(f"{mariner.http}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
+    assert ts.status_code == ours.status_code == 400
+    assert ours.content == ts.content
