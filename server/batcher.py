@@ -4,8 +4,11 @@ Semantics (DESIGN.md):
 - Every request gets a future; the dispatcher wakes on arrival.
 - When an instance is idle, whatever is queued is dispatched at once (up to max_batch_size
   items). While all instances are busy, arrivals accumulate, so the next batch is as full as
-  the load makes it. `max_batch_delay` > 0 additionally waits up to that long (measured from the
-  oldest queued request, with time.monotonic) to fill a batch, for users who ask for it.
+  the load makes it. `max_batch_delay` > 0 (TorchServe's maxBatchDelay) is an upper bound on
+  waiting to fill a batch, measured from the oldest queued request with time.monotonic, and
+  applies only while another instance of the model is computing: a model that is entirely
+  idle never holds a request back. (TorchServe waits maxBatchDelay even when idle, which is
+  pure added latency at low load.)
 - The queue is bounded: a full queue rejects at once with RESOURCE_EXHAUSTED.
 - Requests whose deadline passed, or whose caller went away (future cancelled), are dropped
   before they reach the device.
@@ -101,6 +104,7 @@ class Batcher:
         for r in self._runners:
             self._idle.put_nowait(r)
         self._inflight: set[asyncio.Task[None]] = set()
+        self._busy = 0  # batches running now; changes together with the idle-runner queue
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -145,6 +149,7 @@ class Batcher:
     async def close(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish queued and in-flight ones (within `timeout`), stop."""
         self._closed = True
+        self._arrival.set()  # a dispatcher waiting to fill a batch dispatches it now
         deadline = None if timeout is None else self._clock() + timeout
         while self._queue or self._inflight:
             remaining = None if deadline is None else deadline - self._clock()
@@ -208,54 +213,67 @@ class Batcher:
             while not self._queue:
                 await self._wait_arrival(None)
             runner = await self._idle.get()
+            # Wait to fill only while another instance is computing: then the model is busy and
+            # requests keep arriving. With every instance idle, waiting would only add latency
+            # (requests that arrive during compute are batched anyway): no idle wait. Waiting
+            # happens with the requests still in the queue, so deadlines, cancellations and
+            # close() see them, and dead ones are dropped at the moment the batch is taken.
+            if self.policy.max_batch_delay_s > 0 and self._busy and self._queue and not self._closed:
+                fill_by = self._queue[0].enqueued + self.policy.max_batch_delay_s
+                while (
+                    self._queued_items < max_items
+                    and self._busy
+                    and not self._closed
+                    and (left := fill_by - self._clock()) > 0
+                ):
+                    await self._wait_arrival(left)
             batch = self._take(max_items)
-            if self.policy.max_batch_delay_s > 0 and batch:
-                items = sum(p.req.items for p in batch)
-                fill_by = batch[0].enqueued + self.policy.max_batch_delay_s
-                while items < max_items and (left := fill_by - self._clock()) > 0:
-                    if not self._queue and not await self._wait_arrival(left):
-                        break
-                    more = self._take(max_items - items)
-                    if not more and self._queue:
-                        break  # the next request does not fit this batch
-                    batch.extend(more)
-                    items += sum(p.req.items for p in more)
             if not batch:
                 self._idle.put_nowait(runner)
                 continue
+            self._busy += 1
             task = asyncio.get_running_loop().create_task(self._run(runner, batch))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
+    def _fail(self, batch: list[_Pending], err: ServingError) -> None:
+        for p in batch:
+            if not p.future.done():
+                p.future.set_exception(err)
+
     async def _run(self, runner: BatchRunner, batch: list[_Pending]) -> None:
+        started = self._clock()
         try:
-            started = self._clock()
             self._observer.batch_started(
                 sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
             )
-            try:
-                results = await runner.run(
-                    [p.req.data for p in batch],
-                    [p.req.request_id for p in batch],
-                    [p.req.headers for p in batch],
+            results = await runner.run(
+                [p.req.data for p in batch],
+                [p.req.request_id for p in batch],
+                [p.req.headers for p in batch],
+            )
+            if len(results) != len(batch):
+                log.error(
+                    "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
                 )
-                if len(results) != len(batch):
-                    log.error(
-                        "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
-                    )
-                    raise internal("matching results to requests")
-            except Exception as exc:
-                err = exc if isinstance(exc, ServingError) else internal("running the batch")
-                if not isinstance(exc, ServingError):
-                    log.exception("runner %s failed a batch of %d", runner.id, len(batch))
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(err)
-                return
-            finally:
-                self._observer.batch_finished(self._clock() - started)
+                raise internal("matching results to requests")
+        except ServingError as exc:
+            self._fail(batch, exc)
+        except asyncio.CancelledError:
+            # The instance (or this task) stopped mid-batch: answer the callers, then stop.
+            self._fail(batch, ServingError(Code.UNAVAILABLE, "the model instance stopped before answering"))
+            raise
+        except Exception:
+            log.exception("runner %s failed a batch of %d", runner.id, len(batch))
+            self._fail(batch, internal("running the batch"))
+        else:
             for p, r in zip(batch, results, strict=True):
                 if not p.future.done():
                     p.future.set_result(r)
         finally:
+            self._observer.batch_finished(self._clock() - started)
+            # Busy count and idle queue change together, so the dispatcher never mistakes a
+            # finished batch for another instance still computing.
+            self._busy -= 1
             self._idle.put_nowait(runner)
+            self._arrival.set()
