@@ -7,7 +7,6 @@ Used by the benchmarks to show how much of a request's latency is the transport 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
