@@ -125,7 +125,7 @@ class MarinerServer:
         ready = [f"{m.name}:{m.version}" for m in self.dataplane.models() if m.state.value == "READY"]
         log.info("models ready: %s (all ready: %s)", ", ".join(ready) or "none", self.dataplane.is_ready())
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, *, refuse: bool = True) -> None:
         """Ordered drain: not-ready, refuse new calls, finish accepted ones, stop listeners."""
         if self.dataplane.draining:
             return
@@ -137,7 +137,8 @@ class MarinerServer:
         log.info("drained: accepted=%d answered=%d ok=%d", dp.accepted, dp.answered, dp.answered_ok)
         # Keep listening a moment, answering UNAVAILABLE: a call that reaches grpc core while the
         # server is stopping would otherwise be CANCELLED, which clients do not retry elsewhere.
-        await asyncio.sleep(min(self.cfg.refuse_seconds, self.cfg.grace_seconds))
+        if refuse:
+            await asyncio.sleep(min(self.cfg.refuse_seconds, self.cfg.grace_seconds))
         for srv in self._http:
             srv.should_exit = True
         await self.grpc.stop(grace=2.0)
@@ -154,7 +155,11 @@ async def run(cfg: ServerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        await server.shutdown(refuse=False)  # release whatever listeners did start
+        raise
     loader = asyncio.create_task(server.load())
     await stop.wait()
     if not loader.done():

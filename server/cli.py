@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -10,16 +11,27 @@ from collections.abc import Sequence
 def _serve(argv: Sequence[str]) -> int:
     from server.app import run
     from server.config import load_config
+    from server.errors import ServingError
     from server.logs import setup_logging
 
-    cfg = load_config(argv)
+    try:
+        cfg = load_config(argv)
+    except (ValueError, OSError) as exc:
+        print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
+        return 2
     setup_logging(cfg.log_level)
     try:
         import uvloop
 
-        return uvloop.run(run(cfg))
+        runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        return asyncio.run(run(cfg))
+        runner = asyncio.run
+    try:
+        return runner(run(cfg))
+    except (ServingError, OSError) as exc:
+        # Start-up failures (missing archive, port in use) are the user's to fix: say what, no traceback.
+        logging.getLogger("mariner").error("cannot start: %s", getattr(exc, "message", exc))
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
