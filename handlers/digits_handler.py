@@ -129,6 +129,20 @@ def _pixels_from_array(value: Any) -> np.ndarray:
     return arr.reshape(PIXELS)
 
 
+def _pixels_from_tensor(tensors: Any) -> np.ndarray:
+    """An OIP request's `pixels` input, [N, 64] (or [N, 8, 8]), as (N, 64) float32 rows."""
+    if not isinstance(tensors, dict) or "pixels" not in tensors:
+        raise ValueError("a tensor request must carry the input 'pixels' [N, 64] FP32")
+    arr = np.asarray(tensors["pixels"], dtype=np.float32)
+    if arr.ndim not in (2, 3) or arr.shape[1:] not in ((PIXELS,), (SIDE, SIDE)) or len(arr) == 0:
+        raise ValueError(f"input 'pixels' must be [N, 64] or [N, 8, 8] with N >= 1, got {list(arr.shape)}")
+    if not np.isfinite(arr).all():
+        raise ValueError("input 'pixels' must be finite numbers (no NaN or Infinity)")
+    if arr.min() < 0.0 or arr.max() > PIXEL_MAX:
+        raise ValueError(f"pixel intensities must be in [0, 16], got min {arr.min():g} and max {arr.max():g}")
+    return arr.reshape(len(arr), PIXELS)
+
+
 def decode_item(row: Any) -> np.ndarray:
     """One request -> 64 raw pixel intensities in 0..16; ValueError says what was wrong."""
     payload = row
@@ -202,26 +216,50 @@ class DigitsHandler:
         )
 
     def handle(self, data: list[Any], context: Any) -> list[Any]:
+        """One forward pass for the whole batch; rows are split back per request, in order.
+
+        A request is either one image (JSON / bytes / an image, answered with top-k JSON) or, on
+        Mariner's Open Inference Protocol path, `{"tensors": {"pixels": array [N, 64]}}`,
+        answered with `{"tensors": {"logits", "probabilities", "label"}}` as arrays (no JSON).
+        """
         results: list[Any] = [None] * len(data)
-        good_idx: list[int] = []
-        good_rows: list[np.ndarray] = []
+        spans: list[tuple[int, int, int, bool]] = []  # (request index, first row, end row, tensor?)
+        rows: list[np.ndarray] = []
+        n = 0
         for i, row in enumerate(data):
             try:
-                good_rows.append(decode_item(row))
-                good_idx.append(i)
+                is_tensor = isinstance(row, dict) and "tensors" in row
+                block = _pixels_from_tensor(row["tensors"]) if is_tensor else decode_item(row)[None, :]
             except ValueError as exc:
                 results[i] = {"error": str(exc), "code": 400}
                 setter = getattr(context, "set_response_status", None)
                 if setter is not None:
                     setter(400, str(exc), idx=i)
-        if good_rows:
-            probs, idx = self.predict_topk(np.stack(good_rows))
-            for slot, p_row, i_row in zip(good_idx, probs, idx, strict=True):
+                continue
+            rows.append(block)
+            spans.append((i, n, n + len(block), is_tensor))
+            n += len(block)
+        if not rows:
+            return results
+        logits = self.logits(self.normalise(np.concatenate(rows)))
+        probs = torch.softmax(logits, dim=1)
+        top_p, top_i = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+        logits_np, probs_np, top_p, top_i = logits.numpy(), probs.numpy(), top_p.numpy(), top_i.numpy()
+        for slot, a, b, is_tensor in spans:
+            if is_tensor:
                 results[slot] = {
-                    "label": int(i_row[0]),
+                    "tensors": {
+                        "logits": logits_np[a:b],
+                        "probabilities": probs_np[a:b],
+                        "label": top_i[a:b, 0].astype(np.int64),
+                    }
+                }
+            else:
+                results[slot] = {
+                    "label": int(top_i[a, 0]),
                     "topk": [
                         {"label": int(c), "probability": round(float(p), 6)}
-                        for c, p in zip(i_row, p_row, strict=True)
+                        for c, p in zip(top_i[a], top_p[a], strict=True)
                     ],
                 }
         return results

@@ -151,7 +151,7 @@ class Batcher:
         self._closed = True
         self._arrival.set()  # a dispatcher waiting to fill a batch dispatches it now
         deadline = None if timeout is None else self._clock() + timeout
-        while self._queue or self._inflight:
+        while self._task is not None and (self._queue or self._inflight):
             remaining = None if deadline is None else deadline - self._clock()
             if remaining is not None and remaining <= 0:
                 break
@@ -188,6 +188,16 @@ class Batcher:
                 )
                 continue
             if items + p.req.items > budget:
+                if not batch and p.req.items > self.policy.max_batch_size:
+                    # Could never run (submit() normally refuses it): fail it rather than spin.
+                    self._pop()
+                    p.future.set_exception(
+                        ServingError(
+                            Code.INVALID_ARGUMENT,
+                            f"request has {p.req.items} rows; max batch size is {self.policy.max_batch_size}",
+                        )
+                    )
+                    continue
                 break
             self._pop()
             batch.append(p)

@@ -21,6 +21,7 @@ from server.batcher import Batcher, BatchPolicy
 from server.errors import Code, ServingError
 from server.metrics import Metrics
 from server.runner import Runner, place_instances
+from server.tensors import ModelSignature
 from server.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
 log = logging.getLogger("mariner.dataplane")
@@ -106,6 +107,11 @@ class ModelEndpoint:
         self.max_queue = spec.max_queue or settings.default_max_queue
         self.state = ModelState.LOADING
         self.load_seconds: float | None = None
+        try:
+            self.signature = ModelSignature.from_config(cfg.get("signature"))
+        except (ValueError, KeyError, TypeError) as exc:
+            msg = f"archive {archive.path.name}: bad signature: {exc}"
+            raise ServingError(Code.INVALID_ARGUMENT, msg) from exc
         placements = place_instances(
             self.min_workers, device_type=cfg.get("deviceType"), torch_threads=settings.torch_threads
         )
@@ -179,6 +185,7 @@ class ModelEndpoint:
             max_workers=self.max_workers,
             workers=tuple(WorkerInfo(r.id, r.placement.device, r.status, r.batches) for r in self.runners),
             load_seconds=self.load_seconds,
+            signature=self.signature,
         )
 
 

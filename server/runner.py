@@ -211,9 +211,11 @@ class Runner:
         results = []
         for i, value in enumerate(outputs):
             meta = ctx.response_meta(i)
+            tensors = value.get("tensors") if isinstance(value, dict) and "tensors" in data[i] else None
             results.append(
                 InferResult(
-                    body=encode_output(value),
+                    body=b"" if tensors is not None else encode_output(value),
+                    tensors=tensors,
                     status=meta.status,
                     phrase=meta.phrase,
                     content_type=meta.headers.get("content-type"),

@@ -26,8 +26,10 @@ class InferRequest:
     """One client request, protocol-neutral.
 
     `data` is what the handler receives for this request, in TorchServe's shape: a dict such as
-    {"body": <parsed JSON | str | bytes>} or the gRPC `input` map's entries. `items` is the
-    number of batch slots the request takes (rows of a tensor request; 1 otherwise).
+    {"body": <parsed JSON | str | bytes>} or the gRPC `input` map's entries; for the Open
+    Inference Protocol it is {"tensors": {input name: numpy array [N, ...]}}, checked against
+    the model's signature. `items` is the number of batch slots the request takes (N for a
+    tensor request; 1 otherwise).
     `deadline` is a `time.monotonic()` instant after which the answer is useless.
     """
 
@@ -56,6 +58,9 @@ class InferResult:
     content_type: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     model_version: str = ""
+    # Tensor answers (Open Inference Protocol): output name -> array, rows in request order.
+    # Set instead of `body` when the handler answered a tensor request with {"tensors": {...}}.
+    tensors: Mapping[str, Any] | None = None
 
 
 class ModelState(enum.Enum):
@@ -92,3 +97,4 @@ class ModelInfo:
     max_workers: int
     workers: tuple[WorkerInfo, ...]
     load_seconds: float | None
+    signature: Any = None  # server.tensors.ModelSignature | None (OIP ModelMetadata)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 HANDLER = ROOT / "handlers" / "digits_handler.py"
 MODEL_DEF = ROOT / "training" / "model.py"
 ARCHIVE_VERSION = "1.0"
+SIGNATURE: dict[str, Any] = {
+    "inputs": [{"name": "pixels", "datatype": "FP32", "shape": [-1, 64]}],
+    "outputs": [
+        {"name": "logits", "datatype": "FP32", "shape": [-1, 10]},
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 10]},
+        {"name": "label", "datatype": "INT64", "shape": [-1]},
+    ],
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ def model_config(
         "maxBatchDelay": max_batch_delay_ms,
         "responseTimeout": 120 if fmt == "compiled" else 30,
         "handler": handler,
+        # The tensor signature Mariner serves as Open Inference Protocol ModelMetadata and checks
+        # requests against. `pixels` are raw intensities 0..16; the handler normalises them.
+        "signature": SIGNATURE,
     }
     if device == "cpu":
         cfg["deviceType"] = "cpu"
@@ -116,8 +128,15 @@ def write_verification(staged: Staged, record: dict[str, Any]) -> Path:
 
 
 def archive(staged: Staged, verification: Path, store: Path) -> Path:
-    """Run torch-model-archiver (the real tool) and return the .mar path."""
+    """Run torch-model-archiver (the real tool) and return the .mar path.
+
+    The archive is written beside the store and moved in with one rename, so a server reading
+    the store never sees a half-written file.
+    """
     store.mkdir(parents=True, exist_ok=True)
+    staging = store / f".staging-{staged.model_name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     tool = Path(sys.executable).parent / "torch-model-archiver"
     extras = [*staged.extra_files, verification]
     cmd = [
@@ -128,11 +147,14 @@ def archive(staged: Staged, verification: Path, store: Path) -> Path:
         "--handler", str(staged.dir / HANDLER.name),
         "--extra-files", ",".join(str(p) for p in extras),
         "--config-file", str(staged.dir / "model-config.yaml"),
-        "--export-path", str(store),
+        "--export-path", str(staging),
         "--force",
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return store / f"{staged.model_name}.mar"
+    target = store / f"{staged.model_name}.mar"
+    os.replace(staging / target.name, target)
+    staging.rmdir()
+    return target
 
 
 def sha256(path: Path) -> str:

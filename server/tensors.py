@@ -1,0 +1,204 @@
+"""Open Inference Protocol tensors: datatypes, byte decoding and the model's declared signature.
+
+Both OIP transports (gRPC `raw_input_contents`/`contents`, REST JSON `data` and the binary
+extension) decode into numpy arrays here, so the checks (datatype known, shape x datatype x
+byte length consistent, tensor matches the model's signature) and their messages are the same
+whatever the wire. Tensors reach the handler as arrays, never as JSON text.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from server.errors import Code, ServingError
+
+try:  # bfloat16 for numpy; ships with onnx's dependencies
+    from ml_dtypes import bfloat16 as _bf16
+except ImportError:  # pragma: no cover
+    _bf16 = None
+
+DTYPES: dict[str, Any] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(object),
+}
+if _bf16 is not None:
+    DTYPES["BF16"] = np.dtype(_bf16)
+_BY_DTYPE = {v: k for k, v in DTYPES.items() if k != "BYTES"}
+
+MAX_DIMS = 8
+
+
+def bad(message: str) -> ServingError:
+    return ServingError(Code.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared input or output: -1 in `shape` is a variable dim (the batch dim first)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{self.name} {self.datatype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @classmethod
+    def from_config(cls, raw: Any) -> ModelSignature | None:
+        """The model-config's `signature:` block, or None when the archive declares none."""
+        if not raw:
+            return None
+        if not isinstance(raw, Mapping):
+            raise ValueError("model-config 'signature' must be a mapping with inputs and outputs")
+
+        def specs(key: str) -> tuple[TensorSpec, ...]:
+            out = []
+            for item in raw.get(key) or []:
+                datatype = str(item["datatype"]).upper()
+                if datatype not in DTYPES:
+                    raise ValueError(f"signature {key}: unknown datatype {datatype!r}")
+                out.append(TensorSpec(str(item["name"]), datatype, tuple(int(d) for d in item["shape"])))
+            return tuple(out)
+
+        return cls(specs("inputs"), specs("outputs"))
+
+
+def dtype_of(datatype: str, tensor: str) -> np.dtype:
+    dt = DTYPES.get(datatype.upper())
+    if dt is None:
+        raise bad(f"tensor {tensor!r}: unknown datatype {datatype!r}; allowed: {', '.join(DTYPES)}")
+    return dt
+
+
+def datatype_of(arr: np.ndarray) -> str:
+    if arr.dtype.kind in "OSU":
+        return "BYTES"
+    name = _BY_DTYPE.get(arr.dtype)
+    if name is None:
+        raise TypeError(f"no OIP datatype for numpy dtype {arr.dtype}")
+    return name
+
+
+def check_shape(shape: Sequence[int], tensor: str) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
+        raise bad(f"tensor {tensor!r}: shape {list(dims)} must have at most {MAX_DIMS} non-negative dims")
+    return dims
+
+
+def element_count(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _split_bytes(raw: bytes, count: int, tensor: str) -> np.ndarray:
+    """BYTES wire format: each element is a 4-byte little-endian length, then that many bytes."""
+    out = np.empty(count, dtype=object)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(raw):
+            raise bad(f"tensor {tensor!r}: BYTES data ends after {i} of {count} elements")
+        (n,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + n > len(raw):
+            raise bad(f"tensor {tensor!r}: BYTES element {i} claims {n} bytes, only {len(raw) - pos} remain")
+        out[i] = raw[pos : pos + n]
+        pos += n
+    if pos != len(raw):
+        raise bad(f"tensor {tensor!r}: {len(raw) - pos} bytes left over after {count} BYTES elements")
+    return out
+
+
+def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np.ndarray:
+    """Raw little-endian bytes -> array of `shape`; the byte length must match exactly."""
+    dims = check_shape(shape, name)
+    dt = dtype_of(datatype, name)
+    count = element_count(dims)
+    if dt.kind == "O":
+        return _split_bytes(raw, count, name).reshape(dims)
+    expected = count * dt.itemsize
+    if len(raw) != expected:
+        raise bad(
+            f"tensor {name!r}: shape {list(dims)} x {datatype} needs {expected} bytes, received {len(raw)}"
+        )
+    return np.frombuffer(raw, dtype=dt.newbyteorder("<") if dt.itemsize > 1 else dt).reshape(dims)
+
+
+def decode_values(name: str, datatype: str, shape: Sequence[int], values: Sequence[Any]) -> np.ndarray:
+    """Typed values (gRPC `contents`, REST JSON `data`, flattened row-major) -> array of `shape`."""
+    dims = check_shape(shape, name)
+    dt = dtype_of(datatype, name)
+    count = element_count(dims)
+    flat = np.asarray(values, dtype=object).reshape(-1) if len(values) else np.empty(0, dtype=object)
+    if flat.size != count:
+        raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {flat.size}")
+    if dt.kind == "O":
+        items = [v.encode() if isinstance(v, str) else bytes(v) for v in flat]
+        return np.array(items, dtype=object).reshape(dims)
+    try:
+        arr = flat.astype(dt)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad(f"tensor {name!r}: values are not valid {datatype}: {exc}") from exc
+    return arr.reshape(dims)
+
+
+def encode_raw(arr: np.ndarray) -> bytes:
+    if arr.dtype.kind in "OSU":
+        parts = []
+        for v in arr.reshape(-1):
+            b = v.encode() if isinstance(v, str) else bytes(v)
+            parts.append(struct.pack("<I", len(b)) + b)
+        return b"".join(parts)
+    return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+
+
+def match_signature(inputs: Mapping[str, tuple[str, np.ndarray]], signature: ModelSignature) -> int:
+    """Check decoded inputs (name -> (datatype, array)) against the signature; return the row count."""
+    declared = {s.name: s for s in signature.inputs}
+    takes = ", ".join(s.describe() for s in signature.inputs)
+    unknown = sorted(set(inputs) - set(declared))
+    if unknown:
+        raise bad(f"unknown input(s) {unknown}; the model takes: {takes}")
+    missing = sorted(set(declared) - set(inputs))
+    if missing:
+        raise bad(f"missing input(s) {missing}; the model takes: {takes}")
+    rows: int | None = None
+    for name, (datatype, arr) in inputs.items():
+        spec = declared[name]
+        if datatype.upper() != spec.datatype:
+            raise bad(f"input {name!r}: expected datatype {spec.datatype}, received {datatype}")
+        if len(arr.shape) != len(spec.shape) or any(
+            want != -1 and want != got for want, got in zip(spec.shape, arr.shape, strict=True)
+        ):
+            raise bad(f"input {name!r}: expected shape {list(spec.shape)}, received {list(arr.shape)}")
+        n = int(arr.shape[0]) if arr.shape else 1
+        if rows is not None and n != rows:
+            raise bad(f"inputs disagree on the batch dim: {name!r} has {n} rows, others {rows}")
+        rows = n
+    if not rows:
+        raise bad("a request needs at least one row (batch dim >= 1)")
+    return rows
