@@ -220,10 +220,11 @@ def _grpc_predict(target: str, model: str, data: bytes) -> bytes:
 
     with grpc.insecure_channel(target) as ch:
         stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)
-        return stub.Predictions(inference_pb2.PredictionsRequest(model_name=model, input={"data": data})).prediction
+        request = inference_pb2.PredictionsRequest(model_name=model, input={"data": data})
+        return stub.Predictions(request).prediction
 
 
-@pytest.mark.parametrize("model", (*FP32, *INT8))
+@pytest.mark.parametrize("model", [*FP32, *INT8])
 def test_mariner_returns_the_same_bytes_as_torchserve(
     torchserve: StockTorchServe, mariner: Any, eager_reference: EagerReference, model: str
 ) -> None:
@@ -234,8 +235,9 @@ def test_mariner_returns_the_same_bytes_as_torchserve(
     for px in eager_reference.test_pixels[:8]:
         body = json.dumps([float(v) for v in px]).encode()
         hdr = {"Content-Type": "application/json"}
-        ts_http = requests.post(f"{torchserve.base_url}/predictions/{model}", data=body, headers=hdr, timeout=30)
-        ours_http = requests.post(f"{mariner.http}/predictions/{model}", data=body, headers=hdr, timeout=30)
+        ts_url, ours_url = f"{torchserve.base_url}/predictions/{model}", f"{mariner.http}/predictions/{model}"
+        ts_http = requests.post(ts_url, data=body, headers=hdr, timeout=30)
+        ours_http = requests.post(ours_url, data=body, headers=hdr, timeout=30)
         assert ts_http.status_code == ours_http.status_code == 200
         assert ours_http.content == ts_http.content
         ts_grpc = _grpc_predict(torchserve.grpc_inference_target, model, body)
