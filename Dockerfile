@@ -1,0 +1,63 @@
+# syntax=docker/dockerfile:1
+#
+# Mariner, CPU image: `mariner serve` as a non-root user, nothing to compile at run time.
+#
+#   docker build -t mariner:0.1.0 .                                   # the server (last stage)
+#   docker build --target models -t mariner-models:digits-1.0 .      # the model image (see below)
+#
+# The server reads /etc/mariner/mariner.yaml (MARINER_CONFIG_FILE): the same file the Kubernetes
+# ConfigMap carries (k8s/base/mariner.yaml), so `docker run` behaves like the pod. Run it with
+#   docker run --rm -p 8080:8080 -p 7070:7070 -v "$PWD/model_store:/models:ro" mariner:0.1.0
+# The GPU image is Dockerfile.gpu; docs/deploy.md has the whole story.
+
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+# -- models: only the archives and index.json (their sha256, checked with pin_index). Kept out of the
+# server image so a new model version is a new model image, rolled out without a new server build;
+# the Deployment's initContainer copies /models into the pod (busybox has the `cp` it needs).
+FROM busybox:1.37.0 AS models
+COPY model_store/ /models/
+
+# -- build: a virtualenv holding the pinned project and its generated gRPC stubs.
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+# torch first, from the CPU wheel index: for Linux x86_64 the default index serves a CUDA build of
+# several GB. pyproject.toml pins the same version (a test keeps the two in step), so the install
+# below finds it satisfied.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
+# The whole build context (.dockerignore trims it to sources): every package pyproject.toml
+# includes comes along without being listed here.
+COPY . .
+# The stubs are generated with grpcio-tools (a pinned dependency), so: install, generate, then
+# reinstall the package alone so the installed copy carries server/_proto.
+RUN pip install . \
+ && python -m server.protogen \
+ && pip install --no-deps --force-reinstall .
+
+# -- runtime: the interpreter, the virtualenv and a user. No compiler, no pip install.
+FROM ${PYTHON_IMAGE} AS runtime
+# A numeric uid: the kubelet can only prove runAsNonRoot for a numeric USER (the pod also sets it).
+RUN groupadd --system --gid 10001 mariner \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin mariner \
+ && mkdir -p /models /var/lib/mariner/work \
+ && chown 10001:10001 /var/lib/mariner/work
+COPY --from=build /opt/venv /opt/venv
+COPY k8s/base/mariner.yaml /etc/mariner/mariner.yaml
+# HOME and TMPDIR point at /tmp: the pod runs with a read-only root filesystem and mounts an emptyDir
+# there, which is where torch and friends put their caches.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp \
+    TMPDIR=/tmp \
+    MARINER_CONFIG_FILE=/etc/mariner/mariner.yaml
+USER 10001:10001
+# TorchServe's defaults: HTTP inference, management, metrics; gRPC inference, management.
+EXPOSE 8080 8081 8082 7070 7071
+ENTRYPOINT ["mariner", "serve"]

@@ -1,0 +1,439 @@
+"""Lint the container images without building them (no Docker engine here).
+
+What a build or a pod would trip over, checked from the files: every COPY source exists and survives
+.dockerignore, `pip install .` gets everything pyproject.toml needs, the entrypoint is a console
+script that really starts `mariner serve`, the final stage runs as a numeric non-root user (the one
+the Deployment sets) with no build tools, the config file baked in is a valid Mariner config, and
+the exposed ports are the server's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.config import ServerConfig, load_config
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILES = ("Dockerfile", "Dockerfile.gpu")
+# Packages that compile things; none may be installed in the final stage.
+BUILD_TOOLS = re.compile(
+    r"(?<![\w.-])(gcc|g\+\+|clang|make|cmake|ninja-build|build-essential|cargo|rustc|git|"
+    r"[\w.+-]+-dev|[\w.+-]+-devel)(?![\w.+-])"
+)
+ADDRESS_FIELDS = (
+    "inference_address",
+    "management_address",
+    "metrics_address",
+    "grpc_inference_address",
+    "grpc_management_address",
+)
+
+
+# -- a small Dockerfile reader -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    args: str
+    line: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    base: str  # after ARG substitution
+    name: str | None
+    instructions: tuple[Instruction, ...]
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+    def env(self) -> dict[str, str]:
+        """ENV key=value pairs of this stage, later ones winning."""
+        out: dict[str, str] = {}
+        for ins in self.all("ENV"):
+            for part in shlex.split(ins.args):
+                key, sep, value = part.partition("=")
+                assert sep, f"line {ins.line}: use ENV key=value (got {part!r})"
+                out[key] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Dockerfile:
+    path: Path
+    global_args: dict[str, str]
+    stages: tuple[Stage, ...]
+
+    @property
+    def final(self) -> Stage:
+        return self.stages[-1]
+
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages if s.name]
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """Instructions with backslash continuations joined; comment lines dropped (also mid-instruction)."""
+    buf, start = "", 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if stripped.startswith("#") or (not stripped and not buf):
+            continue
+        if not buf:
+            start = n
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        yield start, buf
+        buf = ""
+    assert not buf, "Dockerfile ends inside a line continuation"
+
+
+def _substitute(value: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), m.group(0)), value)
+
+
+def parse_dockerfile(path: Path) -> Dockerfile:
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    current: list[Instruction] | None = None
+    base, name = "", None
+    for line, text in _logical_lines(path.read_text()):
+        keyword, _, args = text.partition(" ")
+        keyword, args = keyword.upper(), args.strip()
+        if keyword == "FROM":
+            if current is not None:
+                stages.append(Stage(base, name, tuple(current)))
+            parts = args.split()
+            parts = [p for p in parts if not p.startswith("--")]
+            base = _substitute(parts[0], global_args)
+            name = parts[2] if len(parts) >= 3 and parts[1].upper() == "AS" else None
+            current = []
+        elif current is None:
+            assert keyword == "ARG", f"{path.name}:{line}: only ARG may come before the first FROM"
+            key, _, default = args.partition("=")
+            global_args[key] = default
+        else:
+            current.append(Instruction(keyword, args, line))
+    assert current is not None, f"{path.name} has no FROM"
+    stages.append(Stage(base, name, tuple(current)))
+    return Dockerfile(path, global_args, tuple(stages))
+
+
+@dataclass(frozen=True)
+class Copy:
+    sources: tuple[str, ...]
+    dest: str
+    from_stage: str | None
+    line: int
+
+
+def copies(stage: Stage) -> list[Copy]:
+    out = []
+    for ins in stage.all("COPY") + stage.all("ADD"):
+        parts = json.loads(ins.args) if ins.args.startswith("[") else shlex.split(ins.args)
+        flags = {p.split("=", 1)[0]: p.split("=", 1)[-1] for p in parts if p.startswith("--")}
+        paths = [p for p in parts if not p.startswith("--")]
+        assert len(paths) >= 2, f"line {ins.line}: COPY needs a source and a destination"
+        out.append(Copy(tuple(paths[:-1]), paths[-1], flags.get("--from"), ins.line))
+    return out
+
+
+# -- .dockerignore, with Docker's matching rules ------------------------------------------------
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's pattern syntax: `*` and `?` within one path element, `**` across elements."""
+    out, i = "", 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):
+                out += "(?:.*/)?"
+                i += 1
+            else:
+                out += ".*"
+            continue
+        if c == "*":
+            out += "[^/]*"
+        elif c == "?":
+            out += "[^/]"
+        elif c == "[":
+            end = pattern.index("]", i + 1)
+            body = pattern[i + 1 : end]
+            out += "[" + ("^" + body[1:] if body[:1] in ("!", "^") else body) + "]"
+            i = end
+        else:
+            out += re.escape(c)
+        i += 1
+    return re.compile(out + r"\Z")
+
+
+@dataclass(frozen=True)
+class DockerIgnore:
+    rules: tuple[tuple[bool, re.Pattern[str]], ...]  # (is_exception, pattern)
+
+    @classmethod
+    def load(cls, path: Path) -> DockerIgnore:
+        rules = []
+        for raw in path.read_text().splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            negate = line.startswith("!")
+            pattern = line[1:].strip() if negate else line
+            rules.append((negate, _glob_regex(pattern.strip("/"))))
+        return cls(tuple(rules))
+
+    def excluded(self, rel: str) -> bool:
+        """Whether the build context leaves `rel` out: the last rule matching it or a parent wins."""
+        parts = rel.strip("/").split("/")
+        candidates = ["/".join(parts[: k + 1]) for k in range(len(parts))]
+        verdict = False
+        for negate, rx in self.rules:
+            if any(rx.match(c) for c in candidates):
+                verdict = not negate
+        return verdict
+
+
+def _source_files(rel: str) -> list[str]:
+    """Files under `rel` that a checkout carries: tracked or new, not git-ignored (generated stubs are)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", rel],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line for line in out.splitlines() if (REPO / line).is_file()]
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+@pytest.fixture(scope="module")
+def dockerignore() -> DockerIgnore:
+    return DockerIgnore.load(REPO / ".dockerignore")
+
+
+@pytest.fixture(scope="module", params=DOCKERFILES)
+def dockerfile(request: pytest.FixtureRequest) -> Dockerfile:
+    return parse_dockerfile(REPO / request.param)
+
+
+def _default_ports() -> dict[str, int]:
+    cfg = ServerConfig()
+    return {f: int(getattr(cfg, f).rpartition(":")[2]) for f in ADDRESS_FIELDS}
+
+
+# -- the reader itself ----------------------------------------------------------------------------
+def test_reader_joins_continuations_and_skips_comments(tmp_path: Path) -> None:
+    df = tmp_path / "Dockerfile"
+    df.write_text(
+        "ARG IMG=python:3.11-slim\nFROM ${IMG} AS build\nRUN a \\\n# note\n && b\n"
+        "FROM build\nUSER 1:1\nCOPY --from=build /x /y\n"
+    )
+    parsed = parse_dockerfile(df)
+    assert [s.base for s in parsed.stages] == ["python:3.11-slim", "build"]
+    assert parsed.stages[0].all("RUN")[0].args == "a  && b"
+    assert copies(parsed.final)[0] == Copy(("/x",), "/y", "build", 8)
+
+
+def test_dockerignore_matching_follows_docker_rules(tmp_path: Path) -> None:
+    ignore_file = tmp_path / ".dockerignore"
+    ignore_file.write_text("k8s\n!k8s/base/mariner.yaml\n**/__pycache__\n*.egg-info\n")
+    ignore = DockerIgnore.load(ignore_file)
+    assert ignore.excluded("k8s/base/deployment.yaml")
+    assert not ignore.excluded("k8s/base/mariner.yaml")
+    assert ignore.excluded("server/__pycache__/app.cpython-311.pyc")
+    assert ignore.excluded("mariner.egg-info/PKG-INFO")
+    assert not ignore.excluded("server/app.py")
+
+
+# -- the images -----------------------------------------------------------------------------------
+def test_every_copy_source_exists_and_is_in_the_build_context(
+    dockerfile: Dockerfile, dockerignore: DockerIgnore
+) -> None:
+    problems = []
+    for stage in dockerfile.stages:
+        for cp in copies(stage):
+            if cp.from_stage is not None:
+                continue
+            for src in cp.sources:
+                rel = src.rstrip("/")
+                matches = sorted(REPO.glob(rel)) if any(ch in rel for ch in "*?[") else [REPO / rel]
+                if not matches or not all(m.exists() for m in matches):
+                    problems.append(f"line {cp.line}: {src} does not exist")
+                    continue
+                for m in matches:
+                    inner = [m] if m.is_file() else [p for p in m.rglob("*") if p.is_file()]
+                    kept = [p for p in inner if not dockerignore.excluded(str(p.relative_to(REPO)))]
+                    if dockerignore.excluded(str(m.relative_to(REPO))) and not kept:
+                        problems.append(f"line {cp.line}: {src} is excluded by .dockerignore")
+                    elif not kept:
+                        problems.append(f"line {cp.line}: nothing under {src} survives .dockerignore")
+    assert not problems, f"{dockerfile.path.name}:\n" + "\n".join(problems)
+
+
+def test_copy_from_names_an_earlier_stage(dockerfile: Dockerfile) -> None:
+    seen: list[str] = []
+    for stage in dockerfile.stages:
+        for cp in copies(stage):
+            if cp.from_stage is not None:
+                assert cp.from_stage in seen, (
+                    f"line {cp.line}: --from={cp.from_stage} is not an earlier stage"
+                )
+        if stage.name:
+            assert stage.name not in seen, f"stage name {stage.name} is used twice"
+            seen.append(stage.name)
+
+
+def test_build_stage_copies_what_pip_install_needs(
+    dockerfile: Dockerfile, pyproject: dict, dockerignore: DockerIgnore
+) -> None:
+    """`pip install .` needs pyproject.toml, the readme it names, proto/ and every package it includes."""
+    build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
+    copied = {src.rstrip("/") or "." for cp in copies(build) if cp.from_stage is None for src in cp.sources}
+    needed = {"pyproject.toml", pyproject["project"]["readme"], "proto"}
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    needed |= {p for p in packages if (REPO / p).is_dir()}
+    for rel in sorted(needed):
+        assert "." in copied or rel in copied, f"{dockerfile.path.name}: the build stage does not copy {rel}"
+        for name in _source_files(rel):
+            if name.endswith((".py", ".proto", ".toml", ".md")):
+                assert not dockerignore.excluded(name), (
+                    f"{name} is needed by `pip install .` but .dockerignore drops it"
+                )
+
+
+def test_torch_pin_matches_pyproject(dockerfile: Dockerfile, pyproject: dict) -> None:
+    pinned = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    runs = " ".join(r.args for s in dockerfile.stages for r in s.all("RUN"))
+    assert re.findall(r"\btorch==[\w.+]+", runs) == [pinned], (
+        f"{dockerfile.path.name} must install exactly {pinned} (as pyproject.toml pins it)"
+    )
+
+
+def test_base_images_are_pinned(dockerfile: Dockerfile) -> None:
+    earlier: list[str] = []
+    for stage in dockerfile.stages:
+        if stage.base not in earlier:
+            assert "$" not in stage.base, f"FROM {stage.base}: an ARG without a default"
+            image = stage.base.split("@")[0]
+            tag = image.rpartition(":")[2] if ":" in image.rpartition("/")[2] else ""
+            assert "@sha256:" in stage.base or (tag and tag != "latest"), (
+                f"{dockerfile.path.name}: FROM {stage.base} must name a version tag or a digest"
+            )
+        if stage.name:
+            earlier.append(stage.name)
+
+
+def test_final_stage_runs_as_a_numeric_non_root_user(dockerfile: Dockerfile) -> None:
+    users = dockerfile.final.all("USER")
+    assert users, f"{dockerfile.path.name}: the final stage has no USER, so it runs as root"
+    uid, _, gid = users[-1].args.partition(":")
+    # Numeric, because the kubelet can only prove runAsNonRoot for a numeric USER.
+    assert uid.isdigit(), f"USER {users[-1].args}: need a numeric uid"
+    assert int(uid) != 0, f"USER {users[-1].args}: runs as root"
+    assert gid.isdigit(), f"USER {users[-1].args}: need a numeric group"
+    assert int(gid) != 0, f"USER {users[-1].args}: runs with the root group"
+
+
+def test_pod_runs_as_the_image_user(dockerfile: Dockerfile) -> None:
+    uid, _, gid = dockerfile.final.all("USER")[-1].args.partition(":")
+    deployment = yaml.safe_load((REPO / "k8s/base/deployment.yaml").read_text())
+    pod_sc = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert (pod_sc["runAsUser"], pod_sc["runAsGroup"]) == (int(uid), int(gid or uid))
+
+
+def test_final_stage_has_no_build_tools(dockerfile: Dockerfile) -> None:
+    final = dockerfile.final
+    assert not re.search(r"-devel\b|-dev\b", final.base), f"FROM {final.base}: a development image"
+    for run in final.all("RUN"):
+        assert "pip install" not in run.args, f"line {run.line}: install Python packages in the build stage"
+        for command in re.split(r"&&|;|\|\|", run.args):
+            if re.search(r"\b(apt-get|apt|apk|dnf|yum|microdnf)\b.*\binstall\b", command):
+                tool = BUILD_TOOLS.search(command.split("install", 1)[1])
+                assert tool is None, f"line {run.line}: {tool and tool.group(1)} in the final stage"
+
+
+def test_entrypoint_is_the_mariner_console_script(
+    dockerfile: Dockerfile, pyproject: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    entrypoints = dockerfile.final.all("ENTRYPOINT")
+    assert entrypoints, f"{dockerfile.path.name}: no ENTRYPOINT"
+    argv = json.loads(entrypoints[-1].args)  # exec form: signals reach the server, not a shell
+    assert isinstance(argv, list)
+    scripts = pyproject["project"]["scripts"]
+    assert argv[0] in scripts, f"ENTRYPOINT {argv[0]!r} is not a console script of pyproject.toml"
+    module, _, func = scripts[argv[0]].partition(":")
+    main = getattr(__import__(module, fromlist=[func]), func)
+    # The same call the container makes, asking for help instead of serving: exits 0 through
+    # `mariner serve`'s own option parser.
+    with pytest.raises(SystemExit) as exc:
+        main([*argv[1:], "--help"])
+    assert exc.value.code == 0
+    assert "--model-store" in capsys.readouterr().out
+
+
+def test_mariner_env_names_are_server_settings(dockerfile: Dockerfile) -> None:
+    known = {f"MARINER_{f.name.upper()}" for f in fields(ServerConfig)}
+    for stage in dockerfile.stages:
+        unknown = {k for k in stage.env() if k.startswith("MARINER_")} - known
+        assert not unknown, f"{dockerfile.path.name}: {sorted(unknown)} are not Mariner settings"
+
+
+def test_baked_in_config_file_is_the_one_mariner_reads(dockerfile: Dockerfile, tmp_path: Path) -> None:
+    env = dockerfile.final.env()
+    config_path = env["MARINER_CONFIG_FILE"]
+    sources = [cp.sources for cp in copies(dockerfile.final) if cp.dest == config_path]
+    assert sources, f"{dockerfile.path.name}: nothing is copied to MARINER_CONFIG_FILE={config_path}"
+    (source,) = sources[-1]
+    cfg = load_config([], env={"MARINER_CONFIG_FILE": str(REPO / source)})
+    # The image must be reachable from outside its own network namespace.
+    for field_name in ADDRESS_FIELDS:
+        host = getattr(cfg, field_name).rpartition(":")[0]
+        assert host in ("0.0.0.0", "[::]"), f"{source}: {field_name} binds {host}, unreachable from outside"
+    # The directories the config names exist in the image (created in the final stage).
+    made = " ".join(r.args for r in dockerfile.final.all("RUN"))
+    for directory in (cfg.model_store, cfg.work_dir):
+        assert directory is not None
+        assert str(directory) in made, f"the image does not create {directory}"
+
+
+def test_exposed_ports_are_the_server_defaults(dockerfile: Dockerfile) -> None:
+    exposed = {int(p.split("/")[0]) for e in dockerfile.final.all("EXPOSE") for p in e.args.split()}
+    assert exposed == set(_default_ports().values())
+
+
+def test_models_stage_feeds_the_init_container(dockerignore: DockerIgnore) -> None:
+    """The model image holds the archives and index.json where the Deployment's initContainer copies from."""
+    parsed = parse_dockerfile(REPO / "Dockerfile")
+    models = next(s for s in parsed.stages if s.name == "models")
+    (cp,) = copies(models)
+    assert cp.sources == ("model_store/",)
+    for rel in ("model_store/index.json", "model_store/digits_torchscript.mar"):
+        assert not dockerignore.excluded(rel), f"{rel} is excluded from the model image"
+    deployment = yaml.safe_load((REPO / "k8s/base/deployment.yaml").read_text())
+    (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][:3] == ["cp", "-R", cp.dest.rstrip("/") + "/."]
+    assert parsed.final.name != "models", "`docker build .` must build the server, not the model image"
+
+
+def test_dockerignore_keeps_local_state_out(dockerignore: DockerIgnore) -> None:
+    for rel in (".git/HEAD", ".venv/bin/python", "server/_proto/__init__.py", "build/train/best.pt"):
+        assert dockerignore.excluded(rel), f"{rel} would be sent to the build"
