@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java models serve test lint format clean
+.PHONY: venv protos java k8s-tools models serve serve-torchserve test lint format clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ protos: $(STAMP)
 
 java:
 	bash scripts/ensure_java.sh
+
+# kubectl renders the kustomizations in the manifest tests (offline; no cluster needed).
+k8s-tools:
+	bash scripts/ensure_kubectl.sh
 
 # The store is rebuilt when the training code or the handler changes.
 models: $(STORE)/index.json
@@ -43,7 +47,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv protos java models lint
+test: venv protos java k8s-tools models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
