@@ -38,11 +38,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print("usage: mariner serve [options]   (mariner serve --help for the options)")
+        print("       mariner predict|infer MODEL FILE [--url URL | --grpc HOST:PORT]   (client)")
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
         return _serve(rest)
-    print(f"mariner: unknown command {command!r}; available: serve", file=sys.stderr)
+    if command in ("predict", "infer"):
+        from client.cli import run
+
+        return run(command, rest)
+    print(f"mariner: unknown command {command!r}; available: serve, predict, infer", file=sys.stderr)
     return 2
 
 
