@@ -119,12 +119,21 @@ def infer_inputs(path: Path, signature: dict[str, Any]) -> dict[str, np.ndarray]
     return arrays
 
 
+def _json_values(arr: np.ndarray) -> Any:
+    """Nested lists for JSON; FP32/FP16 as their shortest round-trip text, not float64 noise."""
+    if arr.dtype == object:
+        return np.asarray(tensors.to_list(arr), dtype=object).reshape(arr.shape).tolist()
+    if arr.dtype.kind == "f" and arr.dtype.itemsize < 8:
+        # astype(str) prints each value at its own precision; float() of that is exact in JSON.
+        return (
+            np.asarray([float(v) for v in arr.astype(str).ravel()], dtype=object).reshape(arr.shape).tolist()
+        )
+    return arr.tolist()
+
+
 def _format_outputs(outputs: dict[str, np.ndarray]) -> str:
     """One output per line, the whole still one JSON object, so both people and `jq` can read it."""
-    lines = [
-        f"  {json.dumps(name)}: {json.dumps(tensors.to_list(arr) if arr.dtype == object else arr.tolist())}"
-        for name, arr in outputs.items()
-    ]
+    lines = [f"  {json.dumps(name)}: {json.dumps(_json_values(arr))}" for name, arr in outputs.items()]
     return "{\n" + ",\n".join(lines) + "\n}"
 
 

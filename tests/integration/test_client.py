@@ -423,7 +423,7 @@ def test_retries_stop_at_the_deadline_not_the_attempt_limit(http_stub) -> None:
         pytest.raises(UnavailableError) as info,
     ):
         c.predict("m", [0])
-    assert time.monotonic() - t0 < 0.7 + 0.2  # never sleeps past the deadline
+    assert time.monotonic() - t0 < 0.7 + 0.5  # never sleeps past the deadline
     assert 2 <= len(script.arrivals) <= 4
     assert info.value.attempts == len(script.arrivals)
 
