@@ -23,7 +23,7 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from server import grpc_inference, grpc_management
+from server import grpc_inference, grpc_management, grpc_oip, oip
 from server.types import ModelInfo
 
 log = logging.getLogger("mariner.grpc")
@@ -36,7 +36,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_HEALTH_POLL_S = 1.0
 
 
-class GrpcPlane(grpc_inference.InferencePlane, grpc_management.ManagementPlane, Protocol):
+class GrpcPlane(grpc_inference.InferencePlane, grpc_management.ManagementPlane, oip.OipPlane, Protocol):
     """Everything the gRPC adapters and the health service need from the DataPlane."""
 
     def model_ready(self, model: str, version: str | None = None) -> bool: ...
@@ -111,6 +111,7 @@ class GrpcServers:
         overall = SERVING if self.dataplane.is_ready() else NOT_SERVING
         await self.health.set("", overall)
         await self.health.set(grpc_inference.SERVICE_NAME, overall)
+        await self.health.set(grpc_oip.SERVICE_NAME, overall)
         names = {info.name for info in self.dataplane.models()}
         for name in sorted(names):
             await self.health.set(name, SERVING if self.dataplane.model_ready(name) else NOT_SERVING)
@@ -167,9 +168,12 @@ def build_grpc_servers(
 
     inference = grpc.aio.server(options=options)
     grpc_inference.add_to_server(dataplane, inference)
+    # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
+    grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health, inference)
     reflection.enable_server_reflection(
-        (grpc_inference.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), inference
+        (grpc_inference.SERVICE_NAME, grpc_oip.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
+        inference,
     )
 
     management = grpc.aio.server(options=options)

@@ -340,7 +340,8 @@ def inference_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_headers: int = DEFAULT_MAX_HEADERS,
 ) -> Starlette:
-    """TorchServe's inference API: /ping, /predictions/{model}[/{version}], plus /healthz, /readyz.
+    """TorchServe's inference API: /ping, /predictions/{model}[/{version}], plus /healthz, /readyz,
+    and the Open Inference Protocol's /v2 routes (server.http_oip).
 
     `max_body_bytes` bounds a prediction body (413 beyond it, before it is read when the client
     declares its length); `max_headers` bounds the headers handed to the handler.
@@ -424,6 +425,11 @@ def inference_app(
         Route("/predictions/{model}", predict, methods=methods),
         Route("/predictions/{model}/{version}", predict, methods=methods),
     ]
+    # The Open Inference Protocol's /v2 routes share the port and the DataPlane. Imported here
+    # because server.http_oip reuses this module's body reading and disconnect handling.
+    from server.http_oip import routes as oip_routes
+
+    routes += oip_routes(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
     return Starlette(routes=routes, exception_handlers=dict(_HTTP_ERROR_HANDLERS))
 
 

@@ -1,0 +1,254 @@
+"""The Open Inference Protocol's gRPC service (`inference.GRPCInferenceService`).
+
+A transport adapter only, mounted on the same grpc.aio server (port 7070) as TorchServe's
+InferenceAPIsService: it turns `ModelInferRequest`s into `InferRequest`s through
+`server.oip` and the tensor codec, hands them to the same DataPlane and batcher, and answers
+with `raw_output_contents` (the form tritonclient reads by default). Status codes come from
+`server.errors.STATUS` only; anything unexpected becomes INTERNAL with a sanitized message,
+never gRPC UNKNOWN.
+
+Mapping of a Triton client's request to the handler:
+- `inputs[i]` with `raw_input_contents[i]` (or typed `contents`) -> numpy array of its
+  datatype and shape, checked against the model's declared signature;
+- the handler receives {"tensors": {name: array [N, ...]}} as one request taking N batch slots;
+- its {"tensors": {...}} answer -> `outputs` + `raw_output_contents`, the requested outputs in
+  request order (all declared outputs when none are requested); `id` is echoed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from server import oip
+from server.errors import STATUS, Code, ServingError, as_serving_error
+from server.grpc_inference import request_headers
+from server.protogen import stubs_missing
+from server.tensors import decode_raw, decode_values, encode_raw
+from server.types import Protocol as WireProtocol
+
+try:
+    from server._proto.inference import grpc_service_pb2 as pb
+    from server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
+    raise stubs_missing(exc) from exc
+
+log = logging.getLogger("mariner.grpc.oip")
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+PROTOCOL = WireProtocol.OIP_GRPC
+# Requests of one ModelStreamInfer call in flight at once. They run concurrently (so a client
+# streaming many requests gets them batched together) and are answered in request order; the
+# window bounds what one stream can hold in memory.
+STREAM_WINDOW = 64
+
+# The typed `contents` field for each datatype (FP16/BF16 have none: raw bytes only).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def params_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """An `InferParameter` map as plain Python values."""
+    out: dict[str, Any] = {}
+    for key, param in parameters.items():
+        which = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, which) if which else None
+    return out
+
+
+def decode_inputs(request: Any, max_elements: int) -> dict[str, tuple[str, np.ndarray]]:
+    """Every input as (datatype, array), from `raw_input_contents` or typed `contents`."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise oip.bad(
+            f"raw_input_contents has {len(raw)} buffers for {len(request.inputs)} inputs; "
+            "send one buffer per input, in the order of `inputs`"
+        )
+    decoded: dict[str, tuple[str, np.ndarray]] = {}
+    for i, tensor in enumerate(request.inputs):
+        name, datatype = tensor.name, tensor.datatype.upper()
+        if name in decoded:
+            raise oip.bad(f"input {name!r} is given more than once")
+        if tensor.parameters:
+            oip.check_tensor_params("input", name, params_of(tensor.parameters))
+        shape = oip.check_header(name, datatype, tensor.shape, max_elements)
+        if raw:
+            if tensor.HasField("contents"):
+                raise oip.bad(
+                    f"input {name!r} has `contents` while the request uses raw_input_contents; use one form"
+                )
+            decoded[name] = (datatype, decode_raw(name, datatype, shape, raw[i]))
+            continue
+        field = _CONTENTS_FIELD.get(datatype)
+        if field is None:
+            raise oip.bad(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
+        decoded[name] = (datatype, decode_values(name, datatype, shape, getattr(tensor.contents, field)))
+    return decoded
+
+
+class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Health, metadata, ModelInfer and ModelStreamInfer over the DataPlane."""
+
+    def __init__(self, dataplane: oip.OipPlane, *, max_message_bytes: int) -> None:
+        self._plane = dataplane
+        self._max_elements = oip.element_cap(max_message_bytes)
+
+    # -- health and metadata ------------------------------------------------------------
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerLiveResponse(live=self._plane.is_live())
+
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerReadyResponse(ready=self._plane.is_ready())
+
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """As Triton does: an unknown model is not ready (no error), so probes stay simple."""
+        return pb.ModelReadyResponse(ready=self._plane.model_ready(request.name, request.version or None))
+
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.ServerMetadataResponse(**oip.server_metadata())
+
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            meta = oip.model_metadata(self._plane, request.name, request.version or None)
+        except Exception as exc:
+            error = as_serving_error(exc, "describing the model")
+            if error.code is Code.INTERNAL:
+                log.exception("ModelMetadata for %r failed", request.name)
+            await context.abort(STATUS[error.code].grpc, error.message)
+            raise AssertionError("unreachable: context.abort always raises") from None
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(**t) for t in meta["inputs"]],
+            outputs=[tensor(**t) for t in meta["outputs"]],
+        )
+
+    # -- inference ----------------------------------------------------------------------
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        t0 = time.perf_counter()
+        model, version = request.model_name, request.model_version or None
+        try:
+            response = await self._answer(request, context.invocation_metadata(), context.time_remaining())
+        except asyncio.CancelledError:  # the client went away: record it, let grpc finish the call
+            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(Code.CANCELLED), t0)
+            raise
+        except Exception as exc:
+            error = self._serving_error(exc, model)
+        else:
+            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(None), t0)
+            return response
+        oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(error.code), t0)
+        await context.abort(STATUS[error.code].grpc, error.message)
+        raise AssertionError("unreachable: context.abort always raises")
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """One response per request, in request order; a failed request is answered in-stream
+        with `error_message` (and its id) and the stream goes on, as Triton's does."""
+        metadata = context.invocation_metadata()
+        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(self._stream_one(request, metadata, context.time_remaining()))
+                    await pending.put(task)
+            finally:
+                await pending.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await pending.get()) is not None:
+                yield await task
+            await reader  # surfaces a broken request stream
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                left = pending.get_nowait()
+                if left is not None:
+                    left.cancel()
+
+    async def _stream_one(self, request: Any, metadata: Any, time_remaining: float | None) -> Any:
+        t0 = time.perf_counter()
+        model, version = request.model_name, request.model_version or None
+        try:
+            response = await self._answer(request, metadata, time_remaining)
+        except asyncio.CancelledError:
+            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(Code.CANCELLED), t0)
+            raise
+        except Exception as exc:
+            error = self._serving_error(exc, model)
+            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(error.code), t0)
+            echo = pb.ModelInferResponse(model_name=model, model_version=request.model_version, id=request.id)
+            return pb.ModelStreamInferResponse(error_message=error.message, infer_response=echo)
+        oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(None), t0)
+        return pb.ModelStreamInferResponse(infer_response=response)
+
+    async def _answer(
+        self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None
+    ) -> Any:
+        """Decode, check, queue, and encode one ModelInferRequest; raises ServingError."""
+        if not request.model_name:
+            raise oip.bad("model_name is required: name a model this server serves")
+        handle = self._plane.resolve(request.model_name, request.model_version or None)
+        deadline = oip.deadline_from(params_of(request.parameters), time_remaining)
+        request_id = oip.request_id_of(request.id)
+        inputs = decode_inputs(request, self._max_elements)
+        requested = []
+        for out in request.outputs:
+            if out.parameters:
+                oip.check_tensor_params("output", out.name, params_of(out.parameters))
+            requested.append(out.name)
+        prepared = oip.prepare(
+            handle,
+            inputs=inputs,
+            requested=requested,
+            request_id=request_id,
+            protocol=PROTOCOL,
+            deadline=deadline,
+            headers=request_headers(metadata),
+        )
+        result = await self._plane.infer(prepared.request)
+        outputs = oip.pick_outputs(prepared, result)
+        tensor = pb.ModelInferResponse.InferOutputTensor
+        return pb.ModelInferResponse(
+            model_name=handle.name,
+            model_version=result.model_version or handle.version,
+            id=request.id,
+            outputs=[tensor(name=o.name, datatype=o.datatype, shape=o.array.shape) for o in outputs],
+            raw_output_contents=[encode_raw(o.array) for o in outputs],
+        )
+
+    @staticmethod
+    def _serving_error(exc: Exception, model: str) -> ServingError:
+        if not isinstance(exc, ServingError):
+            log.exception("OIP inference for model %r failed unexpectedly", model)
+        return as_serving_error(exc, "running the inference")
+
+
+def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int) -> OipServicer:
+    """Register GRPCInferenceService on `server`; returns the servicer (tests poke at it)."""
+    servicer = OipServicer(dataplane, max_message_bytes=max_message_bytes)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    return servicer

@@ -1,0 +1,359 @@
+"""The Open Inference Protocol's REST API (`/v2/...`), mounted on the inference app (8080).
+
+Routes: GET /v2 (server metadata), /v2/health/live, /v2/health/ready,
+/v2/models/{m}[/versions/{v}] (model metadata), .../ready, and POST .../infer with JSON
+tensors and Triton's binary tensor data extension, exactly as tritonclient's HTTP client
+speaks it (binary is its default):
+
+- request: `Inference-Header-Content-Length: n` says the first n bytes of the body are the
+  JSON; each input with `parameters.binary_data_size` takes its bytes, in input order, from
+  what follows. Without the header the whole body is JSON and inputs carry `data`.
+- response: an output is binary when its request entry says `parameters.binary_data: true`,
+  or, when it says nothing, when the request-level `parameters.binary_data_output` is true
+  (tritonclient sets it when it requests no outputs). Binary outputs carry
+  `parameters.binary_data_size` instead of `data` and follow the JSON, in output order, with
+  `Inference-Header-Content-Length` on the response; otherwise the answer is plain JSON.
+- errors: `{"error": message}` (what tritonclient reads), status from `server.errors.STATUS`.
+- `Content-Encoding: gzip|deflate` request bodies are inflated (bounded by the body limit);
+  responses are never compressed, which the protocol allows.
+
+Decoding and checks are those of `server.oip`, shared with the gRPC adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server import oip
+from server.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
+from server.http_app import (
+    DEFAULT_MAX_HEADERS,
+    OFFLOAD_DECODE_BYTES,
+    _BodyTooLarge,
+    _ClientGone,
+    _infer_unless_client_gone,
+    _read_body,
+)
+from server.tensors import decode_raw, decode_values, encode_raw
+from server.types import Protocol as WireProtocol
+
+log = logging.getLogger("mariner.http.oip")
+
+PROTOCOL = WireProtocol.OIP_HTTP
+HEADER_LENGTH = "inference-header-content-length"
+_JSON = "application/json"
+_OCTETS = "application/octet-stream"
+_PAYLOAD_TOO_LARGE = 413
+_CANCELLED_STATUS = STATUS[Code.CANCELLED].http
+_NOT_READY = STATUS[Code.UNAVAILABLE].http
+# Outputs with at least this many elements are encoded on a worker thread.
+_OFFLOAD_ELEMENTS = 64 * 1024
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def error_response(err: ServingError, status: int | None = None) -> Response:
+    """`{"error": message}` as the protocol (and tritonclient) expects; Retry-After when overloaded."""
+    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if err.code is Code.RESOURCE_EXHAUSTED else None
+    return Response(_dumps({"error": err.message}), status or err.http_status, headers, media_type=_JSON)
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_dumps(obj), status, media_type=_JSON)
+
+
+# -- request decoding -------------------------------------------------------------------------
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip/deflate request body, inflated to at most `limit` bytes (a zip bomb is a 413)."""
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise oip.bad(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise oip.bad(f"request body is not valid {encoding} data: {exc}") from None
+    if len(out) > limit:
+        raise _BodyTooLarge
+    if not inflater.eof:
+        raise oip.bad(f"request body is truncated {encoding} data")
+    return out
+
+
+def _header_length(value: str | None, size: int) -> int | None:
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) > size:
+        raise oip.bad(
+            f"Inference-Header-Content-Length must be a byte count within the {size}-byte body, got {value!r}"
+        )
+    return int(value)
+
+
+def _check_json_values(name: str, datatype: str, data: Any) -> None:
+    """JSON BYTES elements must be strings: anything else would become bytes(int) garbage."""
+    if datatype != "BYTES":
+        return
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, str):
+            raise oip.bad(f"input {name!r}: BYTES data in JSON must be strings, got {type(item).__name__}")
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise oip.bad(f"{what} must be a JSON object")
+    return value
+
+
+class ParsedInfer:
+    """A decoded REST infer request: tensors, requested outputs and their binary choices."""
+
+    def __init__(self, body: bytes, header_length: int | None, max_elements: int) -> None:
+        split = len(body) if header_length is None else header_length
+        try:
+            doc = json.loads(body[:split])
+        except ValueError as exc:
+            raise oip.bad(f"inference request is not valid JSON: {exc}") from None
+        doc = _object(doc, "the inference request")
+        client_id = doc.get("id", "")
+        if not isinstance(client_id, str):
+            raise oip.bad("request 'id' must be a string")
+        self.client_id = client_id
+        self.params = _object(doc.get("parameters"), "request 'parameters'")
+        self.binary_default = self.params.get("binary_data_output") is True
+        self.inputs = self._inputs(doc.get("inputs"), memoryview(body)[split:], max_elements)
+        self.requested: list[str] = []
+        self.binary: dict[str, bool] = {}
+        outputs = doc.get("outputs") or []
+        if not isinstance(outputs, list):
+            raise oip.bad("request 'outputs' must be a list")
+        for out in outputs:
+            out = _object(out, "each requested output")
+            name = out.get("name")
+            if not isinstance(name, str) or not name:
+                raise oip.bad("each requested output needs a 'name'")
+            params = _object(out.get("parameters"), f"output {name!r} 'parameters'")
+            oip.check_tensor_params("output", name, params)
+            self.requested.append(name)
+            if "binary_data" in params:
+                self.binary[name] = params["binary_data"] is True
+
+    @staticmethod
+    def _inputs(raw_inputs: Any, binary: memoryview, max_elements: int) -> dict[str, tuple[str, np.ndarray]]:
+        if not isinstance(raw_inputs, list) or not raw_inputs:
+            raise oip.bad("request 'inputs' must be a non-empty list of tensors")
+        decoded: dict[str, tuple[str, np.ndarray]] = {}
+        pos = 0
+        for entry in raw_inputs:
+            entry = _object(entry, "each input")
+            name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
+            if not isinstance(name, str) or not name:
+                raise oip.bad("each input needs a 'name'")
+            if name in decoded:
+                raise oip.bad(f"input {name!r} is given more than once")
+            if not isinstance(datatype, str):
+                raise oip.bad(f"input {name!r} needs a 'datatype' string")
+            if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) for d in shape
+            ):
+                raise oip.bad(f"input {name!r} needs a 'shape' list of integers")
+            datatype = datatype.upper()
+            dims = oip.check_header(name, datatype, shape, max_elements)
+            params = _object(entry.get("parameters"), f"input {name!r} 'parameters'")
+            oip.check_tensor_params("input", name, params)
+            size = params.get("binary_data_size")
+            if size is not None:
+                if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                    raise oip.bad(f"input {name!r}: binary_data_size must be a non-negative integer")
+                if pos + size > len(binary):
+                    raise oip.bad(
+                        f"input {name!r}: binary_data_size {size} runs past the body "
+                        f"({len(binary) - pos} binary bytes left)"
+                    )
+                chunk = binary[pos : pos + size]
+                pos += size
+                raw = bytes(chunk) if datatype == "BYTES" else chunk
+                decoded[name] = (datatype, decode_raw(name, datatype, dims, raw))  # type: ignore[arg-type]
+                continue
+            if "data" not in entry:
+                raise oip.bad(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+            data = entry["data"]
+            if not isinstance(data, list):
+                data = [data]
+            _check_json_values(name, datatype, data)
+            decoded[name] = (datatype, decode_values(name, datatype, dims, data))
+        if pos != len(binary):
+            raise oip.bad(
+                f"{len(binary) - pos} bytes of binary data follow the JSON that no input's "
+                "binary_data_size accounts for"
+            )
+        return decoded
+
+
+# -- response encoding ------------------------------------------------------------------------
+def _json_data(arr: np.ndarray) -> list[Any] | None:
+    """Flat row-major JSON values, or None when they cannot be JSON (non-UTF-8 BYTES)."""
+    flat = arr.reshape(-1)
+    if flat.dtype.kind in "OSU":
+        try:
+            return [v if isinstance(v, str) else bytes(v).decode("utf-8") for v in flat]
+        except UnicodeDecodeError:
+            return None
+    return flat.tolist()  # FP16 and BF16 included: numpy gives Python floats
+
+
+def encode_response(
+    outputs: list[oip.OutputTensor], parsed: ParsedInfer, header: dict[str, Any]
+) -> tuple[bytes, int | None]:
+    """JSON response body plus binary parts; returns (body, JSON length or None if no binary)."""
+    entries: list[dict[str, Any]] = []
+    parts: list[bytes] = []
+    for out in outputs:
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
+        want_binary = parsed.binary.get(out.name, parsed.binary_default)
+        data = None if want_binary else _json_data(out.array)
+        if data is None:
+            raw = encode_raw(out.array)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            parts.append(raw)
+        else:
+            entry["data"] = data
+        entries.append(entry)
+    head = _dumps({**header, "outputs": entries})
+    if not parts:
+        return head, None
+    return b"".join([head, *parts]), len(head)
+
+
+# -- routes -----------------------------------------------------------------------------------
+def routes(
+    dataplane: oip.OipPlane, *, max_body_bytes: int, max_headers: int = DEFAULT_MAX_HEADERS
+) -> list[Route]:
+    """The /v2 routes over `dataplane`; `max_body_bytes` bounds a request (inflated) body."""
+    max_elements = oip.element_cap(max_body_bytes)
+
+    def guarded(
+        what: str, fn: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ServingError as e:
+                return error_response(e)
+            except Exception:
+                log.exception("OIP request %s %s failed", request.method, request.url.path)
+                return error_response(internal(what))
+
+        return endpoint
+
+    async def server_metadata(request: Request) -> Response:
+        return _json(oip.server_metadata())
+
+    async def live(request: Request) -> Response:
+        ok = dataplane.is_live()
+        return _json({"live": ok}, 200 if ok else _NOT_READY)
+
+    async def ready(request: Request) -> Response:
+        ok = dataplane.is_ready()
+        return _json({"ready": ok}, 200 if ok else _NOT_READY)
+
+    async def model_metadata(request: Request) -> Response:
+        p = request.path_params
+        return _json(oip.model_metadata(dataplane, p["model"], p.get("version")))
+
+    async def model_ready(request: Request) -> Response:
+        p = request.path_params
+        handle = dataplane.resolve(p["model"], p.get("version"))  # unknown: 404
+        ok = dataplane.model_ready(handle.name, handle.version)
+        return _json({"name": handle.name, "ready": ok}, 200 if ok else _NOT_READY)
+
+    async def run_infer(request: Request) -> Response:
+        p = request.path_params
+        body = await _read_body(request, max_body_bytes)
+        body = inflate(body, request.headers.get("content-encoding", "").strip().lower(), max_body_bytes)
+        header_length = _header_length(request.headers.get(HEADER_LENGTH), len(body))
+        handle = dataplane.resolve(p["model"], p.get("version"))
+        if len(body) < OFFLOAD_DECODE_BYTES:
+            parsed = ParsedInfer(body, header_length, max_elements)
+        else:
+            parsed = await run_in_threadpool(ParsedInfer, body, header_length, max_elements)
+        raw_headers = request.scope["headers"][:max_headers]
+        prepared = oip.prepare(
+            handle,
+            inputs=parsed.inputs,
+            requested=parsed.requested,
+            request_id=oip.request_id_of(parsed.client_id),
+            protocol=PROTOCOL,
+            deadline=oip.deadline_from(parsed.params, None),
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers},
+        )
+        result = await _infer_unless_client_gone(dataplane, prepared.request, request.receive)  # type: ignore[arg-type]
+        outputs = oip.pick_outputs(prepared, result)
+        header: dict[str, Any] = {
+            "model_name": handle.name,
+            "model_version": result.model_version or handle.version,
+        }
+        if parsed.client_id:
+            header["id"] = parsed.client_id
+        if sum(o.array.size for o in outputs) < _OFFLOAD_ELEMENTS:
+            content, json_length = encode_response(outputs, parsed, header)
+        else:
+            content, json_length = await run_in_threadpool(encode_response, outputs, parsed, header)
+        if json_length is None:
+            return Response(content, 200, media_type=_JSON)
+        return Response(
+            content, 200, {"inference-header-content-length": str(json_length)}, media_type=_OCTETS
+        )
+
+    async def infer(request: Request) -> Response:
+        t0 = time.perf_counter()
+        p = request.path_params
+        try:
+            response = await run_infer(request)
+        except ServingError as e:
+            response = error_response(e)
+        except _BodyTooLarge:
+            err = oip.bad(f"request body is larger than the limit of {max_body_bytes} bytes (max_body_bytes)")
+            response = error_response(err, _PAYLOAD_TOO_LARGE)
+        except (_ClientGone, ClientDisconnect):
+            response = Response(status_code=_CANCELLED_STATUS)  # nobody reads it; counted as 499
+        except Exception:
+            log.exception("OIP infer for model %r failed", p["model"])
+            response = error_response(internal("running the inference"))
+        oip.observe(dataplane, PROTOCOL, p["model"], p.get("version"), str(response.status_code), t0)
+        return response
+
+    get = ["GET"]
+    model = "/v2/models/{model}"
+    versioned = "/v2/models/{model}/versions/{version}"
+    return [
+        Route("/v2", guarded("reading server metadata", server_metadata), methods=get),
+        Route("/v2/health/live", guarded("checking liveness", live), methods=get),
+        Route("/v2/health/ready", guarded("checking readiness", ready), methods=get),
+        Route(model, guarded("reading model metadata", model_metadata), methods=get),
+        Route(versioned, guarded("reading model metadata", model_metadata), methods=get),
+        Route(f"{model}/ready", guarded("checking model readiness", model_ready), methods=get),
+        Route(f"{versioned}/ready", guarded("checking model readiness", model_ready), methods=get),
+        Route(f"{model}/infer", infer, methods=["POST"]),
+        Route(f"{versioned}/infer", infer, methods=["POST"]),
+    ]
