@@ -32,6 +32,7 @@ CHECKS: tuple[str, ...] = (
     "grpc.infer_fp32_rows",
     "grpc.infer_batch_one_request",
     "grpc.infer_requested_output",
+    "grpc.async_infer_concurrent",
     "grpc.unknown_model_not_found",
     "grpc.wrong_shape_invalid_argument",
     "grpc.wrong_datatype_invalid_argument",
@@ -46,6 +47,7 @@ CHECKS: tuple[str, ...] = (
     "http.infer_batch_one_request",
     "http.infer_requested_output",
     "http.infer_json_tensors",
+    "http.async_infer_concurrent",
     "http.unknown_model_not_found",
     "http.wrong_shape_invalid_argument",
     "http.wrong_datatype_invalid_argument",
@@ -76,6 +78,7 @@ class Env:
     exc: type[Exception]  # tritonclient.utils.InferenceServerException
     gc: Any  # tritonclient.grpc.InferenceServerClient
     hc: Any  # tritonclient.http.InferenceServerClient
+    hc_url: str
     model: str
     pixels: Any  # (N, 64) float32
     logits: Any  # (N, 10) float32, the eager model's
@@ -167,6 +170,17 @@ def model_metadata(env: Env, t: str) -> None:
         outs = [(x["name"], x["datatype"], [int(d) for d in x["shape"]]) for x in m.get("outputs", [])]
     expect(name == env.model, f"metadata name {name!r}, expected {env.model!r}")
     _check_signature(ins, outs)
+    versions = list(m.versions) if t == "grpc" else m.get("versions") or []
+    for v in versions[:1]:  # an advertised version must be addressable
+        c = env.gc if t == "grpc" else env.hc
+        expect(c.is_model_ready(env.model, model_version=str(v)) is True, f"version {v!r} is not ready")
+    try:
+        (env.gc if t == "grpc" else env.hc).get_model_metadata("no_such_model")
+    except env.exc as e:
+        want = "StatusCode.NOT_FOUND" if t == "grpc" else "404"
+        expect(e.status() == want, f"metadata of an unknown model: status {e.status()!r}, expected {want!r}")
+    else:
+        raise CheckFailed("metadata of an unknown model did not fail")
 
 
 def infer_fp32_rows(env: Env, t: str) -> None:
@@ -211,6 +225,44 @@ def infer_requested_output(env: Env, t: str) -> None:
     names = [o.name for o in response.outputs] if t == "grpc" else [o["name"] for o in response["outputs"]]
     expect(names == ["label"], f"asked for ['label'], got {names}")
     expect(result.as_numpy("label").tolist() == env.logits[:3].argmax(axis=1).tolist(), "labels differ")
+
+
+def async_infer_concurrent(env: Env, t: str) -> None:
+    """Several single-row requests in flight at once (the batcher may merge them): each its own answer."""
+    n = min(8, len(env.pixels))
+    if t == "grpc":
+        results: dict[int, Any] = {}
+        done = threading.Semaphore(0)
+
+        def make_cb(i: int) -> Callable[[Any, Any], None]:
+            def cb(result: Any, error: Any) -> None:
+                results[i] = error if error is not None else result
+                done.release()
+
+            return cb
+
+        for i in range(n):
+            env.gc.async_infer(env.model, _inputs(env, env.grpc, env.pixels[i : i + 1]), make_cb(i))
+        for _ in range(n):
+            expect(done.acquire(timeout=STREAM_TIMEOUT_S), f"only {len(results)} of {n} async answers came")
+    else:
+        hc = env.http.InferenceServerClient(env.hc_url, concurrency=n)
+        try:
+            pending = [
+                hc.async_infer(env.model, _inputs(env, env.http, env.pixels[i : i + 1])) for i in range(n)
+            ]
+            results = {}
+            for i, p in enumerate(pending):
+                try:
+                    results[i] = p.get_result(timeout=STREAM_TIMEOUT_S)
+                except env.exc as e:
+                    results[i] = e
+        finally:
+            hc.close()
+    for i in range(n):
+        r = results[i]
+        expect(not isinstance(r, Exception), f"async request {i}: {r}")
+        _close(env, r.as_numpy("logits"), env.logits[i : i + 1], f"async row {i} logits")
 
 
 def infer_json_tensors(env: Env, t: str) -> None:
@@ -354,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             InferenceServerException,
             gc,
             hc,
+            args.http,
             args.model,
             data["pixels"].astype(np.float32),
             data["logits"].astype(np.float32),
