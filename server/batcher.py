@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,10 +67,22 @@ class BatchPolicy:
     max_batch_size: int = 8
     max_batch_delay_s: float = 0.0
     max_queue: int = 1024
+    # A batch running longer than this is abandoned: its callers get DEADLINE_EXCEEDED and the
+    # instance is replaced (a hung handler must not stall the model forever). None = no limit.
+    batch_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 1 or self.max_batch_delay_s < 0:
             raise ValueError(f"invalid batch policy {self}")
+
+
+class InstanceFailed(Exception):
+    """Raised by a runner that can no longer be used (its handler ended the instance)."""
+
+
+# Called with a failed or hung runner and the reason; returns its replacement (or None to
+# retire it). The batcher keeps serving with the remaining runners meanwhile.
+ReplaceRunner = Callable[[BatchRunner, str], Awaitable[BatchRunner | None]]
 
 
 @dataclass
@@ -90,6 +102,7 @@ class Batcher:
         *,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        replace_runner: ReplaceRunner | None = None,
     ) -> None:
         if not runners:
             raise ValueError("a batcher needs at least one runner")
@@ -107,6 +120,8 @@ class Batcher:
         self._busy = 0  # batches running now; changes together with the idle-runner queue
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._replace_runner = replace_runner
+        self._replacing: set[asyncio.Task[None]] = set()
 
     # -- public ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,6 +178,8 @@ class Batcher:
                     ServingError(Code.UNAVAILABLE, "server shut down before this request ran")
                 )
         self._queue.clear()
+        for t in list(self._replacing):
+            t.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -253,15 +270,17 @@ class Batcher:
 
     async def _run(self, runner: BatchRunner, batch: list[_Pending]) -> None:
         started = self._clock()
+        broken: str | None = None  # why the runner must not be reused
         try:
             self._observer.batch_started(
                 sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
             )
-            results = await runner.run(
-                [p.req.data for p in batch],
-                [p.req.request_id for p in batch],
-                [p.req.headers for p in batch],
-            )
+            async with asyncio.timeout(self.policy.batch_timeout_s):
+                results = await runner.run(
+                    [p.req.data for p in batch],
+                    [p.req.request_id for p in batch],
+                    [p.req.headers for p in batch],
+                )
             if len(results) != len(batch):
                 log.error(
                     "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
@@ -269,6 +288,25 @@ class Batcher:
                 raise internal("matching results to requests")
         except ServingError as exc:
             self._fail(batch, exc)
+        except TimeoutError:
+            broken = "hung"
+            log.error("runner %s did not finish a batch within %s s; replacing it", runner.id,
+                      self.policy.batch_timeout_s)  # fmt: skip
+            self._fail(
+                batch,
+                ServingError(
+                    Code.DEADLINE_EXCEEDED,
+                    "the model did not answer within its responseTimeout "
+                    f"({self.policy.batch_timeout_s:g} s); its instance is being replaced",
+                ),
+            )
+        except InstanceFailed as exc:
+            broken = "failed"
+            log.error("runner %s failed: %s; replacing it", runner.id, exc)
+            self._fail(
+                batch,
+                ServingError(Code.UNAVAILABLE, "the model instance failed on this batch and is restarting"),
+            )
         except asyncio.CancelledError:
             # The instance (or this task) stopped mid-batch: answer the callers, then stop.
             self._fail(batch, ServingError(Code.UNAVAILABLE, "the model instance stopped before answering"))
@@ -285,5 +323,21 @@ class Batcher:
             # Busy count and idle queue change together, so the dispatcher never mistakes a
             # finished batch for another instance still computing.
             self._busy -= 1
-            self._idle.put_nowait(runner)
+            if broken is None or self._replace_runner is None:
+                self._idle.put_nowait(runner)
+            else:
+                task = asyncio.get_running_loop().create_task(self._replace(runner, broken))
+                self._replacing.add(task)
+                task.add_done_callback(self._replacing.discard)
+            self._arrival.set()
+
+    async def _replace(self, runner: BatchRunner, reason: str) -> None:
+        assert self._replace_runner is not None
+        try:
+            new = await self._replace_runner(runner, reason)
+        except Exception:
+            log.exception("replacing runner %s failed; the model has one instance fewer", runner.id)
+            return
+        if new is not None and not self._closed:
+            self._idle.put_nowait(new)
             self._arrival.set()

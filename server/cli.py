@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 
@@ -27,11 +30,22 @@ def _serve(argv: Sequence[str]) -> int:
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         runner = asyncio.run
     try:
-        return runner(run(cfg))
+        rc = runner(run(cfg))
     except (ServingError, OSError) as exc:
         # Start-up failures (missing archive, port in use) are the user's to fix: say what, no traceback.
         logging.getLogger("mariner").error("cannot start: %s", getattr(exc, "message", exc))
         return 2
+    deadline = time.monotonic() + 1.0  # idle runner threads exit at once; give them a moment
+    for t in threading.enumerate():
+        if t.name.startswith("runner-"):
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threading.enumerate() if t.name.startswith("runner-") and t.is_alive()]
+    if stuck:
+        # A hung handler's thread cannot be killed, and the interpreter would wait for it at exit.
+        logging.getLogger("mariner").warning("exiting with hung handler threads: %s", ", ".join(stuck))
+        logging.shutdown()
+        os._exit(rc)
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from server.archive import ArchiveLimits, ModelArchive, open_archive, resolve_in_store
-from server.batcher import Batcher, BatchPolicy
+from server.batcher import Batcher, BatchPolicy, BatchRunner
 from server.errors import Code, ServingError
 from server.metrics import Metrics
-from server.runner import Runner, place_instances
+from server.runner import Placement, Runner, place_instances
 from server.tensors import ModelSignature
 from server.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
@@ -115,13 +115,60 @@ class ModelEndpoint:
         placements = place_instances(
             self.min_workers, device_type=cfg.get("deviceType"), torch_threads=settings.torch_threads
         )
-        self.runners = [
-            Runner(archive, instance=i, placement=p, batch_size=self.batch_size)
-            for i, p in enumerate(placements)
-        ]
         self._metrics = metrics
+        self._oom = metrics.oom_splits.labels(self.name, self.version)
+        self.runners = [self._new_runner(i, p) for i, p in enumerate(placements)]
         self.batcher: Batcher | None = None
-        self.policy = BatchPolicy(self.batch_size, self.max_batch_delay_ms / 1e3, self.max_queue)
+        self.policy = BatchPolicy(
+            self.batch_size,
+            self.max_batch_delay_ms / 1e3,
+            self.max_queue,
+            batch_timeout_s=self.response_timeout_s,
+        )
+
+    def _new_runner(self, instance: int, placement: Placement, generation: int = 0) -> Runner:
+        return Runner(
+            self.archive,
+            instance=instance,
+            placement=placement,
+            batch_size=self.batch_size,
+            generation=generation,
+            on_oom=self._oom.inc,
+        )
+
+    def _refresh_state(self) -> None:
+        """READY while at least one instance is; RESTARTING while every instance is being replaced."""
+        if self.state in (ModelState.STOPPING, ModelState.LOADING, ModelState.FAILED):
+            return
+        ready = any(r.status == "READY" for r in self.runners)
+        self.state = ModelState.READY if ready else ModelState.RESTARTING
+        self._metrics.model_ready.labels(self.name, self.version).set(1 if ready else 0)
+
+    async def replace_runner(self, old: BatchRunner, reason: str) -> Runner | None:
+        """Replace a hung or failed instance on the same device, retrying with backoff."""
+        assert isinstance(old, Runner)
+        old.abandon()
+        self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
+        self._refresh_state()
+        backoff = 0.2
+        generation = old.generation + 1
+        while self.state is not ModelState.STOPPING:
+            new = self._new_runner(old.instance, old.placement, generation)
+            self.runners[self.runners.index(old)] = new
+            old = new
+            try:
+                await new.start()
+            except Exception:
+                log.exception("restarting instance %s failed; retrying in %.1f s", new.id, backoff)
+                new.abandon()
+                generation += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self._refresh_state()
+            log.info("instance %s replaced (%s) and ready", new.id, reason)
+            return new
+        return None
 
     async def load(self) -> None:
         t0 = time.perf_counter()
@@ -132,7 +179,10 @@ class ModelEndpoint:
             self._metrics.model_ready.labels(self.name, self.version).set(0)
             raise
         self.batcher = Batcher(
-            self.runners, self.policy, observer=_ObserverAdapter(self._metrics, self.name, self.version)
+            self.runners,
+            self.policy,
+            observer=_ObserverAdapter(self._metrics, self.name, self.version),
+            replace_runner=self.replace_runner,
         )
         self.batcher.start()
         self.load_seconds = time.perf_counter() - t0
@@ -236,7 +286,7 @@ class DataPlane:
         results = await asyncio.gather(*(ep.load() for ep in endpoints), return_exceptions=True)
         for ep, res in zip(endpoints, results, strict=True):
             if isinstance(res, BaseException):
-                log.error("model %s version %s failed to load: %s", ep.name, ep.version, res)
+                log.error("model %s version %s failed to load: %r", ep.name, ep.version, res, exc_info=res)
 
     def _open(self, spec: ModelSpec) -> ModelEndpoint:
         path = resolve_in_store(self.settings.model_store, spec.archive)

@@ -90,6 +90,18 @@ class Metrics:
             labels,
             registry=self.registry,
         )
+        self.instance_restarts = Counter(
+            "mariner_instance_restarts",
+            "Model instances replaced after their handler hung or ended the instance.",
+            (*labels, "reason"),
+            registry=self.registry,
+        )
+        self.oom_splits = Counter(
+            "mariner_oom_batch_splits",
+            "Batches split in halves and retried after running out of memory.",
+            labels,
+            registry=self.registry,
+        )
         self.gpu_memory_bytes = Gauge(
             "mariner_gpu_memory_allocated_bytes",
             "torch.cuda.memory_allocated per device (only when CUDA is in use).",

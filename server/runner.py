@@ -15,12 +15,13 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from server.archive import ModelArchive
+from server.batcher import InstanceFailed
 from server.context import Context
 from server.errors import Code, ServingError
 from server.types import InferResult
@@ -52,6 +53,21 @@ def place_instances(count: int, *, device_type: str | None, torch_threads: int |
         except ImportError:  # pragma: no cover - torch is a hard dependency
             gpus = 0
     return [Placement(gpu_id=(i % gpus) if gpus else None, torch_threads=torch_threads) for i in range(count)]
+
+
+class _OutOfMemory(Exception):
+    """Internal signal: the handler ran out of (device or host) memory on this batch."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _release_cached_memory(placement: Placement) -> None:
+    if placement.gpu_id is not None:
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def encode_output(value: Any) -> bytes:
@@ -118,10 +134,21 @@ class Runner:
     """One instance of one model version on one device."""
 
     def __init__(
-        self, archive: ModelArchive, *, instance: int, placement: Placement, batch_size: int
+        self,
+        archive: ModelArchive,
+        *,
+        instance: int,
+        placement: Placement,
+        batch_size: int,
+        generation: int = 0,
+        on_oom: Callable[[], None] | None = None,
     ) -> None:
         self.archive = archive
-        self.id = f"{archive.name}-{archive.version}-{instance}"
+        self.instance = instance
+        self.generation = generation
+        self.id = f"{archive.name}-{archive.version}-{instance}" + (f".{generation}" if generation else "")
+        self.oom_splits = 0
+        self._on_oom = on_oom
         self.placement = placement
         self.batch_size = batch_size
         self.status = "LOADING"
@@ -182,9 +209,36 @@ class Runner:
     ) -> list[InferResult]:
         """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._run_batch, list(data), request_ids, headers)
+        try:
+            fut = loop.run_in_executor(self._executor, self._run_batch, list(data), request_ids, headers)
+        except RuntimeError as exc:  # executor shut down: this instance is gone
+            raise InstanceFailed(f"instance {self.id} is stopped") from exc
+        return await fut
 
     def _run_batch(
+        self, data: list[Mapping[str, Any]], request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]
+    ) -> list[InferResult]:
+        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request)."""
+        try:
+            return self._handle_batch(data, request_ids, headers)
+        except _OutOfMemory:
+            if len(data) == 1:
+                raise ServingError(
+                    Code.RESOURCE_EXHAUSTED,
+                    "the model ran out of memory on this request alone; send a smaller input",
+                ) from None
+            self.oom_splits += 1
+            if self._on_oom is not None:
+                self._on_oom()
+            _release_cached_memory(self.placement)
+            mid = len(data) // 2
+            log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id, len(data),
+                        mid, len(data) - mid)  # fmt: skip
+            return self._run_batch(data[:mid], request_ids[:mid], headers[:mid]) + self._run_batch(
+                data[mid:], request_ids[mid:], headers[mid:]
+            )
+
+    def _handle_batch(
         self, data: list[Mapping[str, Any]], request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]
     ) -> list[InferResult]:
         ctx = self._context
@@ -195,11 +249,19 @@ class Runner:
             outputs = self._run_on_stream(self._handle, data, ctx)
         except ServingError:
             raise
-        except Exception:
+        except Exception as exc:
+            if _is_oom(exc):
+                raise _OutOfMemory from None
             log.exception("handler of %s raised for a batch of %d", self.id, len(data))
             raise ServingError(
                 Code.INTERNAL, "the model's handler failed on this batch; see the server log"
             ) from None
+        except BaseException as exc:  # SystemExit & co: the instance is gone, not just this batch
+            log.error(
+                "handler of %s ended its instance (%s); it will be replaced", self.id, type(exc).__name__
+            )
+            self.status = "FAILED"
+            raise InstanceFailed(f"handler raised {type(exc).__name__}") from None
         finally:
             self.batches += 1
         if not isinstance(outputs, list) or len(outputs) != len(data):
@@ -227,4 +289,10 @@ class Runner:
 
     def close(self) -> None:
         self.status = "STOPPED"
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def abandon(self) -> None:
+        """Give up on this instance (hung or failed). Python cannot kill a thread: a handler stuck
+        in a call keeps its thread until the call returns, but nothing will be sent to it again."""
+        self.status = "FAILED"
         self._executor.shutdown(wait=False, cancel_futures=True)

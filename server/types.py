@@ -67,6 +67,7 @@ class ModelState(enum.Enum):
     LOADING = "LOADING"
     READY = "READY"
     FAILED = "FAILED"
+    RESTARTING = "RESTARTING"  # every instance is being replaced after a hang or failure
     STOPPING = "STOPPING"
 
 

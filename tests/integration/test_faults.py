@@ -1,0 +1,168 @@
+"""Reliability with a fault-injecting handler on a real server: failures stay contained.
+
+A handler that raises for one item fails that item only; one that raises for a batch fails
+that batch only; one that hangs past responseTimeout gets DEADLINE_EXCEEDED and its instance is
+replaced; one that ends its instance is restarted; running out of memory splits the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import requests
+
+from server import protogen
+from tests.integration.fault_archive import build_fault_archive
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+    store = tmp_path_factory.mktemp("store")
+    build_fault_archive(store, response_timeout_s=2)
+    srv = InProcessMariner(store, "faulty.mar").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def post(srv: InProcessMariner, op: str, value: Any = None, timeout: float = 30) -> requests.Response:
+    return requests.post(f"{srv.http}/predictions/faulty", json={"op": op, "value": value}, timeout=timeout)
+
+
+def counter(srv: InProcessMariner, name: str, **labels: str) -> float:
+    text = requests.get(f"{srv.metrics}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def behind_a_busy_instance(srv: InProcessMariner, ops: list[tuple[str, Any]]) -> list[requests.Response]:
+    """Occupy the single instance, queue `ops` meanwhile, so they run together as one batch."""
+    with ThreadPoolExecutor(len(ops) + 1) as pool:
+        blocker = pool.submit(post, srv, "sleep", 0.6)
+        time.sleep(0.2)  # let the blocker reach the instance first
+        futures = [pool.submit(post, srv, op, value) for op, value in ops]
+        assert blocker.result().status_code == 200
+        return [f.result() for f in futures]
+
+
+def wait_until_ok(srv: InProcessMariner, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = post(srv, "ok", "again")
+        if r.status_code == 200:
+            return
+        assert r.status_code == 503, r.text  # only "restarting" is acceptable meanwhile
+        time.sleep(0.1)
+    raise AssertionError("the model did not come back")
+
+
+def test_bad_item_fails_alone(server: InProcessMariner) -> None:
+    out = behind_a_busy_instance(server, [("ok", 1), ("bad_item", 2), ("ok", 3)])
+    assert [r.status_code for r in out] == [200, 400, 200]
+    assert out[0].json()["batch"] == 3, "the three requests should have shared one batch"
+
+
+def test_a_batch_failure_fails_only_that_batch_with_a_sanitized_error(server: InProcessMariner) -> None:
+    out = behind_a_busy_instance(server, [("ok", 1), ("raise_batch", 2)])
+    assert [r.status_code for r in out] == [500, 500]
+    assert "secret" not in out[1].text
+    assert "Traceback" not in out[1].text
+    assert post(server, "ok", 4).status_code == 200
+
+
+def test_wrong_result_count_is_an_internal_error(server: InProcessMariner) -> None:
+    r = post(server, "wrong_count")
+    assert r.status_code == 500
+    assert "returned 0 results for a batch of 1" in r.json()["message"]
+    assert post(server, "ok").status_code == 200
+
+
+def test_out_of_memory_splits_the_batch_and_answers_everyone(server: InProcessMariner) -> None:
+    before = counter(server, "mariner_oom_batch_splits_total")
+    out = behind_a_busy_instance(server, [("oom_batched", i) for i in range(4)])
+    assert [r.status_code for r in out] == [200] * 4
+    assert [r.json()["echo"] for r in out] == [0, 1, 2, 3]
+    assert counter(server, "mariner_oom_batch_splits_total") - before >= 1
+    r = post(server, "oom_always")
+    assert r.status_code == 503  # RESOURCE_EXHAUSTED
+    assert "memory" in r.json()["message"]
+
+
+def test_a_hung_handler_times_out_and_its_instance_is_replaced(server: InProcessMariner) -> None:
+    before = counter(server, "mariner_instance_restarts_total", reason="hung")
+    t0 = time.monotonic()
+    r = post(server, "hang")
+    assert r.status_code == 504
+    assert time.monotonic() - t0 < 10
+    wait_until_ok(server)
+    assert counter(server, "mariner_instance_restarts_total", reason="hung") - before == 1
+
+
+def test_an_instance_that_ends_is_restarted_and_health_recovers(server: InProcessMariner) -> None:
+    protogen.generate()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+
+    before = counter(server, "mariner_instance_restarts_total", reason="failed")
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Predictions(
+                inference_pb2.PredictionsRequest(
+                    model_name="faulty", input={"data": json.dumps({"op": "exit"}).encode()}
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        wait_until_ok(server)
+        health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        while (
+            health.Check(health_pb2.HealthCheckRequest(service="faulty")).status
+            != health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline, "health did not return to SERVING"
+            time.sleep(0.1)
+    assert counter(server, "mariner_instance_restarts_total", reason="failed") - before == 1
+    describe = requests.get(f"{server.management}/models/faulty", timeout=10).json()
+    assert re.search(r"faulty-1\.0-0\.\d+", json.dumps(describe)), describe
+
+
+def test_overload_rejects_at_once_and_answers_every_accepted_request(tmp_path: Path) -> None:
+    build_fault_archive(tmp_path, name="faulty", response_timeout_s=30)
+    srv = InProcessMariner(tmp_path, "faulty.mar", max_queue=4).start()
+    try:
+        codes: list[int] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            r = post(srv, "sleep" if i == 0 else "ok", 0.5 if i == 0 else i)
+            with lock:
+                codes.append(r.status_code)
+            if r.status_code == 503:
+                assert r.headers.get("Retry-After") == "1"
+                assert "overloaded" in r.json()["message"]
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(16)))
+        assert set(codes) <= {200, 503}
+        assert codes.count(503) >= 1, "a queue of 4 cannot take 15 waiting requests"
+        assert codes.count(200) >= 5
+    finally:
+        srv.stop()
