@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools models serve serve-torchserve test lint format clean
+.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ java:
 # kubectl renders the kustomizations in the manifest tests (offline; no cluster needed).
 k8s-tools:
 	bash scripts/ensure_kubectl.sh
+
+# tritonclient has its own venv: it needs protobuf < 7, and its `inference` stubs clash with ours.
+triton-venv:
+	PYTHON=$(PYTHON) bash scripts/ensure_triton_venv.sh
 
 # The store is rebuilt when the training code or the handler changes.
 models: $(STORE)/index.json
@@ -47,7 +51,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv protos java k8s-tools models lint
+test: venv protos java k8s-tools triton-venv models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
