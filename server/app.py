@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +22,19 @@ import uvicorn
 
 from server.config import ServerConfig, model_specs, pinned_digests
 from server.dataplane import DataPlane, PlaneSettings
+from server.errors import Code, ServingError
 from server.grpc_server import build_grpc_servers
 from server.http_app import inference_app, management_app, metrics_app
 from server.metrics import Metrics, MetricsConfig
+from server.security import (
+    OPEN_HTTP_HEALTH_PATHS,
+    GrpcTokenAuth,
+    HttpTokenAuth,
+    Tokens,
+    exposure_problems,
+    grpc_credentials,
+    load_tokens,
+)
 
 log = logging.getLogger("mariner")
 
@@ -34,6 +45,53 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
+    tls: dict[str, object] = {}
+    if cfg.tls_cert_file is not None:
+        tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
+        if cfg.tls_client_ca_file is not None:
+            tls.update(ssl_ca_certs=str(cfg.tls_client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        lifespan="off",
+        access_log=cfg.access_log,
+        log_level="warning",
+        timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
+        **tls,
+    )
+
+
+def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
+    """Load the tokens; refuse to listen beyond loopback without them unless --insecure."""
+    if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
+        raise ServingError(Code.INVALID_ARGUMENT, "TLS needs both --tls-cert-file and --tls-key-file")
+    inference = load_tokens(cfg.inference_token, cfg.inference_token_file)
+    management = load_tokens(cfg.management_token, cfg.management_token_file)
+    problems = exposure_problems(
+        {
+            "HTTP inference": (cfg.inference_address, inference),
+            "gRPC inference": (cfg.grpc_inference_address, inference),
+            "HTTP management": (cfg.management_address, management),
+            "gRPC management": (cfg.grpc_management_address, management),
+        }
+    )
+    if problems and not cfg.insecure:
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            "refusing to listen beyond loopback without authentication ("
+            + "; ".join(problems)
+            + "): anyone who can reach these ports could run the models and manage them. Set "
+            "MARINER_INFERENCE_TOKEN_FILE / MARINER_MANAGEMENT_TOKEN_FILE (or the *_TOKEN variables), "
+            "or pass --insecure if something in front of Mariner authenticates callers",
+        )
+    if problems:
+        log.warning("listening beyond loopback WITHOUT authentication (--insecure): %s", "; ".join(problems))
+    return inference, management
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -68,33 +126,36 @@ class MarinerServer:
             ),
             self.metrics,
         )
+        inference_tokens, management_tokens = check_exposure(cfg)
+        health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
+        tls = cfg.tls_cert_file is not None
         self.grpc = build_grpc_servers(
             self.dataplane,
             inference_address=cfg.grpc_inference_address,
             management_address=cfg.grpc_management_address,
             max_message_bytes=cfg.max_request_bytes,
+            inference_interceptors=[GrpcTokenAuth(inference_tokens, open_health=cfg.open_health)],
+            management_interceptors=[GrpcTokenAuth(management_tokens, open_health=cfg.open_health)],
+            credentials=grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            if tls and cfg.tls_key_file
+            else None,
         )
+        metrics_tokens = Tokens() if cfg.open_metrics else (management_tokens or inference_tokens)
         self._http: list[_EmbeddedUvicorn] = []
         for app, address in (
-            (inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes), cfg.inference_address),
-            (management_app(self.dataplane), cfg.management_address),
-            (metrics_app(self.dataplane), cfg.metrics_address),
+            (
+                HttpTokenAuth(
+                    inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
+                    inference_tokens,
+                    open_paths=health_paths,
+                ),
+                cfg.inference_address,
+            ),
+            (HttpTokenAuth(management_app(self.dataplane), management_tokens), cfg.management_address),
+            (HttpTokenAuth(metrics_app(self.dataplane), metrics_tokens), cfg.metrics_address),
         ):
             host, port = _split(address)
-            self._http.append(
-                _EmbeddedUvicorn(
-                    uvicorn.Config(
-                        app,
-                        host=host,
-                        port=port,
-                        loop="none",
-                        lifespan="off",
-                        access_log=cfg.access_log,
-                        log_level="warning",
-                        timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
-                    )
-                )
-            )
+            self._http.append(_EmbeddedUvicorn(_uvicorn_config(app, host, port, cfg)))
         self._http_tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
         self.ports: BoundPorts | None = None

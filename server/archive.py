@@ -24,6 +24,7 @@ import yaml
 from server.errors import Code, ServingError
 
 MANIFEST = "MAR-INF/MANIFEST.json"
+UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,12 @@ def open_archive(
     """Check and unpack `path` into a private dir under `work_root`; read manifest and config."""
     limits = limits or ArchiveLimits()
     digest = sha256_file(path)
+    if expected_sha256 == UNLISTED:
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            f"archive {path.name} (sha256 {digest}) is not in the store's allowlist (index.json); "
+            "not loading it",
+        )
     if expected_sha256 is not None and digest != expected_sha256.lower():
         raise ServingError(
             Code.PERMISSION_DENIED,

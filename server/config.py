@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from server.archive import UNLISTED
 from server.dataplane import ModelSpec
 
 
@@ -48,6 +49,17 @@ class ServerConfig:
     log_level: str = "INFO"
     access_log: bool = False
     pin_index: bool = False
+    # Security: tokens never appear in repr/logs; prefer *_file or env over flags (ps shows argv).
+    inference_token: str | None = field(default=None, repr=False)
+    inference_token_file: Path | None = None
+    management_token: str | None = field(default=None, repr=False)
+    management_token_file: Path | None = None
+    open_health: bool = True
+    open_metrics: bool = True
+    insecure: bool = False
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
     config_file: Path | None = None
     model_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
@@ -74,7 +86,17 @@ _HELP = {
     "enable_model_management": "allow register/unregister/scale (archives from the model store only)",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
     "access_log": "log one line per HTTP request",
-    "pin_index": "refuse archives whose sha256 differs from MODEL_STORE/index.json",
+    "pin_index": "refuse archives not listed with their sha256 in MODEL_STORE/index.json",
+    "inference_token": "bearer token(s), comma-separated, for inference APIs (prefer the env var or a file)",
+    "inference_token_file": "file with inference bearer tokens, one per line",
+    "management_token": "bearer token(s) for management APIs and (unless open) metrics",
+    "management_token_file": "file with management bearer tokens, one per line",
+    "open_health": "health checks (/ping, /healthz, /readyz, /v2/health/*, grpc.health.v1) need no token",
+    "open_metrics": "/metrics needs no token",
+    "insecure": "allow listening beyond loopback without tokens (not recommended)",
+    "tls_cert_file": "PEM certificate: serve gRPC and HTTP over TLS",
+    "tls_key_file": "PEM private key for --tls-cert-file",
+    "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS)",
     "config_file": "YAML/JSON config, or a TorchServe config.properties",
 }
 
@@ -249,7 +271,7 @@ def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> l
                 min_workers=cfg.min_workers or over.get("min_workers"),
                 max_workers=over.get("max_workers"),
                 max_queue=cfg.max_queue,
-                sha256=(pinned or {}).get(archive),
+                sha256=None if pinned is None else pinned.get(archive, UNLISTED),
             )
         )
     return specs

@@ -272,10 +272,18 @@ class DataPlane:
 
     # -- loading --------------------------------------------------------------------------
     def open_models(self, specs: Sequence[ModelSpec]) -> None:
-        """Check and unpack every archive; the models are then known (health NOT_SERVING) but LOADING."""
-        self._expected.extend(specs)
+        """Check and unpack every archive; the models are then known (health NOT_SERVING) but LOADING.
+
+        An archive that fails its checks (missing, unsafe, not allowlisted) is logged and skipped,
+        so one bad file in the store does not take the others down; readiness covers the rest.
+        """
         for spec in specs:
-            self._open(spec)
+            try:
+                self._open(spec)
+            except ServingError as exc:
+                log.error("refusing archive %s: %s", spec.archive, exc.message)
+                continue
+            self._expected.append(spec)
 
     async def load_models(self, specs: Sequence[ModelSpec] = ()) -> None:
         """Open `specs` (if any), then initialise every LOADING model concurrently."""

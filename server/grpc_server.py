@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -54,9 +55,14 @@ def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
-def _bind(server: grpc.aio.Server, address: str, what: str) -> int:
+def _bind(
+    server: grpc.aio.Server, address: str, what: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen for gRPC {what} on {address!r}: {exc}") from exc
     if port == 0:  # older grpc versions report a failed bind as port 0
@@ -154,6 +160,9 @@ def build_grpc_servers(
     management_address: str,
     max_message_bytes: int,
     health_poll_s: float | None = DEFAULT_HEALTH_POLL_S,
+    inference_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    management_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServers:
     """Create and bind (not start) the inference and management servers.
 
@@ -166,7 +175,7 @@ def build_grpc_servers(
     options = _server_options(max_message_bytes)
     health = health_aio.HealthServicer()
 
-    inference = grpc.aio.server(options=options)
+    inference = grpc.aio.server(options=options, interceptors=list(inference_interceptors))
     grpc_inference.add_to_server(dataplane, inference)
     # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
     grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
@@ -176,7 +185,7 @@ def build_grpc_servers(
         inference,
     )
 
-    management = grpc.aio.server(options=options)
+    management = grpc.aio.server(options=options, interceptors=list(management_interceptors))
     servers: GrpcServers | None = None
 
     async def on_change() -> None:
@@ -189,8 +198,8 @@ def build_grpc_servers(
         (grpc_management.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), management
     )
 
-    inference_port = _bind(inference, inference_address, "inference")
-    management_port = _bind(management, management_address, "management")
+    inference_port = _bind(inference, inference_address, "inference", credentials)
+    management_port = _bind(management, management_address, "management", credentials)
     servers = GrpcServers(
         dataplane,
         inference=inference,

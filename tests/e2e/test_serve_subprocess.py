@@ -74,7 +74,7 @@ class ServeProcess:
                     == 200
                 ):
                     return time.monotonic() - t0
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy loading
                 pass
             time.sleep(0.05)
         raise AssertionError(f"not ready after {timeout} s:\n{self.log_path.read_text()[-3000:]}")

@@ -1,0 +1,176 @@
+"""Bearer-token auth for gRPC and HTTP, TLS material, and the refuse-to-expose check.
+
+A model server executes archive code and answers anyone who can reach it, so Mariner is
+closed by default: every listener binds 127.0.0.1, and binding anything else without tokens
+refuses to start unless the operator says `--insecure`. Tokens (separate for inference and
+management) are compared in constant time, never logged, and a refusal never says which part
+was wrong. Health endpoints (and metrics) may stay open so probes and scrapers need no secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from server.errors import STATUS, Code
+
+UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+OPEN_HTTP_HEALTH_PATHS = frozenset({"/ping", "/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Accepted bearer tokens for one API; empty means that API is not protected."""
+
+    values: tuple[str, ...] = field(default=(), repr=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def accepts(self, authorization: str | None) -> bool:
+        if not self.values:
+            return True
+        if not authorization or authorization[:7].lower() != "bearer ":
+            return False
+        presented = authorization[7:].strip().encode()
+        ok = False
+        for token in self.values:  # check every token: timing must not depend on which matched
+            ok |= hmac.compare_digest(presented, token.encode())
+        return ok
+
+
+def load_tokens(value: str | None, file: Path | None) -> Tokens:
+    """Tokens from a value (comma-separated) and/or a file (one per line, '#' comments)."""
+    found: list[str] = []
+    if value:
+        found += [t.strip() for t in value.split(",") if t.strip()]
+    if file is not None:
+        for line in Path(file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                found.append(line)
+    return Tokens(tuple(found))
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve anywhere
+
+
+def exposure_problems(listeners: Mapping[str, tuple[str, Tokens]]) -> list[str]:
+    """Listeners bound beyond loopback without tokens (name -> (host:port, tokens))."""
+    problems = []
+    for name, (address, tokens) in listeners.items():
+        host = address.rpartition(":")[0]
+        if not is_loopback(host) and not tokens:
+            problems.append(f"{name} on {address}")
+    return problems
+
+
+# -- gRPC ---------------------------------------------------------------------------------------
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+    code = STATUS[Code.UNAUTHENTICATED].grpc
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, UNAUTHENTICATED_MESSAGE)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, UNAUTHENTICATED_MESSAGE)
+        yield  # pragma: no cover - abort raises
+
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+
+
+class GrpcTokenAuth(grpc.aio.ServerInterceptor):
+    """Checks `authorization: Bearer <token>` metadata on every call except open health checks."""
+
+    def __init__(self, tokens: Tokens, *, open_health: bool) -> None:
+        self._tokens = tokens
+        self._open_health = open_health
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not self._tokens:
+            return handler
+        if self._open_health and details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
+        authorization = None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                authorization = value if isinstance(value, str) else value.decode("latin-1")
+                break
+        return handler if self._tokens.accepts(authorization) else _refusal(handler)
+
+
+def grpc_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:
+    """TLS for gRPC; with `client_ca`, clients must present a certificate it signed (mTLS)."""
+    root = client_ca.read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key.read_bytes(), cert.read_bytes())], root_certificates=root, require_client_auth=root is not None
+    )
+
+
+# -- HTTP (ASGI middleware: no per-request objects beyond the header lookup) ---------------------
+class HttpTokenAuth:
+    """401 unless `Authorization: Bearer <token>` is valid; `open_paths` pass without one."""
+
+    def __init__(self, app: Any, tokens: Tokens, *, open_paths: Iterable[str] = ()) -> None:
+        self.app = app
+        self.tokens = tokens
+        self.open_paths = frozenset(open_paths)
+        self._body = json.dumps(
+            {"code": 401, "type": Code.UNAUTHENTICATED.name, "message": UNAUTHENTICATED_MESSAGE}
+        ).encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.tokens or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        authorization = None
+        for key, value in scope["headers"]:
+            if key == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        if self.tokens.accepts(authorization):
+            await self.app(scope, receive, send)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": STATUS[Code.UNAUTHENTICATED].http,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                    (b"content-length", str(len(self._body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": self._body})

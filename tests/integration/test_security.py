@@ -1,0 +1,204 @@
+"""Security by default on a real server: tokens on every API, no exposure without auth, TLS/mTLS,
+and the archive allowlist."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from server import protogen
+from server.app import check_exposure
+from server.config import ServerConfig
+from server.errors import Code, ServingError
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = pytest.mark.integration
+
+INF, MGMT = "inference-secret-1", "management-secret-2"
+BODY = json.dumps([0.0] * 64).encode()
+
+
+@pytest.fixture(scope="module")
+def secured(model_store: Path) -> Iterator[InProcessMariner]:
+    srv = InProcessMariner(model_store, "digits_onnx.mar", inference_token=INF, management_token=MGMT).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_http_inference_needs_the_inference_token(secured: InProcessMariner) -> None:
+    url = f"{secured.http}/predictions/digits_onnx"
+    hdr = {"Content-Type": "application/json"}
+    missing = requests.post(url, data=BODY, headers=hdr, timeout=10)
+    wrong = requests.post(url, data=BODY, headers={**hdr, **bearer("nope")}, timeout=10)
+    other = requests.post(url, data=BODY, headers={**hdr, **bearer(MGMT)}, timeout=10)
+    for r in (missing, wrong, other):
+        assert r.status_code == 401
+        assert r.json() == {
+            "code": 401,
+            "type": "UNAUTHENTICATED",
+            "message": "missing or invalid bearer token",
+        }
+    assert missing.content == wrong.content, "a refusal must not hint at which part was wrong"
+    ok = requests.post(url, data=BODY, headers={**hdr, **bearer(INF)}, timeout=10)
+    assert ok.status_code == 200
+    assert "label" in ok.json()
+    oip = requests.post(
+        f"{secured.http}/v2/models/digits_onnx/infer",
+        json={"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]},
+        timeout=10,
+    )
+    assert oip.status_code == 401
+
+
+def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: InProcessMariner) -> None:
+    for path in ("/ping", "/healthz", "/readyz", "/v2/health/ready"):
+        assert requests.get(f"{secured.http}{path}", timeout=10).status_code == 200, path
+    assert requests.get(f"{secured.metrics}/metrics", timeout=10).status_code == 200
+    models = f"{secured.management}/models"
+    assert requests.get(models, timeout=10).status_code == 401
+    assert requests.get(models, headers=bearer(INF), timeout=10).status_code == 401
+    assert requests.get(models, headers=bearer(MGMT), timeout=10).status_code == 200
+
+
+def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
+    protogen.generate()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server._proto.torchserve import (
+        inference_pb2,
+        inference_pb2_grpc,
+        management_pb2,
+        management_pb2_grpc,
+    )
+
+    request = inference_pb2.PredictionsRequest(model_name="digits_onnx", input={"data": BODY})
+    with grpc.insecure_channel(secured.grpc_target) as ch:
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)
+        details = set()
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", f"Bearer {MGMT}"),)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Predictions(request, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            details.add(info.value.details())
+        assert details == {"missing or invalid bearer token"}
+        reply = stub.Predictions(request, metadata=(("authorization", f"Bearer {INF}"),))
+        assert "label" in json.loads(reply.prediction)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="digits_onnx"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(secured.grpc_management_target) as ch:
+        mgmt = management_pb2_grpc.ManagementAPIsServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            mgmt.ListModels(
+                management_pb2.ListModelsRequest(), metadata=(("authorization", f"Bearer {INF}"),)
+            )
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            "digits_onnx"
+            in mgmt.ListModels(
+                management_pb2.ListModelsRequest(), metadata=(("authorization", f"Bearer {MGMT}"),)
+            ).msg
+        )
+
+
+def test_listening_beyond_loopback_without_tokens_refuses_to_start(tmp_path: Path) -> None:
+    exposed = replace(ServerConfig(), inference_address="0.0.0.0:8080")
+    with pytest.raises(ServingError) as info:
+        check_exposure(exposed)
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert "0.0.0.0:8080" in info.value.message
+    assert "--insecure" in info.value.message
+    token_file = tmp_path / "tokens"
+    token_file.write_text("# inference tokens\nabc\n")
+    tokens, _ = check_exposure(replace(exposed, inference_token_file=token_file))
+    assert tokens.accepts("Bearer abc")
+    check_exposure(replace(exposed, insecure=True))
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--grpc-inference-address", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "refusing to listen beyond loopback" in proc.stderr
+    assert INF not in repr(replace(ServerConfig(), inference_token=INF)), "tokens must never reach logs"
+
+
+def test_only_allowlisted_archives_load(model_store: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    for name in ("digits_onnx.mar", "digits_torchscript.mar"):
+        shutil.copy(model_store / name, store / name)
+    index = json.loads((model_store / "index.json").read_text())
+    index["archives"] = [a for a in index["archives"] if a["file"] == "digits_onnx.mar"]
+    (store / "index.json").write_text(json.dumps(index))
+    srv = InProcessMariner(store, "all", pin_index=True).start()
+    try:
+        names = [m.name for m in srv.server.dataplane.models()]
+        assert names == ["digits_onnx"]
+        assert requests.get(f"{srv.http}/readyz", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
+def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_and_mutual_tls(model_store: Path, tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to make test certificates")
+    cert, key = _self_signed(tmp_path, "server")
+    client_cert, client_key = _self_signed(tmp_path, "client")
+    srv = InProcessMariner(
+        model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key, tls_client_ca_file=client_cert
+    ).start()
+    try:
+        url = f"https://127.0.0.1:{srv.ports.inference}/predictions/digits_onnx"
+        hdr = {"Content-Type": "application/json"}
+        r = requests.post(
+            url, data=BODY, headers=hdr, verify=str(cert), cert=(str(client_cert), str(client_key))
+        )
+        assert r.status_code == 200
+        with pytest.raises(requests.exceptions.ConnectionError):  # TLS 1.3 rejects after the handshake
+            requests.post(url, data=BODY, headers=hdr, verify=str(cert), timeout=10)  # no client certificate
+        protogen.generate()
+        from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+
+        creds = grpc.ssl_channel_credentials(
+            cert.read_bytes(), client_key.read_bytes(), client_cert.read_bytes()
+        )
+        with grpc.secure_channel(srv.grpc_target, creds) as ch:
+            reply = inference_pb2_grpc.InferenceAPIsServiceStub(ch).Predictions(
+                inference_pb2.PredictionsRequest(model_name="digits_onnx", input={"data": BODY}), timeout=10
+            )
+            assert "label" in json.loads(reply.prediction)
+        with grpc.secure_channel(srv.grpc_target, grpc.ssl_channel_credentials(cert.read_bytes())) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                inference_pb2_grpc.InferenceAPIsServiceStub(ch).Predictions(
+                    inference_pb2.PredictionsRequest(model_name="digits_onnx", input={"data": BODY}),
+                    timeout=10,
+                )
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
