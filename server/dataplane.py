@@ -239,6 +239,11 @@ class ModelEndpoint:
         )
 
 
+def _shown(name: str, limit: int = 80) -> str:
+    """A client-supplied name for an error message: quoted, escaped and bounded in length."""
+    return repr(name[:limit] + ("..." if len(name) > limit else ""))
+
+
 def _loop_time_of(deadline: float | None) -> float | None:
     """A time.monotonic() instant on the running loop's clock (they differ under uvloop)."""
     if deadline is None:
@@ -320,15 +325,17 @@ class DataPlane:
     def resolve(self, model: str, version: str | None = None) -> ModelEndpoint:
         versions = self._endpoints.get(model)
         if not versions:
+            served = sorted(self._endpoints)
+            listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
             raise ServingError(
-                Code.NOT_FOUND, f"model {model!r} is not served here; see GET /models for what is"
+                Code.NOT_FOUND, f"model {_shown(model)} is not served here; served: {listed or 'none'}"
             )
         v = version or self._defaults[model]
         ep = versions.get(v)
         if ep is None:
             raise ServingError(
                 Code.NOT_FOUND,
-                f"model {model!r} has no version {v!r}; versions served: {', '.join(sorted(versions))}",
+                f"model {model!r} has no version {_shown(v)}; versions served: {', '.join(sorted(versions))}",
             )
         return ep
 

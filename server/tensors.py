@@ -117,6 +117,10 @@ def element_count(shape: Sequence[int]) -> int:
 
 def _split_bytes(raw: bytes, count: int, tensor: str) -> np.ndarray:
     """BYTES wire format: each element is a 4-byte little-endian length, then that many bytes."""
+    if count * 4 > len(raw):  # each element needs at least its length prefix: check before allocating
+        raise bad(
+            f"tensor {tensor!r}: {count} BYTES elements need at least {count * 4} bytes, received {len(raw)}"
+        )
     out = np.empty(count, dtype=object)
     pos = 0
     for i in range(count):
@@ -157,7 +161,9 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Sequen
     if flat.size != count:
         raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {flat.size}")
     if dt.kind == "O":
-        items = [v.encode() if isinstance(v, str) else bytes(v) for v in flat]
+        if not all(isinstance(v, (str, bytes)) for v in flat):  # bytes(10**10) would allocate 10 GB
+            raise bad(f"tensor {name!r}: BYTES values must be strings")
+        items = [v.encode() if isinstance(v, str) else v for v in flat]
         return np.array(items, dtype=object).reshape(dims)
     try:
         arr = flat.astype(dt)

@@ -122,10 +122,11 @@ def test_bytes_elements_carry_four_byte_little_endian_lengths() -> None:
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        (b"\x02\x00\x00\x00ab", "ends after 1 of 2"),
+        (b"\x02\x00\x00\x00ab", "need at least 8 bytes, received 6"),  # refused before allocating
+        (b"\x02\x00\x00\x00abcd", "ends after 1 of 2"),
         (b"\x02\x00\x00\x00ab\x09\x00\x00\x00xy", "claims 9 bytes, only 2 remain"),
         (b"\x01\x00\x00\x00a\x01\x00\x00\x00bZZ", "2 bytes left over"),
-        (b"\x02\x00", "ends after 0 of 2"),
+        (b"\x02\x00", "need at least 8 bytes, received 2"),
     ],
 )
 def test_malformed_bytes_framing_names_the_tensor(raw: bytes, needle: str) -> None:
