@@ -12,11 +12,7 @@ ratios are computed within the run, so a noisy machine affects both sides alike.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +22,9 @@ from pathlib import Path
 import grpc
 import requests
 
-from loadtest.stock_torchserve import StockTorchServe, pick_free_ports
+from loadtest.payloads import test_digit_bodies
+from loadtest.servers import FloorProcess, MarinerProcess, ServerProcess
+from loadtest.stock_torchserve import StockTorchServe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,12 +53,6 @@ def measure(name: str, protocol: str, call: Callable[[], None], n: int, warmup: 
     return Latency(name, protocol, n, statistics.median(samples), q[89], q[98], samples[-1])
 
 
-def sample_body() -> bytes:
-    from sklearn.datasets import load_digits
-
-    return json.dumps(load_digits().data[0].tolist()).encode()
-
-
 def grpc_caller(target: str, model: str, body: bytes) -> tuple[Callable[[], None], grpc.Channel]:
     from server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
@@ -86,64 +78,11 @@ def http_caller(url: str, body: bytes) -> Callable[[], None]:
     return call
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return time.monotonic() - t0
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.02)
-    raise RuntimeError(f"{url} not ready after {timeout} s")
-
-
-def start_mariner(
-    store: Path, models: str, extra: list[str]
-) -> tuple[subprocess.Popen[bytes], dict[str, int], float]:
-    ports = pick_free_ports()
-    cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model-store", str(store), "--models", models,
-        "--inference-address", f"127.0.0.1:{ports.inference}",
-        "--management-address", f"127.0.0.1:{ports.management}",
-        "--metrics-address", f"127.0.0.1:{ports.metrics}",
-        "--grpc-inference-address", f"127.0.0.1:{ports.grpc_inference}",
-        "--grpc-management-address", f"127.0.0.1:{ports.grpc_management}",
-        "--log-level", "WARNING", *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
-    ready = wait_http(f"http://127.0.0.1:{ports.inference}/readyz", proc)
-    return proc, {"http": ports.inference, "grpc": ports.grpc_inference}, ready
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def start_floor() -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    ports = pick_free_ports()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.floor", "--grpc-port", str(ports.grpc_inference),
-         "--http-port", str(ports.inference)],
-        cwd=REPO, start_new_session=True,
-    )  # fmt: skip
-    wait_http(f"http://127.0.0.1:{ports.inference}/ping", proc)
-    return proc, {"http": ports.inference, "grpc": ports.grpc_inference}
-
-
 def run(args: argparse.Namespace) -> list[Latency]:
     from server import protogen
 
     protogen.generate()
-    body = sample_body()
+    body = test_digit_bodies()[0]  # one digit: this measures latency, not payload variety
     model = Path(args.archive).stem
     results: list[Latency] = []
 
@@ -155,25 +94,20 @@ def run(args: argparse.Namespace) -> list[Latency]:
             channel.close()
         results.append(measure(name, "http", http_caller(http_url, body), args.requests, args.warmup))
 
-    proc, ports = start_floor()
-    try:
-        bench("floor", f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['http']}/predictions/{model}")
-    finally:
-        stop(proc)
+    def bench_server(name: str, server: ServerProcess) -> None:
+        with server:
+            bench(name, server.grpc_target, f"{server.http_url}/predictions/{model}")
 
-    proc, ports, ready = start_mariner(args.store, args.archive, [])
-    try:
-        bench(
-            "mariner", f"127.0.0.1:{ports['grpc']}", f"http://127.0.0.1:{ports['http']}/predictions/{model}"
-        )
-    finally:
-        stop(proc)
+    bench_server("floor", FloorProcess())
+    mariner = MarinerProcess(args.store, args.archive)
+    bench_server("mariner", mariner)
+    ready = mariner.ready_seconds or 0.0
 
     with StockTorchServe(args.store, [model]) as ts:
         bench("torchserve", ts.grpc_inference_target, f"{ts.base_url}/predictions/{model}")
 
-    proc, _, store_ready = start_mariner(args.store, "all", [])
-    stop(proc)
+    with MarinerProcess(args.store, "all") as whole_store:
+        store_ready = whole_store.ready_seconds or 0.0
     print(f"mariner ready: {ready:.2f} s for {args.archive}; {store_ready:.2f} s for the whole store")
     return results
 

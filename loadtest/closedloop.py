@@ -1,0 +1,364 @@
+"""Closed-loop load from client processes of their own: the engine of `loadtest.bench`.
+
+Each level runs in fresh spawned processes, separate from the server under test, each running
+`concurrency / processes` coroutines on uvloop: grpc.aio for TorchServe gRPC `Predictions`
+(one channel per process, calls multiplexed on it as real gRPC clients do), and HTTP/1.1
+keep-alive over raw asyncio streams for `POST /predictions/{model}` (one connection per
+coroutine). Closed loop: every coroutine sends its next request when the previous answer
+arrives, so concurrency is exact and throughput is what the server sustains at it.
+
+Every level warms up, then all client processes start the timed phase together (a barrier that
+the parent joins, so it samples CPU counters at the same moment). An answer counts only if it
+is a prediction (contains "label"); anything else is an error, the first one kept for the
+report. CPU time of the clients, of the server's process tree and of the whole machine is
+measured over the timed phase: on a small machine the clients compete with the server, and on
+a shared one other people's work does too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import multiprocessing as mp
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from loadtest.servers import process_tree_cpu_seconds
+
+REQUEST_TIMEOUT_S = 30.0
+BARRIER_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    n: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+
+    @classmethod
+    def of(cls, samples_ms: Sequence[float]) -> Percentiles:
+        if not samples_ms:
+            return cls(0, math.nan, math.nan, math.nan, math.nan)
+        s = sorted(samples_ms)
+
+        def q(p: float) -> float:  # nearest-rank: a real sample, never an interpolation
+            return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+
+        return cls(len(s), q(0.50), q(0.90), q(0.99), s[-1])
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One server x protocol x concurrency cell."""
+
+    server: str
+    protocol: str
+    concurrency: int
+    latency: Percentiles
+    errors: int
+    wall_s: float
+    throughput_rps: float
+    client_cores: float  # CPU seconds of all client processes / wall seconds
+    server_cores: float
+    machine_cores: float  # every process on the machine (clients + server + anyone else)
+    first_error: str = ""
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    protocol: str
+    host: str
+    port: int
+    model: str
+    coroutines: int
+    warmup: int
+    requests: int  # timed requests for this process (ignored with duration_s)
+    duration_s: float | None
+    bodies: tuple[bytes, ...]
+    offset: int  # where in the bodies this process starts, so processes send different digits
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    latencies_ms: array[float]
+    errors: int
+    first_error: str
+    t_start: float  # time.monotonic(): CLOCK_MONOTONIC is one clock for every process
+    t_end: float
+    cpu_s: float
+
+
+class HttpConnection:
+    """One HTTP/1.1 keep-alive connection on asyncio streams: the leanest client Python has.
+
+    requests/aiohttp/httpx would cost more CPU per call than the server under test on a small
+    machine; this writes one pre-built request head and parses just enough of the answer
+    (status, Content-Length or chunked body).
+    """
+
+    def __init__(self, host: str, port: int, path: str) -> None:
+        self.host, self.port = host, port
+        self.head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            "Content-Length: "
+        ).encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None or self.reader is None:
+            await self.connect()
+        assert self.reader is not None
+        assert self.writer is not None
+        self.writer.write(self.head + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        length, chunked, close = None, False, False
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+            elif name == b"connection" and b"close" in value.lower():
+                close = True
+        if chunked:
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                chunk = await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                parts.append(chunk[:-2])
+            data = b"".join(parts)
+        else:
+            data = await self.reader.readexactly(length or 0)
+        if close:
+            await self.close()
+        return status, data
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+
+async def _client(job: ClientJob, barrier: Any) -> ClientResult:
+    bodies = job.bodies
+    errors = 0
+    first_error = ""
+    latencies: array[float] = array("d")
+    channel: Any = None
+
+    if job.protocol == "grpc":
+        import grpc
+
+        from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+
+        channel = grpc.aio.insecure_channel(f"{job.host}:{job.port}")
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+        requests = [inference_pb2.PredictionsRequest(model_name=job.model, input={"data": b}) for b in bodies]
+
+        def make_caller() -> Any:
+            async def call(i: int) -> bytes:
+                response = await stub.Predictions(requests[i], timeout=REQUEST_TIMEOUT_S)
+                return bytes(response.prediction)
+
+            return call
+    else:
+        conns: list[HttpConnection] = []
+
+        def make_caller() -> Any:
+            conn = HttpConnection(job.host, job.port, f"/predictions/{job.model}")
+            conns.append(conn)
+
+            async def call(i: int) -> bytes:
+                try:
+                    status, data = await asyncio.wait_for(conn.post(bodies[i]), REQUEST_TIMEOUT_S)
+                except BaseException:
+                    await conn.close()  # the stream is mid-message: start afresh next time
+                    raise
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {data[:120]!r}")
+                return data
+
+            return call
+
+    callers = [make_caller() for _ in range(job.coroutines)]
+    state = {"left": 0, "next": job.offset, "deadline": math.inf, "record": False}
+
+    async def worker(call: Any) -> None:
+        nonlocal errors, first_error
+        while state["left"] > 0 and time.monotonic() < state["deadline"]:
+            state["left"] -= 1
+            i = state["next"] % len(bodies)
+            state["next"] += 1
+            t0 = time.perf_counter()
+            try:
+                answer = await call(i)
+                if b'"label"' not in answer:
+                    raise RuntimeError(f"not a prediction: {answer[:120]!r}")
+            except Exception as exc:  # noqa: BLE001 - every failure is counted, the first one kept
+                errors += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            if state["record"]:
+                latencies.append((time.perf_counter() - t0) * 1e3)
+
+    async def phase(count: int, duration: float | None) -> None:
+        state["left"] = count if duration is None else sys.maxsize
+        state["deadline"] = math.inf if duration is None else time.monotonic() + duration
+        await asyncio.gather(*(worker(c) for c in callers))
+
+    await phase(max(job.warmup, job.coroutines), None)
+    errors, first_error = 0, ""
+    # Every client process (and the parent, which samples CPU counters) starts the timed phase
+    # together; waiting happens in a thread so the event loop keeps the connections serviced.
+    await asyncio.get_running_loop().run_in_executor(None, barrier.wait, BARRIER_TIMEOUT_S)
+    state["record"] = True
+    cpu0, t0 = time.process_time(), time.monotonic()
+    await phase(job.requests, job.duration_s)
+    t1, cpu1 = time.monotonic(), time.process_time()
+    if channel is not None:
+        await channel.close()
+    if job.protocol == "http":
+        for conn in conns:
+            await conn.close()
+    return ClientResult(latencies, errors, first_error, t0, t1, cpu1 - cpu0)
+
+
+def _client_main(job: ClientJob, barrier: Any, conn: Any) -> None:
+    """Entry point of a client process: run the job on uvloop, send the result back."""
+    try:
+        import uvloop
+
+        result = uvloop.run(_client(job, barrier))
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("ok", result))
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How much load a level applies, besides its concurrency."""
+
+    requests: int  # timed requests per level (all client processes together)
+    warmup: int  # untimed requests first (at least 4 per coroutine)
+    duration_s: float | None = None  # if set: run the timed phase this long instead of `requests`
+    client_procs: int = 2  # at most this many client processes (never more than the concurrency)
+
+
+def run_level(
+    *,
+    server: str,
+    protocol: str,
+    host: str,
+    port: int,
+    model: str,
+    concurrency: int,
+    load: LoadSpec,
+    bodies: tuple[bytes, ...],
+    server_pid: int | None,
+) -> LevelResult:
+    """One closed-loop level against a running server, in fresh client processes."""
+    procs = max(1, min(load.client_procs, concurrency))
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(procs + 1)
+    coroutines = _split(concurrency, procs)
+    counts = _split(load.requests, procs)
+    warmups = _split(max(load.warmup, concurrency * 4), procs)
+    workers, pipes = [], []
+    for k in range(procs):
+        job = ClientJob(
+            protocol, host, port, model, coroutines[k], warmups[k], counts[k], load.duration_s,
+            bodies, offset=k * len(bodies) // procs,
+        )  # fmt: skip
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_client_main, args=(job, barrier, child_end), daemon=True)
+        p.start()
+        child_end.close()
+        workers.append(p)
+        pipes.append(parent_end)
+    try:
+        try:
+            barrier.wait(BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"a client process failed while warming up: {_errors(pipes)}") from None
+        t0, server0, machine0 = (
+            time.monotonic(),
+            process_tree_cpu_seconds(server_pid),
+            _machine_busy_seconds(),
+        )
+        results: list[ClientResult] = []
+        for pipe, p in zip(pipes, workers, strict=True):
+            status, payload = pipe.recv()
+            if status != "ok":
+                raise RuntimeError(f"client process {p.pid} failed: {payload}")
+            results.append(payload)
+        server1, machine1 = process_tree_cpu_seconds(server_pid), _machine_busy_seconds()
+        sampled = time.monotonic() - t0
+    except BaseException:
+        with contextlib.suppress(Exception):
+            barrier.abort()
+        raise
+    finally:
+        for p in workers:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    wall = max(r.t_end for r in results) - min(r.t_start for r in results)
+    samples = [x for r in results for x in r.latencies_ms]
+    return LevelResult(
+        server=server,
+        protocol=protocol,
+        concurrency=concurrency,
+        latency=Percentiles.of(samples),
+        errors=sum(r.errors for r in results),
+        wall_s=wall,
+        throughput_rps=len(samples) / wall if wall > 0 else 0.0,
+        client_cores=sum(r.cpu_s for r in results) / wall if wall > 0 else 0.0,
+        server_cores=(server1 - server0) / sampled if sampled > 0 else 0.0,
+        machine_cores=(machine1 - machine0) / sampled if sampled > 0 else 0.0,
+        first_error=next((r.first_error for r in results if r.first_error), ""),
+    )
+
+
+def _errors(pipes: list[Any]) -> str:
+    found = []
+    for pipe in pipes:
+        with contextlib.suppress(EOFError, OSError):
+            if pipe.poll(5):
+                status, payload = pipe.recv()
+                if status != "ok":
+                    found.append(str(payload))
+    return "; ".join(found) or "no message (see its traceback above)"
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used (all CPUs; idle and iowait excluded)."""
+    t = psutil.cpu_times()
+    return sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq"))
