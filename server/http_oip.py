@@ -26,24 +26,29 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from server import oip
-from server.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
-from server.http_app import (
+from server.errors import RETRY_AFTER_SECONDS, Code, ServingError, internal
+from server.http_common import (
+    CANCELLED_STATUS,
     DEFAULT_MAX_HEADERS,
-    OFFLOAD_DECODE_BYTES,
-    _BodyTooLarge,
-    _ClientGone,
-    _infer_unless_client_gone,
-    _read_body,
+    JSON,
+    NOT_READY_STATUS,
+    PAYLOAD_TOO_LARGE,
+    BodyTooLarge,
+    ClientGone,
+    body_too_large,
+    infer_unless_client_gone,
+    make_guard,
+    offload_if_large,
+    read_body,
+    request_headers,
 )
 from server.tensors import decode_raw, decode_values, encode_raw
 from server.types import Protocol as WireProtocol
@@ -52,11 +57,7 @@ log = logging.getLogger("mariner.http.oip")
 
 PROTOCOL = WireProtocol.OIP_HTTP
 HEADER_LENGTH = "inference-header-content-length"
-_JSON = "application/json"
 _OCTETS = "application/octet-stream"
-_PAYLOAD_TOO_LARGE = 413
-_CANCELLED_STATUS = STATUS[Code.CANCELLED].http
-_NOT_READY = STATUS[Code.UNAVAILABLE].http
 # Outputs with at least this many elements are encoded on a worker thread.
 _OFFLOAD_ELEMENTS = 64 * 1024
 
@@ -68,11 +69,14 @@ def _dumps(obj: Any) -> bytes:
 def error_response(err: ServingError, status: int | None = None) -> Response:
     """`{"error": message}` as the protocol (and tritonclient) expects; Retry-After when overloaded."""
     headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if err.code is Code.RESOURCE_EXHAUSTED else None
-    return Response(_dumps({"error": err.message}), status or err.http_status, headers, media_type=_JSON)
+    return Response(_dumps({"error": err.message}), status or err.http_status, headers, media_type=JSON)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_dumps(obj), status, media_type=_JSON)
+    return Response(_dumps(obj), status, media_type=JSON)
+
+
+_guarded = make_guard("OIP", log, error_response)
 
 
 # -- request decoding -------------------------------------------------------------------------
@@ -88,7 +92,7 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     except zlib.error as exc:
         raise oip.bad(f"request body is not valid {encoding} data: {exc}") from None
     if len(out) > limit:
-        raise _BodyTooLarge
+        raise BodyTooLarge
     if not inflater.eof:
         raise oip.bad(f"request body is truncated {encoding} data")
     return out
@@ -252,30 +256,16 @@ def routes(
     """The /v2 routes over `dataplane`; `max_body_bytes` bounds a request (inflated) body."""
     max_elements = oip.element_cap(max_body_bytes)
 
-    def guarded(
-        what: str, fn: Callable[[Request], Awaitable[Response]]
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except ServingError as e:
-                return error_response(e)
-            except Exception:
-                log.exception("OIP request %s %s failed", request.method, request.url.path)
-                return error_response(internal(what))
-
-        return endpoint
-
     async def server_metadata(request: Request) -> Response:
         return _json(oip.server_metadata())
 
     async def live(request: Request) -> Response:
         ok = dataplane.is_live()
-        return _json({"live": ok}, 200 if ok else _NOT_READY)
+        return _json({"live": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def ready(request: Request) -> Response:
         ok = dataplane.is_ready()
-        return _json({"ready": ok}, 200 if ok else _NOT_READY)
+        return _json({"ready": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def model_metadata(request: Request) -> Response:
         p = request.path_params
@@ -285,19 +275,15 @@ def routes(
         p = request.path_params
         handle = dataplane.resolve(p["model"], p.get("version"))  # unknown: 404
         ok = dataplane.model_ready(handle.name, handle.version)
-        return _json({"name": handle.name, "ready": ok}, 200 if ok else _NOT_READY)
+        return _json({"name": handle.name, "ready": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def run_infer(request: Request) -> Response:
         p = request.path_params
-        body = await _read_body(request, max_body_bytes)
+        body = await read_body(request, max_body_bytes)
         body = inflate(body, request.headers.get("content-encoding", "").strip().lower(), max_body_bytes)
         header_length = _header_length(request.headers.get(HEADER_LENGTH), len(body))
         handle = dataplane.resolve(p["model"], p.get("version"))
-        if len(body) < OFFLOAD_DECODE_BYTES:
-            parsed = ParsedInfer(body, header_length, max_elements)
-        else:
-            parsed = await run_in_threadpool(ParsedInfer, body, header_length, max_elements)
-        raw_headers = request.scope["headers"][:max_headers]
+        parsed = await offload_if_large(len(body), ParsedInfer, body, header_length, max_elements)
         prepared = oip.prepare(
             handle,
             inputs=parsed.inputs,
@@ -305,9 +291,9 @@ def routes(
             request_id=oip.request_id_of(parsed.client_id),
             protocol=PROTOCOL,
             deadline=oip.deadline_from(parsed.params, None),
-            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers},
+            headers=request_headers(request, max_headers),
         )
-        result = await _infer_unless_client_gone(dataplane, prepared.request, request.receive)  # type: ignore[arg-type]
+        result = await infer_unless_client_gone(dataplane, prepared.request, request.receive)  # type: ignore[arg-type]
         outputs = oip.pick_outputs(prepared, result)
         header: dict[str, Any] = {
             "model_name": handle.name,
@@ -315,12 +301,16 @@ def routes(
         }
         if parsed.client_id:
             header["id"] = parsed.client_id
-        if sum(o.array.size for o in outputs) < _OFFLOAD_ELEMENTS:
-            content, json_length = encode_response(outputs, parsed, header)
-        else:
-            content, json_length = await run_in_threadpool(encode_response, outputs, parsed, header)
+        content, json_length = await offload_if_large(
+            sum(o.array.size for o in outputs),
+            encode_response,
+            outputs,
+            parsed,
+            header,
+            threshold=_OFFLOAD_ELEMENTS,
+        )
         if json_length is None:
-            return Response(content, 200, media_type=_JSON)
+            return Response(content, 200, media_type=JSON)
         return Response(
             content, 200, {"inference-header-content-length": str(json_length)}, media_type=_OCTETS
         )
@@ -332,11 +322,10 @@ def routes(
             response = await run_infer(request)
         except ServingError as e:
             response = error_response(e)
-        except _BodyTooLarge:
-            err = oip.bad(f"request body is larger than the limit of {max_body_bytes} bytes (max_body_bytes)")
-            response = error_response(err, _PAYLOAD_TOO_LARGE)
-        except (_ClientGone, ClientDisconnect):
-            response = Response(status_code=_CANCELLED_STATUS)  # nobody reads it; counted as 499
+        except BodyTooLarge:
+            response = error_response(body_too_large(max_body_bytes), PAYLOAD_TOO_LARGE)
+        except (ClientGone, ClientDisconnect):
+            response = Response(status_code=CANCELLED_STATUS)  # nobody reads it; counted as 499
         except Exception:
             log.exception("OIP infer for model %r failed", p["model"])
             response = error_response(internal("running the inference"))
@@ -347,13 +336,13 @@ def routes(
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
     return [
-        Route("/v2", guarded("reading server metadata", server_metadata), methods=get),
-        Route("/v2/health/live", guarded("checking liveness", live), methods=get),
-        Route("/v2/health/ready", guarded("checking readiness", ready), methods=get),
-        Route(model, guarded("reading model metadata", model_metadata), methods=get),
-        Route(versioned, guarded("reading model metadata", model_metadata), methods=get),
-        Route(f"{model}/ready", guarded("checking model readiness", model_ready), methods=get),
-        Route(f"{versioned}/ready", guarded("checking model readiness", model_ready), methods=get),
+        Route("/v2", _guarded("reading server metadata", server_metadata), methods=get),
+        Route("/v2/health/live", _guarded("checking liveness", live), methods=get),
+        Route("/v2/health/ready", _guarded("checking readiness", ready), methods=get),
+        Route(model, _guarded("reading model metadata", model_metadata), methods=get),
+        Route(versioned, _guarded("reading model metadata", model_metadata), methods=get),
+        Route(f"{model}/ready", _guarded("checking model readiness", model_ready), methods=get),
+        Route(f"{versioned}/ready", _guarded("checking model readiness", model_ready), methods=get),
         Route(f"{model}/infer", infer, methods=["POST"]),
         Route(f"{versioned}/infer", infer, methods=["POST"]),
     ]

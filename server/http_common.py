@@ -1,0 +1,202 @@
+"""HTTP plumbing shared by the REST apps (TorchServe's in server.http_app and
+server.http_management, the Open Inference Protocol's in server.http_oip).
+
+What lives here is protocol-neutral transport work: reading a bounded body, handing request
+headers to the handler, cancelling an inference whose client has gone, deciding when decoding
+moves off the event loop, and turning failures of a route into answers. Wire shapes of one
+protocol belong to that protocol's module; the TorchServe error JSON is here because every
+TorchServe port (and Starlette's 404/405 on all of them) answers with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
+from server.types import InferRequest, InferResult
+
+if TYPE_CHECKING:
+    from server.dataplane import DataPlane
+
+T = TypeVar("T")
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+# TorchServe's default `max_request_size` (bytes); bigger bodies are answered 413, as it does.
+DEFAULT_MAX_BODY_BYTES = 6_553_500
+# Request headers handed to the handler; more are dropped (the first ones are kept) so a client
+# cannot make every batch carry an unbounded header map.
+DEFAULT_MAX_HEADERS = 100
+# Bodies at least this big are decoded (JSON, multipart) on a worker thread, so one large request
+# does not stall the event loop that every other request shares.
+OFFLOAD_DECODE_BYTES = 256 * 1024
+
+JSON = "application/json"
+PAYLOAD_TOO_LARGE = 413  # transport-level, like Starlette's 405: not a serving Code
+CANCELLED_STATUS = STATUS[Code.CANCELLED].http
+NOT_READY_STATUS = STATUS[Code.UNAVAILABLE].http
+
+
+# -- JSON and errors (TorchServe's shape) ------------------------------------------------------
+def json_bytes(obj: Any) -> bytes:
+    """JSON as TorchServe's frontend writes it (two-space indent, trailing newline)."""
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    """`obj` as TorchServe-formatted JSON."""
+    return Response(json_bytes(obj), status, media_type=JSON)
+
+
+def error_response(
+    err: ServingError, *, status: int | None = None, headers: Mapping[str, str] | None = None
+) -> Response:
+    """`ServingError` as TorchServe's error JSON, status from `server.errors.STATUS`.
+
+    `status` overrides the table only for transport-level answers that are not a serving code
+    (413 for an oversized body). RESOURCE_EXHAUSTED carries Retry-After so clients back off.
+    """
+    code = status if status is not None else err.http_status
+    hdrs = dict(headers) if headers else {}
+    if err.code is Code.RESOURCE_EXHAUSTED:
+        hdrs["retry-after"] = str(RETRY_AFTER_SECONDS)
+    body = json_bytes({"code": code, "type": err.code.name, "message": err.message})
+    return Response(body, code, hdrs, media_type=JSON)
+
+
+def body_too_large(limit: int) -> ServingError:
+    """What a 413 says, on every protocol: the limit and the setting that raises it."""
+    return ServingError(
+        Code.INVALID_ARGUMENT,
+        f"request body is larger than the limit of {limit} bytes (max_body_bytes)",
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unmatched routes and methods in TorchServe's error shape rather than Starlette's text."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == STATUS[Code.NOT_FOUND].http:
+        return error_response(
+            ServingError(
+                Code.NOT_FOUND,
+                f"no such endpoint: {request.method} {request.url.path}; see the API documentation",
+            )
+        )
+    body = {"code": exc.status_code, "type": "METHOD_NOT_ALLOWED", "message": str(exc.detail)}
+    return Response(json_bytes(body), exc.status_code, exc.headers, media_type=JSON)
+
+
+HTTP_ERROR_HANDLERS: Mapping[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+    404: _http_error,
+    405: _http_error,
+}
+
+
+def make_guard(
+    api: str, log: logging.Logger, answer: Callable[[ServingError], Response]
+) -> Callable[[str, Endpoint], Endpoint]:
+    """A wrapper for `api`'s routes: ServingError becomes `answer(err)`, anything else is logged
+    and answered as a sanitized INTERNAL error naming `what` the route was doing."""
+
+    def guard(what: str, fn: Endpoint) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ServingError as e:
+                return answer(e)
+            except Exception:
+                log.exception("%s request %s %s failed", api, request.method, request.url.path)
+                return answer(internal(what))
+
+        return endpoint
+
+    return guard
+
+
+# -- requests ----------------------------------------------------------------------------------
+class BodyTooLarge(Exception):
+    """The body is over the route's limit (answered 413)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected while its inference was pending (counted as 499)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (before reading, when Content-Length says so) more than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(chunk)
+    if len(chunks) == 1:  # the usual case: no join, no copy
+        return chunks[0]
+    return b"".join(chunks)
+
+
+def request_headers(request: Request, limit: int) -> dict[str, str]:
+    """The first `limit` request headers, as the handler sees them."""
+    # ASGI servers deliver header names lower-cased already (the spec requires it).
+    raw = request.scope["headers"]
+    if len(raw) > limit:
+        raw = raw[:limit]
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+
+
+async def offload_if_large(
+    size: int, fn: Callable[..., T], *args: Any, threshold: int = OFFLOAD_DECODE_BYTES
+) -> T:
+    """`fn(*args)`, on a worker thread when `size` reaches `threshold`, inline when it is cheap."""
+    if size < threshold:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
+async def infer_unless_client_gone(
+    dataplane: DataPlane, req: InferRequest, receive: Callable[[], Awaitable[Mapping[str, Any]]]
+) -> InferResult:
+    """`dataplane.infer`, cancelled if the client disconnects first.
+
+    A watcher task waits on the ASGI `receive` (the body is already read, so the next message is
+    `http.disconnect`) and cancels this task; the batcher then skips the request. One small task
+    per request is the price for not computing answers nobody will read.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a server that cannot report disconnects: just stop watching
+            return
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await dataplane.infer(req)
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        raise ClientGone from None
+    finally:
+        watcher.cancel()
+        if gone:  # our own cancel, not the server's: take it back so this task can still answer
+            task.uncancel()

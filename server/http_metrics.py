@@ -1,0 +1,33 @@
+"""Prometheus metrics over HTTP (8082): GET /metrics renders `dataplane.metrics`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server import metrics as metrics_mod
+from server.http_common import HTTP_ERROR_HANDLERS
+
+if TYPE_CHECKING:
+    from server.dataplane import DataPlane
+
+
+def metrics_app(dataplane: DataPlane) -> Starlette:
+    """Prometheus exposition of `dataplane.metrics` at GET /metrics.
+
+    Rendering runs on a worker thread: it walks every series and may touch CUDA, and scrapes
+    must not stall the event loop that serves inference.
+    """
+    metrics = dataplane.metrics
+
+    async def scrape(request: Request) -> Response:
+        return Response(await run_in_threadpool(metrics.render), media_type=metrics_mod.CONTENT_TYPE)
+
+    return Starlette(
+        routes=[Route("/metrics", scrape, methods=["GET"])], exception_handlers=dict(HTTP_ERROR_HANDLERS)
+    )
