@@ -6,9 +6,13 @@
 #   docker build --target models -t mariner-models:digits-1.0 .      # the model image (see below)
 #
 # The server reads /etc/mariner/mariner.yaml (MARINER_CONFIG_FILE): the same file the Kubernetes
-# ConfigMap carries (k8s/base/mariner.yaml), so `docker run` behaves like the pod. Run it with
-#   docker run --rm -p 8080:8080 -p 7070:7070 -v "$PWD/model_store:/models:ro" mariner:0.1.0
-# The GPU image is Dockerfile.gpu; docs/deploy.md has the whole story.
+# ConfigMap carries (k8s/base/mariner.yaml), so `docker run` behaves like the pod: it listens on
+# 0.0.0.0 and needs bearer tokens. Without them it refuses to start and says so. Mount token files
+# (one token per line, readable by uid 10001) over /var/run/secrets/mariner:
+#   docker run --rm -p 8080:8080 -p 7070:7070 -v "$PWD/model_store:/models:ro" \
+#     -v "$PWD/tokens:/var/run/secrets/mariner:ro" mariner:0.1.0
+# For a local experiment only, `-e MARINER_INSECURE=true` with `-p 127.0.0.1:8080:8080` serves without
+# tokens. The GPU image is Dockerfile.gpu; docs/deploy.md has the whole story.
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
@@ -40,13 +44,19 @@ RUN pip install . \
  && pip install --no-deps --force-reinstall .
 
 # -- runtime: the interpreter, the virtualenv and a user. No compiler, no pip install.
+# The token files mariner.yaml names exist as placeholders holding no token (a comment line), so
+# the baked-in config loads and a container started without the Secret stops with the server's
+# "refusing to listen beyond loopback without authentication" message instead of a missing file;
+# `-e MARINER_INSECURE=true` works too. Kubernetes mounts the Secret over the directory.
 FROM ${PYTHON_IMAGE} AS runtime
 # A numeric uid: the kubelet can only prove runAsNonRoot for a numeric USER (the pod also sets it).
 RUN groupadd --system --gid 10001 mariner \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin mariner \
- && mkdir -p /models /var/lib/mariner/work \
- && chown 10001:10001 /var/lib/mariner/work
+ && mkdir -p /models /var/lib/mariner/work /var/run/secrets/mariner \
+ && chown 10001:10001 /var/lib/mariner/work \
+ && printf '%s\n' '# No token: mount the mariner-tokens Secret (one token per line) over this directory.' \
+        | tee /var/run/secrets/mariner/inference /var/run/secrets/mariner/management > /dev/null
 COPY --from=build /opt/venv /opt/venv
 COPY k8s/base/mariner.yaml /etc/mariner/mariner.yaml
 # HOME and TMPDIR point at /tmp: the pod runs with a read-only root filesystem and mounts an emptyDir

@@ -5,8 +5,10 @@ strict mode (unknown fields are errors) against the Kubernetes 1.30 schemas of `
 custom resources (ServiceMonitor, PrometheusRule, ServingRuntime, InferenceService), which those
 schemas do not cover, get their required fields checked here. Then the invariants across files:
 ports, probes and Services against the server's defaults and the ConfigMap's config file;
-selectors against labels; the termination grace against the drain; GPU limits only in the GPU
-overlay; and every metric name in the PromQL of the rules, dashboard, HPA and adapter rule against
+selectors against labels; the termination grace against the drain; authentication (the config
+starts with the token Secret's files and is refused without them, the Secret is mounted read-only
+where the config reads it and never committed, probes and scrapes need no token); GPU limits only
+in the GPU overlay; and every metric name in the PromQL of the rules, dashboard, HPA and adapter rule against
 what `/metrics` of a live Mariner exports.
 """
 
@@ -30,7 +32,10 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.app import check_exposure
 from server.config import ServerConfig, build_parser, load_config, read_properties
+from server.errors import Code, ServingError
+from server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -72,6 +77,13 @@ DIGITS: list[int] = json.loads(
     "[0,0,5,13,9,1,0,0,0,0,13,15,10,15,5,0,0,3,15,2,0,11,8,0,0,4,12,0,0,8,8,0,"
     "0,5,8,0,0,9,8,0,0,4,11,0,1,12,7,0,0,2,14,5,10,12,0,0,0,0,6,13,10,0,0,0]"
 )
+
+# Bearer tokens: the Secret the operator creates (never committed), its keys, the config keys naming
+# the files, and the tokens a test writes into them (two inference tokens: a rotation in progress).
+TOKEN_SECRET = "mariner-tokens"
+TOKEN_FIELDS = {"inference_token_file": "inference", "management_token_file": "management"}
+TEST_TOKENS = {"inference": ("inference-old-0001", "inference-new-0002"), "management": ("management-0003",)}
+KSERVE_RUNTIME = "kserve-mariner"
 
 Obj = dict[str, Any]
 
@@ -124,17 +136,22 @@ def env_of(c: Obj) -> dict[str, Obj]:
     return {e["name"]: e for e in c.get("env", [])}
 
 
-def server_config(rendered: dict[str, list[Obj]], rel: str, tmp_path: Path) -> ServerConfig:
-    """The ServerConfig the pod's server would load: the ConfigMap's file plus the container's env."""
+def config_file_text(rendered: dict[str, list[Obj]], rel: str) -> str:
+    """The config file the pod's server reads (MARINER_CONFIG_FILE), from the ConfigMap mounted there."""
     spec = pod_spec(rendered, rel)
     c = container(spec)
-    env = env_of(c)
-    config_path = Path(env["MARINER_CONFIG_FILE"]["value"])
+    config_path = Path(env_of(c)["MARINER_CONFIG_FILE"]["value"])
     mount = next(m for m in c["volumeMounts"] if Path(m["mountPath"]) == config_path.parent)
     volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
     cm = one(rendered, rel, "ConfigMap", volume["configMap"]["name"])
-    local = tmp_path / f"{rel.replace('/', '_')}-{config_path.name}"
-    local.write_text(cm["data"][config_path.name])
+    return cm["data"][config_path.name]
+
+
+def server_config(rendered: dict[str, list[Obj]], rel: str, tmp_path: Path) -> ServerConfig:
+    """The ServerConfig the pod's server would load: the ConfigMap's file plus the container's env."""
+    env = env_of(container(pod_spec(rendered, rel)))
+    local = tmp_path / f"{rel.replace('/', '_')}-{Path(env['MARINER_CONFIG_FILE']['value']).name}"
+    local.write_text(config_file_text(rendered, rel))
     plain_env = {k: e["value"] for k, e in env.items() if "value" in e and k.startswith("MARINER_")}
     plain_env["MARINER_CONFIG_FILE"] = str(local)
     return load_config([], env=plain_env)
@@ -265,6 +282,46 @@ def promql_sources(rendered: dict[str, list[Obj]]) -> dict[str, PromQLNames]:
     return out
 
 
+# -- bearer tokens --------------------------------------------------------------------------------
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def write_token_files(directory: Path) -> dict[str, Path]:
+    """The Secret's files as the kubelet projects them: one per key, one token per line."""
+    out = {}
+    for key, values in TEST_TOKENS.items():
+        out[key] = directory / key
+        out[key].write_text("".join(f"{v}\n" for v in values))
+    return out
+
+
+def exposure_of(config: Obj, tmp_path: Path, name: str) -> tuple[Tokens, Tokens]:
+    """check_exposure of a config file holding `config`, loaded the way `mariner serve` loads it."""
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return check_exposure(load_config(["--config-file", str(path)], env={}))
+
+
+def assert_refused(call: Any) -> None:
+    with pytest.raises(ServingError) as info:
+        call()
+    assert info.value.code == Code.PERMISSION_DENIED
+    assert "refusing to listen beyond loopback without authentication" in info.value.message
+    for listener in ("HTTP inference", "gRPC inference", "HTTP management", "gRPC management"):
+        assert listener in info.value.message
+
+
+def assert_tokens_work(inference: Tokens, management: Tokens) -> None:
+    for token in TEST_TOKENS["inference"]:  # every line of the file: rotation
+        assert inference.accepts(f"Bearer {token}")
+        assert not management.accepts(f"Bearer {token}")
+    (admin,) = TEST_TOKENS["management"]
+    assert management.accepts(f"Bearer {admin}")
+    assert not inference.accepts(f"Bearer {admin}")
+    assert not inference.accepts(None)
+
+
 # -- a live Mariner -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LiveMetrics:
@@ -295,8 +352,10 @@ def _scrape(server: InProcessMariner) -> LiveMetrics:
 def live(
     model_store: Path, rendered: dict[str, list[Obj]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[InProcessMariner, LiveMetrics]]:
-    """Mariner with the ConfigMap's settings (ports 0, the local store), after one prediction."""
+    """Mariner with the ConfigMap's settings (ports 0, the local store, its token files written with
+    test tokens), after one prediction."""
     cfg = server_config(rendered, "overlays/cpu", tmp_path_factory.mktemp("config"))
+    tokens = write_token_files(tmp_path_factory.mktemp("tokens"))
     server = InProcessMariner(
         model_store,
         "digits_torchscript.mar",
@@ -306,9 +365,18 @@ def live(
         grace_seconds=cfg.grace_seconds,
         refuse_seconds=0.0,
         work_dir=tmp_path_factory.mktemp("work"),
+        inference_token_file=tokens[Path(cfg.inference_token_file or "").name],
+        management_token_file=tokens[Path(cfg.management_token_file or "").name],
+        open_health=cfg.open_health,
+        open_metrics=cfg.open_metrics,
     ).start()
     try:
-        r = requests.post(f"{server.http}/predictions/digits_torchscript", json=DIGITS, timeout=30)
+        r = requests.post(
+            f"{server.http}/predictions/digits_torchscript",
+            json=DIGITS,
+            headers=bearer(TEST_TOKENS["inference"][-1]),
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         before = _scrape(server)
         assert GPU_MEMORY in before.declared
@@ -423,13 +491,19 @@ def test_probes_hit_the_health_endpoints(rendered: dict[str, list[Obj]], rel: st
     for probe in ("livenessProbe", "startupProbe"):
         get = c[probe]["httpGet"]
         assert (get["path"], resolve(get["port"])) == ("/healthz", ports["http"]), probe
+    # The probes carry no token (a grpc probe cannot), so what they ask must be open.
+    for probe in ("livenessProbe", "startupProbe", "readinessProbe"):
+        if "httpGet" in c[probe]:
+            assert c[probe]["httpGet"]["path"] in OPEN_HTTP_HEALTH_PATHS, probe
+            assert not c[probe]["httpGet"].get("httpHeaders"), f"{probe}: no credentials in the pod spec"
     # The startup budget must cover a slow interpreter start before liveness may kill the pod.
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
 
 
 def test_health_endpoints_answer_on_a_live_server(live: tuple[InProcessMariner, LiveMetrics]) -> None:
-    """What the probes ask, asked of a real server: liveness, readiness over HTTP and gRPC health."""
+    """What the probes ask, asked of a real server with the deploy's tokens, without a token:
+    liveness, readiness over HTTP and gRPC health."""
     server, _ = live
     assert requests.get(f"{server.http}/healthz", timeout=5).status_code == 200
     assert requests.get(f"{server.http}/readyz", timeout=5).status_code == 200
@@ -587,6 +661,196 @@ def test_pod_meets_the_restricted_pod_security_standard(rendered: dict[str, list
         assert c["resources"]["limits"].get("memory"), c["name"]
     for ns in objects(rendered, rel, "Namespace"):
         assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+# -- authentication -------------------------------------------------------------------------------
+@pytest.mark.parametrize("rel", DEPLOYABLE)
+def test_deploy_config_is_neither_open_nor_broken(
+    rendered: dict[str, list[Obj]], rel: str, tmp_path: Path
+) -> None:
+    """The ConfigMap's config starts with the Secret's files in place and refuses to start without
+    token settings: its 0.0.0.0 listeners are never served without authentication."""
+    config = yaml.safe_load(config_file_text(rendered, rel))
+    assert set(TOKEN_FIELDS) <= set(config), "mariner.yaml must name the token files"
+    assert not config.get("insecure"), "the deploy must not opt out of authentication"
+    assert not {"inference_token", "management_token"} & set(config), "token values in a ConfigMap"
+    # Probes and Prometheus carry no token: health and metrics are open, explicitly.
+    assert config["open_health"] is True
+    assert config["open_metrics"] is True
+    env = env_of(container(pod_spec(rendered, rel)))
+    assert "MARINER_INSECURE" not in env
+    for name in ("MARINER_INFERENCE_TOKEN", "MARINER_MANAGEMENT_TOKEN"):
+        assert "value" not in env.get(name, {}), f"{name}: a token written into the pod spec"
+
+    files = write_token_files(tmp_path)
+    mounted = dict(config)
+    for field_name, key in TOKEN_FIELDS.items():
+        mounted[field_name] = str(files[key])
+    assert_tokens_work(*exposure_of(mounted, tmp_path, "with-tokens.yaml"))
+
+    unset = {k: v for k, v in config.items() if k not in TOKEN_FIELDS}
+    assert_refused(lambda: exposure_of(unset, tmp_path, "without-tokens.yaml"))
+    # A Secret with empty keys (or the images' placeholders) holds no token: refused as well.
+    for key in TOKEN_FIELDS.values():
+        files[key].write_text("# no token here\n")
+    assert_refused(lambda: exposure_of(mounted, tmp_path, "empty-tokens.yaml"))
+
+
+def assert_secret_mounted_at(tokens_dir: Path, c: Obj, volumes: list[Obj], file_names: set[str]) -> Obj:
+    """The token Secret is mounted read-only at `tokens_dir`, as the files the config names."""
+    mounts = [m for m in c.get("volumeMounts", []) if Path(m["mountPath"]) == tokens_dir]
+    assert len(mounts) == 1, f"nothing (or several things) mounted at {tokens_dir}, where the tokens are read"
+    (mount,) = mounts
+    assert mount.get("readOnly") is True, f"{tokens_dir} must be mounted read-only"
+    # subPath mounts never see an updated Secret.
+    assert "subPath" not in mount
+    assert "subPathExpr" not in mount
+    (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+    secret = volume.get("secret")
+    assert secret, f"volume {volume['name']} at {tokens_dir} must be a Secret"
+    assert secret["secretName"] == TOKEN_SECRET
+    assert not secret.get("optional"), "a missing Secret must stop the pod, not start it without tokens"
+    mode = secret["defaultMode"]
+    assert mode & 0o007 == 0, f"defaultMode {mode:o}: token files readable by every user"
+    assert mode & 0o222 == 0, f"defaultMode {mode:o}: token files writable"
+    items = {i["path"]: i["key"] for i in secret.get("items", [])}
+    assert items == {name: name for name in file_names}, (
+        "the Secret's keys must be the files the config names"
+    )
+    return secret
+
+
+@pytest.mark.parametrize("rel", DEPLOYABLE)
+def test_token_secret_is_mounted_read_only_where_the_config_reads_it(
+    rendered: dict[str, list[Obj]], rel: str, tmp_path: Path
+) -> None:
+    cfg = server_config(rendered, rel, tmp_path)
+    paths = [Path(getattr(cfg, f)) for f in TOKEN_FIELDS]
+    (tokens_dir,) = {p.parent for p in paths}
+    assert {p.name for p in paths} == set(TOKEN_FIELDS.values())
+    spec = pod_spec(rendered, rel)
+    assert_secret_mounted_at(tokens_dir, container(spec), spec["volumes"], {p.name for p in paths})
+    # 0440 is readable through the group: the pod's fsGroup gives the files the server's group.
+    pod_sc = spec["securityContext"]
+    assert pod_sc.get("fsGroup") == pod_sc["runAsGroup"], "token files must be readable by the server's group"
+    # Only the server sees the tokens.
+    token_volumes = {
+        v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == TOKEN_SECRET
+    }
+    for init in spec.get("initContainers", []):
+        assert not {m["name"] for m in init.get("volumeMounts", [])} & token_volumes, init["name"]
+
+
+def test_kserve_runtime_mounts_the_tokens_and_refuses_without_them(
+    rendered: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    runtime = one(rendered, "kserve", "ServingRuntime", KSERVE_RUNTIME)["spec"]
+    (c,) = runtime["containers"]
+    args: list[str] = c["args"]
+    cfg = load_config(args, env={})
+    paths = [Path(getattr(cfg, f)) for f in TOKEN_FIELDS]
+    (tokens_dir,) = {p.parent for p in paths}
+    assert_secret_mounted_at(tokens_dir, c, runtime.get("volumes", []), {p.name for p in paths})
+    assert cfg.open_health, "KServe's and Knative's probes carry no token"
+    assert cfg.open_metrics, "KServe's Prometheus scraping carries no token"
+    assert not cfg.insecure
+    assert c["readinessProbe"]["httpGet"]["path"] in OPEN_HTTP_HEALTH_PATHS
+    # The image's baked-in config (loaded first, as MARINER_CONFIG_FILE) names the same files.
+    baked = load_config(args, env={"MARINER_CONFIG_FILE": str(K8S / "base/mariner.yaml")})
+    assert [getattr(baked, f) for f in TOKEN_FIELDS] == [getattr(cfg, f) for f in TOKEN_FIELDS]
+    # A ServingRuntime cannot set fsGroup: every InferenceService on it does, or 0440 is unreadable.
+    group = c["securityContext"]["runAsGroup"]
+    on_runtime = [
+        o["spec"]["predictor"]
+        for o in objects(rendered, "kserve", "InferenceService")
+        if o["spec"]["predictor"]["model"].get("runtime") == KSERVE_RUNTIME
+    ]
+    assert on_runtime
+    for predictor in on_runtime:
+        assert predictor["securityContext"]["fsGroup"] == group
+        # The pod KServe builds from the two, checked against the core schema (the CRs are not).
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": KSERVE_RUNTIME},
+            "spec": {
+                "containers": runtime["containers"],
+                "volumes": runtime["volumes"],
+                "securityContext": predictor["securityContext"],
+            },
+        }
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+    files = write_token_files(tmp_path)
+    flags = {f"--{f.replace('_', '-')}": f for f in TOKEN_FIELDS}
+
+    def token_flag(arg: str) -> str | None:
+        flag = arg.partition("=")[0]
+        return flags.get(flag)
+
+    substituted = [
+        f"{arg.partition('=')[0]}={files[TOKEN_FIELDS[name]]}" if (name := token_flag(arg)) else arg
+        for arg in args
+    ]
+    assert substituted != args
+    assert_tokens_work(*check_exposure(load_config(substituted, env={})))
+    unset = [arg for arg in args if token_flag(arg) is None]
+    assert_refused(lambda: check_exposure(load_config(unset, env={})))
+
+
+def test_no_secret_values_are_committed(rendered: dict[str, list[Obj]]) -> None:
+    """Tokens come from a Secret the operator creates; k8s/ holds none, and no kustomization makes one."""
+    problems = []
+    for path in sorted(K8S.rglob("*")):
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            continue
+        rel = path.relative_to(REPO)
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not isinstance(doc, dict):
+                continue
+            if doc.get("kind") == "Secret" and (doc.get("data") or doc.get("stringData")):
+                problems.append(f"{rel}: a Secret with data")
+            if path.name == "kustomization.yaml" and doc.get("secretGenerator"):
+                problems.append(f"{rel}: a secretGenerator")
+            for key, value in walk(doc):
+                if key in ("inference_token", "management_token") and value:
+                    problems.append(f"{rel}: {key} written into a manifest")
+                if isinstance(value, str) and value.startswith(("--inference-token=", "--management-token=")):
+                    problems.append(f"{rel}: a token on a command line")
+    for rel, objs in rendered.items():
+        for o in objs:
+            if o["kind"] == "Secret":
+                problems.append(f"k8s/{rel} renders Secret {o['metadata']['name']}")
+    assert not problems, "\n".join(problems)
+    # The check above reads the file that matters.
+    assert "inference_token_file" in (K8S / "base/mariner.yaml").read_text()
+
+
+def test_live_server_wants_tokens_except_for_probes_and_metrics(
+    live: tuple[InProcessMariner, LiveMetrics],
+) -> None:
+    """The server as the deploy configures it: inference and management need their tokens (every
+    line of a token file works), health and /metrics answer without one."""
+    server, _ = live
+    url = f"{server.http}/predictions/digits_torchscript"
+    assert requests.post(url, json=DIGITS, timeout=30).status_code == 401
+    assert requests.post(url, json=DIGITS, headers=bearer("not-a-token"), timeout=30).status_code == 401
+    for token in TEST_TOKENS["inference"]:
+        assert requests.post(url, json=DIGITS, headers=bearer(token), timeout=30).status_code == 200
+    models = f"{server.management}/models"
+    assert requests.get(models, timeout=10).status_code == 401
+    assert requests.get(models, headers=bearer(TEST_TOKENS["inference"][0]), timeout=10).status_code == 401
+    assert requests.get(models, headers=bearer(TEST_TOKENS["management"][0]), timeout=10).status_code == 200
+    for path in ("/ping", "/healthz", "/readyz"):
+        assert requests.get(f"{server.http}{path}", timeout=10).status_code == 200, path
+    assert requests.get(f"{server.metrics}/metrics", timeout=10).status_code == 200
+
+
+def test_prometheus_scrapes_without_a_token(rendered: dict[str, list[Obj]], tmp_path: Path) -> None:
+    for rel in DEPLOYABLE:
+        assert server_config(rendered, rel, tmp_path).open_metrics
+        for endpoint in one(rendered, rel, "ServiceMonitor")["spec"]["endpoints"]:
+            assert not {"bearerTokenSecret", "authorization", "bearerTokenFile"} & set(endpoint)
 
 
 # -- CPU vs GPU ---------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 What a build or a pod would trip over, checked from the files: every COPY source exists and survives
 .dockerignore, `pip install .` gets everything pyproject.toml needs, the entrypoint is a console
 script that really starts `mariner serve`, the final stage runs as a numeric non-root user (the one
-the Deployment sets) with no build tools, the config file baked in is a valid Mariner config, and
-the exposed ports are the server's defaults.
+the Deployment sets) with no build tools, the config file baked in is a valid Mariner config, the
+token files it names exist as placeholders (so a container without the Secret refuses to start with
+the server's own message), and the exposed ports are the server's defaults.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from server.app import check_exposure
 from server.config import ServerConfig, load_config
+from server.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 
@@ -32,6 +35,7 @@ BUILD_TOOLS = re.compile(
     r"(?<![\w.-])(gcc|g\+\+|clang|make|cmake|ninja-build|build-essential|cargo|rustc|git|"
     r"[\w.+-]+-dev|[\w.+-]+-devel)(?![\w.+-])"
 )
+MARINER_CONFIG = "/etc/mariner/mariner.yaml"
 ADDRESS_FIELDS = (
     "inference_address",
     "management_address",
@@ -413,6 +417,72 @@ def test_baked_in_config_file_is_the_one_mariner_reads(dockerfile: Dockerfile, t
     for directory in (cfg.model_store, cfg.work_dir):
         assert directory is not None
         assert str(directory) in made, f"the image does not create {directory}"
+
+
+def _baked_config(dockerfile: Dockerfile) -> Path:
+    (source,) = next(cp.sources for cp in reversed(copies(dockerfile.final)) if cp.dest == MARINER_CONFIG)
+    return REPO / source
+
+
+def _placeholder_paths(dockerfile: Dockerfile) -> tuple[Path, Path]:
+    """The token files the baked-in config names, which the image must create (placeholders)."""
+    cfg = load_config([], env={"MARINER_CONFIG_FILE": str(_baked_config(dockerfile))})
+    assert cfg.inference_token_file is not None, "the baked-in config names no inference token file"
+    assert cfg.management_token_file is not None, "the baked-in config names no management token file"
+    return cfg.inference_token_file, cfg.management_token_file
+
+
+def test_image_without_tokens_refuses_to_start_and_says_why(dockerfile: Dockerfile, tmp_path: Path) -> None:
+    """`docker run` without the Secret: the baked-in config loads, the token files it names exist
+    (placeholders holding no token), and the server refuses its 0.0.0.0 listeners with the message
+    that says what to set, rather than failing on a missing file or starting open."""
+    assert dockerfile.final.env()["MARINER_CONFIG_FILE"] == MARINER_CONFIG
+    made = " ".join(r.args for r in dockerfile.final.all("RUN"))
+    placeholders = _placeholder_paths(dockerfile)
+    for path in placeholders:
+        assert str(path) in made, f"{dockerfile.path.name}: the image does not create {path}"
+        assert not any(cp.dest.startswith(str(path.parent)) for cp in copies(dockerfile.final)), (
+            "no token file may be copied into the image"
+        )
+    # The placeholders, as the image has them: no token line (comments only, or empty).
+    local = {}
+    for path in placeholders:
+        local[path] = tmp_path / path.name
+        local[path].write_text("# No token: mount the mariner-tokens Secret over this directory.\n")
+    base = {
+        "MARINER_CONFIG_FILE": str(_baked_config(dockerfile)),
+        "MARINER_INFERENCE_TOKEN_FILE": str(local[placeholders[0]]),
+        "MARINER_MANAGEMENT_TOKEN_FILE": str(local[placeholders[1]]),
+    }
+    with pytest.raises(ServingError) as info:
+        check_exposure(load_config([], env=base))
+    assert info.value.code == Code.PERMISSION_DENIED
+    assert "refusing to listen beyond loopback without authentication" in info.value.message
+    assert "MARINER_INFERENCE_TOKEN_FILE" in info.value.message, "the refusal must say what to set"
+    # `-e MARINER_INSECURE=true`, for local experiments: starts (without tokens).
+    inference, management = check_exposure(load_config([], env={**base, "MARINER_INSECURE": "true"}))
+    assert not inference
+    assert not management
+    # Token files mounted over the placeholders: starts, and every line of a file is a token.
+    local[placeholders[0]].write_text("old-token\nnew-token\n")
+    local[placeholders[1]].write_text("admin-token\n")
+    inference, management = check_exposure(load_config([], env=base))
+    assert inference.accepts("Bearer old-token")
+    assert inference.accepts("Bearer new-token")
+    assert management.accepts("Bearer admin-token")
+    assert not inference.accepts("Bearer admin-token")
+
+
+def test_placeholders_sit_where_kubernetes_mounts_the_secret(dockerfile: Dockerfile) -> None:
+    """The Deployment mounts the token Secret over the directory holding the image's placeholders."""
+    (tokens_dir,) = {p.parent for p in _placeholder_paths(dockerfile)}
+    deployment = yaml.safe_load((REPO / "k8s/base/deployment.yaml").read_text())
+    spec = deployment["spec"]["template"]["spec"]
+    (server,) = [c for c in spec["containers"] if c["name"] == "mariner"]
+    (mount,) = [m for m in server["volumeMounts"] if Path(m["mountPath"]) == tokens_dir]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "mariner-tokens"
 
 
 def test_exposed_ports_are_the_server_defaults(dockerfile: Dockerfile) -> None:
