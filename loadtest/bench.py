@@ -53,7 +53,7 @@ from typing import Any
 
 import psutil
 
-from loadtest.bench_report import fmt, plot, render_markdown, targets
+from loadtest.bench_report import fmt, other_cores, plot, render_markdown, targets
 from loadtest.closedloop import LevelResult, LoadSpec, Percentiles, run_level
 from loadtest.servers import MarinerProcess
 
@@ -247,7 +247,7 @@ def _levels_for(
                 f"  {server:10s} {protocol:4s} c={c:<3d} n={lat.n:<6d} p50={lat.p50_ms:7.2f} "
                 f"p90={lat.p90_ms:7.2f} p99={lat.p99_ms:7.2f} max={lat.max_ms:7.2f} ms  "
                 f"{r.throughput_rps:8.0f} req/s  errors={r.errors}  cores: clients {r.client_cores:.2f} "
-                f"server {r.server_cores:.2f} machine {r.machine_cores:.2f}",
+                f"server {r.server_cores:.2f} other {other_cores(r):.2f}",
                 flush=True,
             )
             if r.errors:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,11 @@ def targets(report: Report) -> list[Target]:
     return out
 
 
+def other_cores(r: LevelResult) -> float:
+    """Cores used by everything but the clients and the server during a level (never negative)."""
+    return max(0.0, r.machine_cores - r.client_cores - r.server_cores)
+
+
 def render_markdown(report: Report) -> str:
     s = report.settings
     m = report.machine
@@ -117,9 +123,23 @@ def render_markdown(report: Report) -> str:
         "digits in turn.",
         "- Latency: per request, nearest-rank percentiles, ms. Throughput: completed requests / wall "
         "time of the timed phase. Cores: CPU seconds / wall seconds of the client processes, of the "
-        "server's process tree, and of the whole machine (the remainder is other work on the machine).",
+        'server\'s process tree, and of everything else on the machine ("other": other users of a '
+        "shared machine, the OS, the benchmark's own parent process).",
     ]
     lines += [f"- {n}" for n in report.notes]
+    if report.levels:
+        others = [other_cores(r) for r in report.levels]
+        clients = [r.client_cores for r in report.levels]
+        lines.append(
+            f"- CPU taken by the clients: {min(clients):.2f} to {max(clients):.2f} cores per level; by "
+            f"other work on the machine: {statistics.mean(others):.2f} cores on average "
+            f"(up to {max(others):.2f})"
+            + (": the machine was shared during this run." if max(others) > 0.25 else ".")
+        )
+    lines.append(
+        "- Why targets are missed, with profiles: [docs/benchmark.md](../docs/benchmark.md) "
+        '("Where Mariner\'s time goes").'
+    )
     if report.raw:
         r = report.raw
         lines += [
@@ -145,7 +165,7 @@ def render_markdown(report: Report) -> str:
         "## Servers",
         "",
         "| server | protocol | conc. | requests | errors | p50 ms | p90 ms | p99 ms | max ms | req/s "
-        "| client cores | server cores | machine cores |",
+        "| client cores | server cores | other cores |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report.levels:
@@ -153,7 +173,7 @@ def render_markdown(report: Report) -> str:
         lines.append(
             f"| {r.server} | {r.protocol} | {r.concurrency} | {lat.n} | {r.errors} | {fmt(lat.p50_ms)} | "
             f"{fmt(lat.p90_ms)} | {fmt(lat.p99_ms)} | {fmt(lat.max_ms)} | {r.throughput_rps:,.0f} | "
-            f"{r.client_cores:.2f} | {r.server_cores:.2f} | {r.machine_cores:.2f} |"
+            f"{r.client_cores:.2f} | {r.server_cores:.2f} | {other_cores(r):.2f} |"
         )
     raw = report.raw.batched_rps if report.raw else math.nan
     lines += [
