@@ -31,6 +31,7 @@ from client.types import (
     encode_payload,
     with_port,
 )
+from server.tensors import CONTENTS_FIELD
 
 T = TypeVar("T")
 TRANSPORT = "grpc"
@@ -40,20 +41,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 PREDICT_INPUT_KEY = "data"
 
 # `contents` field of InferTensorContents per datatype, for servers that answer without raw bytes.
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 
 
 def _stubs(module: str) -> ModuleType:
@@ -303,7 +290,7 @@ class GrpcClient:
                     )
                 result[out.name] = tensors.from_raw(raw[i], out.datatype, shape, out.name)
             else:
-                field = _CONTENTS_FIELD.get(out.datatype)
+                field = CONTENTS_FIELD.get(out.datatype)
                 if field is None:
                     raise make_error(
                         Status.INTERNAL,

@@ -30,7 +30,7 @@ from server import oip
 from server.errors import STATUS, Code, ServingError, as_serving_error
 from server.grpc_inference import request_headers
 from server.protogen import stubs_missing
-from server.tensors import decode_raw, decode_values, encode_raw
+from server.tensors import CONTENTS_FIELD, decode_raw, decode_values, encode_raw
 from server.types import Protocol as WireProtocol
 
 try:
@@ -49,20 +49,6 @@ PROTOCOL = WireProtocol.OIP_GRPC
 STREAM_WINDOW = 64
 
 # The typed `contents` field for each datatype (FP16/BF16 have none: raw bytes only).
-_CONTENTS_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 
 
 def params_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,7 +83,7 @@ def decode_inputs(request: Any, max_elements: int) -> dict[str, tuple[str, np.nd
                 )
             decoded[name] = (datatype, decode_raw(name, datatype, shape, raw[i]))
             continue
-        field = _CONTENTS_FIELD.get(datatype)
+        field = CONTENTS_FIELD.get(datatype)
         if field is None:
             raise oip.bad(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
         decoded[name] = (datatype, decode_values(name, datatype, shape, getattr(tensor.contents, field)))

@@ -43,6 +43,23 @@ _BY_DTYPE = {v: k for k, v in DTYPES.items() if k != "BYTES"}
 
 MAX_DIMS = 8
 
+# The OIP gRPC `InferTensorContents` field that carries each datatype's typed values (FP16, BF16
+# have none: they travel only as raw bytes).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
 
 def bad(message: str) -> ServingError:
     return ServingError(Code.INVALID_ARGUMENT, message)

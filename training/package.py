@@ -7,7 +7,6 @@ the very same bytes. Each archive carries the handler, the artefact, `norm.json`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -155,11 +154,3 @@ def archive(staged: Staged, verification: Path, store: Path) -> Path:
     os.replace(staging / target.name, target)
     staging.rmdir()
     return target
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

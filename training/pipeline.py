@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from server.archive import sha256_file
 from training import package, report
 from training.data import load_splits, to_model_input
 from training.export import Artefact, export_all, load_eager, model_kwargs
@@ -108,7 +109,7 @@ def _build_variant(
         "model": staged.model_name,
         "version": package.ARCHIVE_VERSION,
         "file": mar.name,
-        "sha256": package.sha256(mar),
+        "sha256": sha256_file(mar),
         "bytes": mar.stat().st_size,
         "format": art.format,
         "device": art.device,
