@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean
+.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench quickbench
 
 venv: $(STAMP)
 
@@ -42,6 +42,22 @@ serve: models protos
 
 serve-torchserve: models java
 	$(PY) -m loadtest.stock_torchserve --model-store $(STORE) --models all
+
+# Locust against a Mariner it starts on 127.0.0.1 (bounded in users and seconds); exits non-zero
+# when p99 > LOADTEST_P99_MS or more than 1% of requests fail. Reports: build/loadtest/.
+LOADTEST_USERS ?= 8
+LOADTEST_SECONDS ?= 20
+LOADTEST_P99_MS ?= 50
+loadtest: models protos
+	$(PY) -m loadtest.gate --store $(STORE) --users $(LOADTEST_USERS) --run-time $(LOADTEST_SECONDS) --p99-ms $(LOADTEST_P99_MS)
+
+# Raw model vs Mariner vs stock TorchServe side by side (about 4 min here): bench/results.md + PNGs.
+bench: models protos java
+	$(PY) -m loadtest.bench
+
+# One sequential client: Mariner vs stock TorchServe vs the bare transport floor.
+quickbench: models protos java
+	$(PY) -m loadtest.quickbench
 
 lint: venv protos
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import os
 import signal
 import ssl
 import tempfile
@@ -64,6 +66,15 @@ def _uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvi
         timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
         **tls,
     )
+
+
+def default_torch_threads() -> int:
+    """Intra-op threads for CPU inference: all cores but one, which the event loop needs.
+
+    torch's default (every core) makes OpenMP threads spin on the event loop's core: on 2 cores
+    p99 at 4 concurrent clients went from ~13 ms to ~300 ms (docs/benchmark.md).
+    """
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
@@ -121,7 +132,7 @@ class MarinerServer:
                 model_store=cfg.model_store,
                 work_dir=work_dir,
                 default_max_queue=cfg.max_queue,
-                torch_threads=cfg.torch_threads,
+                torch_threads=cfg.torch_threads or default_torch_threads(),
                 management_enabled=cfg.enable_model_management,
             ),
             self.metrics,
@@ -182,6 +193,10 @@ class MarinerServer:
 
     async def load(self) -> None:
         await self.dataplane.load_models()
+        # torch and the models leave ~200k long-lived objects; without freezing them every full
+        # collection walks them all (70-100 ms pauses that every in-flight request waits for).
+        gc.collect()
+        gc.freeze()
         await self.grpc.refresh_health()
         ready = [f"{m.name}:{m.version}" for m in self.dataplane.models() if m.state.value == "READY"]
         log.info("models ready: %s (all ready: %s)", ", ".join(ready) or "none", self.dataplane.is_ready())

@@ -77,7 +77,7 @@ _HELP = {
     "min_workers": "override every model's instance count (minWorkers)",
     "response_timeout_s": "override every model's responseTimeout (seconds)",
     "max_queue": "queued items per model version before requests are rejected (RESOURCE_EXHAUSTED)",
-    "torch_threads": "torch intra-op threads per CPU instance (default: torch's)",
+    "torch_threads": "torch intra-op threads for CPU inference (default: all cores but one)",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
