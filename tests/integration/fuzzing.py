@@ -409,7 +409,7 @@ ODD_NAMES = ("", "..", "../../etc/passwd", "\x00", "%00", " ", "DIGITS_ONNX", f"
 
 
 def repeated(lo: int, hi: int) -> st.SearchStrategy[str]:
-    return st.builds(lambda c, n: c * n, st.characters(), st.integers(lo, hi))
+    return st.builds(lambda c, n: c * n, st.characters(codec="utf-8"), st.integers(lo, hi))
 
 
 small_text = st.one_of(st.sampled_from(ODD_NAMES), st.text(max_size=24))
