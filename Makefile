@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench quickbench
+.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench quickbench fuzz
 
 venv: $(STAMP)
 
@@ -58,6 +58,11 @@ bench: models protos java
 # One sequential client: Mariner vs stock TorchServe vs the bare transport floor.
 quickbench: models protos java
 	$(PY) -m loadtest.quickbench
+
+# Hypothesis fuzzing of a live server (>= 10,000 examples); prints the answers counted by status.
+MARINER_FUZZ_EXAMPLES ?= 10000
+fuzz: venv protos models
+	MARINER_FUZZ_EXAMPLES=$(MARINER_FUZZ_EXAMPLES) $(PY) -m tests.fuzz_main $(PYTEST_ARGS)
 
 lint: venv protos
 	$(VENV)/bin/ruff check .

@@ -129,6 +129,17 @@ def _pixels_from_array(value: Any) -> np.ndarray:
     return arr.reshape(PIXELS)
 
 
+def _is_tensor_request(row: Any) -> bool:
+    """Mariner's OIP path hands arrays; JSON from a client can never produce an ndarray, so a
+    TorchServe request with a field named "tensors" is not mistaken for a tensor request."""
+    tensors = row.get("tensors") if isinstance(row, dict) else None
+    return (
+        isinstance(tensors, dict)
+        and bool(tensors)
+        and all(isinstance(v, np.ndarray) for v in tensors.values())
+    )
+
+
 def _pixels_from_tensor(tensors: Any) -> np.ndarray:
     """An OIP request's `pixels` input, [N, 64] (or [N, 8, 8]), as (N, 64) float32 rows."""
     if not isinstance(tensors, dict) or "pixels" not in tensors:
@@ -167,6 +178,8 @@ def decode_item(row: Any) -> np.ndarray:
             payload = json.loads(payload)
         except json.JSONDecodeError as exc:
             raise ValueError(f"body is not valid JSON ({exc.msg} at position {exc.pos})") from exc
+        except RecursionError:
+            raise ValueError("body is JSON nested too deeply; send 64 pixels") from None
     return _pixels_from_array(payload)
 
 
@@ -228,7 +241,7 @@ class DigitsHandler:
         n = 0
         for i, row in enumerate(data):
             try:
-                is_tensor = isinstance(row, dict) and "tensors" in row
+                is_tensor = _is_tensor_request(row)
                 block = _pixels_from_tensor(row["tensors"]) if is_tensor else decode_item(row)[None, :]
             except ValueError as exc:
                 results[i] = {"error": str(exc), "code": 400}

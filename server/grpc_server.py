@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from server import grpc_inference, grpc_management, grpc_oip, oip
+from server.grpc_decoding import SafeDecoding
 from server.types import ModelInfo
 
 log = logging.getLogger("mariner.grpc")
@@ -175,7 +176,7 @@ def build_grpc_servers(
     options = _server_options(max_message_bytes)
     health = health_aio.HealthServicer()
 
-    inference = grpc.aio.server(options=options, interceptors=list(inference_interceptors))
+    inference = grpc.aio.server(options=options, interceptors=[SafeDecoding(), *inference_interceptors])
     grpc_inference.add_to_server(dataplane, inference)
     # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
     grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
@@ -185,7 +186,7 @@ def build_grpc_servers(
         inference,
     )
 
-    management = grpc.aio.server(options=options, interceptors=list(management_interceptors))
+    management = grpc.aio.server(options=options, interceptors=[SafeDecoding(), *management_interceptors])
     servers: GrpcServers | None = None
 
     async def on_change() -> None:

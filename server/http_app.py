@@ -37,7 +37,6 @@ from server.http_common import (
     CANCELLED_STATUS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADERS,
-    HTTP_ERROR_HANDLERS,
     JSON,
     NOT_READY_STATUS,
     PAYLOAD_TOO_LARGE,
@@ -47,6 +46,7 @@ from server.http_common import (
     error_response,
     infer_unless_client_gone,
     json_response,
+    make_app,
     offload_if_large,
     read_body,
     request_headers,
@@ -196,4 +196,4 @@ def inference_app(
     ]
     # The Open Inference Protocol's /v2 routes share the port and the DataPlane.
     routes += oip_routes(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
-    return Starlette(routes=routes, exception_handlers=dict(HTTP_ERROR_HANDLERS))
+    return make_app(routes)

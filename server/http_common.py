@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -200,3 +201,14 @@ async def infer_unless_client_gone(
         watcher.cancel()
         if gone:  # our own cancel, not the server's: take it back so this task can still answer
             task.uncancel()
+
+
+def make_app(routes: list[Any]) -> Starlette:
+    """A Starlette app with our error handlers and no trailing-slash redirects.
+
+    Starlette redirects `/x/` to `/x` with a 307 whose Location comes from the client's Host
+    header: a status outside our error table and a reflected header. A wrong path is a 404.
+    """
+    app = Starlette(routes=routes, exception_handlers=dict(HTTP_ERROR_HANDLERS))
+    app.router.redirect_slashes = False
+    return app

@@ -35,6 +35,8 @@ def decode_value(raw: bytes, mime: str, what: str) -> Any:
                 Code.INVALID_ARGUMENT,
                 f"{what} is not valid JSON: {e}; send a JSON document, or another Content-Type for raw bytes",
             ) from None
+        except RecursionError:
+            raise ServingError(Code.INVALID_ARGUMENT, f"{what} is JSON nested too deeply") from None
     if mime.startswith("text/"):
         try:
             return raw.decode("utf-8")

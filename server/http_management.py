@@ -21,11 +21,11 @@ from starlette.routing import Route
 
 from server.errors import Code, ServingError
 from server.http_common import (
-    HTTP_ERROR_HANDLERS,
     JSON,
     BodyTooLarge,
     error_response,
     json_response,
+    make_app,
     make_guard,
     read_body,
 )
@@ -278,4 +278,4 @@ def management_app(dataplane: DataPlane) -> Starlette:
             methods=["PUT"],
         ),
     ]
-    return Starlette(routes=routes, exception_handlers=dict(HTTP_ERROR_HANDLERS))
+    return make_app(routes)

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server import metrics as metrics_mod
-from server.http_common import HTTP_ERROR_HANDLERS
+from server.http_common import make_app
 
 if TYPE_CHECKING:
     from server.dataplane import DataPlane
@@ -28,6 +28,4 @@ def metrics_app(dataplane: DataPlane) -> Starlette:
     async def scrape(request: Request) -> Response:
         return Response(await run_in_threadpool(metrics.render), media_type=metrics_mod.CONTENT_TYPE)
 
-    return Starlette(
-        routes=[Route("/metrics", scrape, methods=["GET"])], exception_handlers=dict(HTTP_ERROR_HANDLERS)
-    )
+    return make_app([Route("/metrics", scrape, methods=["GET"])])

@@ -101,7 +101,8 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
 def _header_length(value: str | None, size: int) -> int | None:
     if value is None:
         return None
-    if not value.strip().isdigit() or int(value) > size:
+    digits = value.strip()
+    if not (digits.isascii() and digits.isdigit()) or int(digits) > size:
         raise oip.bad(
             f"Inference-Header-Content-Length must be a byte count within the {size}-byte body, got {value!r}"
         )
@@ -138,6 +139,8 @@ class ParsedInfer:
             doc = json.loads(body[:split])
         except ValueError as exc:
             raise oip.bad(f"inference request is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise oip.bad("inference request is JSON nested too deeply") from None
         doc = _object(doc, "the inference request")
         client_id = doc.get("id", "")
         if not isinstance(client_id, str):

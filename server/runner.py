@@ -70,6 +70,19 @@ def _release_cached_memory(placement: Placement) -> None:
         torch.cuda.empty_cache()
 
 
+def is_tensor_request(data: Mapping[str, Any]) -> bool:
+    """True only for the OIP path's {"tensors": {name: ndarray}}: a TorchServe client's form field
+    named "tensors" holds bytes, str or parsed JSON, never arrays, so it cannot pose as one."""
+    import numpy as np
+
+    tensors = data.get("tensors")
+    return (
+        isinstance(tensors, dict)
+        and bool(tensors)
+        and all(isinstance(v, np.ndarray) for v in tensors.values())
+    )
+
+
 def encode_output(value: Any) -> bytes:
     """Encode one handler result exactly as TorchServe's Python backend does."""
     if isinstance(value, (bytes, bytearray)):
@@ -273,7 +286,7 @@ class Runner:
         results = []
         for i, value in enumerate(outputs):
             meta = ctx.response_meta(i)
-            tensors = value.get("tensors") if isinstance(value, dict) and "tensors" in data[i] else None
+            tensors = value.get("tensors") if isinstance(value, dict) and is_tensor_request(data[i]) else None
             results.append(
                 InferResult(
                     body=b"" if tensors is not None else encode_output(value),

@@ -9,7 +9,7 @@ whatever the wire. Tensors reach the handler as arrays, never as JSON text.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ if _bf16 is not None:
 _BY_DTYPE = {v: k for k, v in DTYPES.items() if k != "BYTES"}
 
 MAX_DIMS = 8
+MAX_ARRAY_ELEMENTS = 2**40  # far above any message size limit; below numpy's index range
 
 # The OIP gRPC `InferTensorContents` field that carries each datatype's typed values (FP16, BF16
 # have none: they travel only as raw bytes).
@@ -122,10 +123,13 @@ def check_shape(shape: Sequence[int], tensor: str) -> tuple[int, ...]:
     dims = tuple(int(d) for d in shape)
     if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
         raise bad(f"tensor {tensor!r}: shape {list(dims)} must have at most {MAX_DIMS} non-negative dims")
+    # An empty tensor ([0, 2**62]) has no elements but no array can have such dims either.
+    if element_count(max(d, 1) for d in dims) > MAX_ARRAY_ELEMENTS:
+        raise bad(f"tensor {tensor!r}: shape {list(dims)} is larger than any array can be")
     return dims
 
 
-def element_count(shape: Sequence[int]) -> int:
+def element_count(shape: Iterable[int]) -> int:
     n = 1
     for d in shape:
         n *= d

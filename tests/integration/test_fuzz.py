@@ -11,8 +11,9 @@ traceback or an exception's repr in a message; a fuzzed request is the client's 
 INTERNAL (500) is a finding too. After each test the server still answers a good request on every
 surface (the autouse `still_serving` fixture).
 
-Findings are pinned at the end of this module by strict xfail tests; the fuzz tests accept
-exactly those answers for exactly those inputs (see fuzzing.*_known), and keep hunting the rest.
+The fuzzer's findings (six, all fixed) are kept at the end of this module as regression tests. A
+new finding is pinned there by a strict xfail, and fuzzing.*_known accepts exactly its wrong answer
+for exactly its inputs, so the fuzz tests keep hunting the rest.
 
 Budget: MARINER_FUZZ_EXAMPLES examples in total (default 400, what CI runs, ~15 s), shared by
 the tests by weight. `python -m tests.fuzz_main` runs 10,000 and prints STATUS_COUNTS (this
@@ -243,16 +244,7 @@ def test_http_requests_get_documented_answers(server: InProcessMariner, case: Ht
     assert problem is None, problem
 
 
-# -- findings, pinned: each xfail passes (and so fails, strict) once the server is fixed -------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a request that does not deserialize is answered UNKNOWN with "
-    "\"Unexpected <class 'google.protobuf.message.DecodeError'>: ...\": grpc.aio's cython server "
-    "(_handle_exceptions) does this when the generated handler's request_deserializer raises, "
-    "before any servicer code runs. server/grpc_server.py should wrap every method handler's "
-    "request_deserializer (e.g. in the interceptor that already wraps handlers, server/security.py "
-    "GrpcTokenAuth, or a new one) and abort INVALID_ARGUMENT",
-)
+# -- findings the fuzzer made, fixed, and kept as regression tests ----------------------------------
 def test_grpc_undecodable_bytes_are_invalid_argument(channels: dict[str, grpc.Channel]) -> None:
     """Bytes that are no message of the method's request type: INVALID_ARGUMENT, never UNKNOWN."""
     problems: list[str] = []
@@ -283,15 +275,6 @@ DEEP = b"[" * 20000 + b"]" * 20000  # 40 KB: under the body limit, past Python's
     ["grpc-predictions", "http-predictions-json", "http-predictions-text", "http-oip-infer",
      "http-management-register"],
 )  # fmt: skip
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: deeply nested JSON raises RecursionError, which the JSON decoding paths do not "
-    "catch (they catch ValueError): server/http_forms.py decode_value (TorchServe REST JSON body and "
-    "JSON form parts; also the management register body, server/http_management.py register) and "
-    "server/http_oip.py ParsedInfer.__init__ (OIP REST) answer 500; handlers/digits_handler.py "
-    "decode_item lets it escape handle(), so the whole batch, its batch-mates too, fails INTERNAL "
-    "(TorchServe gRPC, REST non-JSON bodies)",
-)
 def test_deeply_nested_json_is_invalid_argument(
     server: InProcessMariner, channels: dict[str, grpc.Channel], surface: str
 ) -> None:
@@ -318,14 +301,6 @@ def test_deeply_nested_json_is_invalid_argument(
     [([2**62, 2**62, 0], "grpc-raw"), ([0, 2**40, 2**40], "grpc-contents"), ([2**63 - 1, 0], "grpc-raw"),
      ([10**30, 0], "rest-json"), ([0, 2**63 - 1], "rest-json")],
 )  # fmt: skip
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a tensor with a 0 dim and huge other dims has 0 elements, so it passes "
-    "server/oip.py check_header's element cap, then numpy's reshape raises ValueError in "
-    "server/tensors.py decode_raw / decode_values (not caught there), and the adapters answer "
-    "INTERNAL/500; check_shape (or element_count) should refuse dims whose product of non-zero "
-    "dims is beyond what an array can have, as INVALID_ARGUMENT",
-)
 def test_empty_tensors_with_impossible_dims_are_invalid_argument(
     server: InProcessMariner, channels: dict[str, grpc.Channel], shape: list[int], wire: str
 ) -> None:
@@ -351,12 +326,6 @@ def test_empty_tensors_with_impossible_dims_are_invalid_argument(
 
 
 @pytest.mark.parametrize("value", [b"\xb2", b"1\xb3", b" \xb9 "])
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: server/http_oip.py _header_length checks Inference-Header-Content-Length with "
-    "str.isdigit(), which accepts superscript digits (latin-1 \\xb2 \\xb3 \\xb9 as Starlette decodes "
-    "headers), then int() raises ValueError: 500 instead of 400; test with isascii() and isdigit()",
-)
 def test_unicode_digits_in_the_header_length_are_invalid_argument(
     server: InProcessMariner, value: bytes
 ) -> None:
@@ -373,13 +342,6 @@ def test_unicode_digits_in_the_header_length_are_invalid_argument(
     [("inference", "POST", f"/predictions/{MODEL}/"), ("inference", "GET", f"/v2/models/{MODEL}/"),
      ("management", "GET", "/models/"), ("inference", "GET", f"/predictions/{MODEL}/%2F")],
 )  # fmt: skip
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING: Starlette's default redirect_slashes answers a path with a trailing '/' with "
-    "307 and a Location built from the client's Host header, a status the error table does not "
-    "have, on every Starlette app (server/http_app.py, http_management.py, http_metrics.py); "
-    "`app.router.redirect_slashes = False` makes it the documented 404",
-)
 def test_a_trailing_slash_is_not_redirected(
     server: InProcessMariner, port: str, method: str, path: str
 ) -> None:
@@ -389,14 +351,6 @@ def test_a_trailing_slash_is_not_redirected(
     assert answer.status != 307, answer.headers.get("location")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a TorchServe REST multipart request with a part named 'tensors' reaches the "
-    "handler as an OIP tensor request (handlers/digits_handler.py handle: '\"tensors\" in row'; "
-    "server/runner.py _handle_batch: '\"tensors\" in data[i]'), so its answer becomes "
-    "InferResult.tensors and the TorchServe transport sends 200 with an empty body. The tensor "
-    "path should be chosen by the request's protocol, not by a key a client can set",
-)
 def test_a_torchserve_request_is_never_answered_as_a_tensor_request(server: InProcessMariner) -> None:
     part = json.dumps({"pixels": [PIXELS]}).encode()
     body = (b'--b\r\nContent-Disposition: form-data; name="tensors"\r\nContent-Type: application/json\r\n\r\n'
