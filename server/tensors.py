@@ -186,6 +186,8 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Sequen
             raise bad(f"tensor {name!r}: BYTES values must be strings")
         items = [v.encode() if isinstance(v, str) else v for v in flat]
         return np.array(items, dtype=object).reshape(dims)
+    if dt.kind != "b" and any(isinstance(v, bool) for v in flat):  # JSON true is not 1.0
+        raise bad(f"tensor {name!r}: {datatype} values must be numbers, not booleans")
     try:
         arr = flat.astype(dt)
     except (TypeError, ValueError, OverflowError) as exc:
