@@ -139,7 +139,6 @@ class MarinerServer:
         )
         inference_tokens, management_tokens = check_exposure(cfg)
         health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
-        tls = cfg.tls_cert_file is not None
         self.grpc = build_grpc_servers(
             self.dataplane,
             inference_address=cfg.grpc_inference_address,
@@ -153,7 +152,7 @@ class MarinerServer:
             if management_tokens
             else [],
             credentials=grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-            if tls and cfg.tls_key_file
+            if cfg.tls_cert_file and cfg.tls_key_file  # check_exposure insists on both or neither
             else None,
         )
         metrics_tokens = Tokens() if cfg.open_metrics else (management_tokens or inference_tokens)

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from server.archive import ModelArchive
 from server.batcher import InstanceFailed
 from server.context import Context
@@ -73,8 +75,6 @@ def _release_cached_memory(placement: Placement) -> None:
 def is_tensor_request(data: Mapping[str, Any]) -> bool:
     """True only for the OIP path's {"tensors": {name: ndarray}}: a TorchServe client's form field
     named "tensors" holds bytes, str or parsed JSON, never arrays, so it cannot pose as one."""
-    import numpy as np
-
     tensors = data.get("tensors")
     return (
         isinstance(tensors, dict)
