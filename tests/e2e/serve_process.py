@@ -8,28 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import requests
+from loadtest.servers import ServerError, wait_http_ok
+from loadtest.stock_torchserve import pick_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class ServeProcess:
@@ -38,7 +25,9 @@ class ServeProcess:
     def __init__(
         self, model_store: Path, models: str, log_path: Path, extra_args: Sequence[str] = ()
     ) -> None:
-        self.ports = dict(zip(("http", "mgmt", "metrics", "grpc", "grpc_mgmt"), free_ports(5), strict=True))
+        self.ports = dict(
+            zip(("http", "mgmt", "metrics", "grpc", "grpc_mgmt"), pick_free_ports().all(), strict=True)
+        )
         self.log_path = log_path
         cmd = [
             sys.executable, "-m", "server.cli", "serve",
@@ -63,19 +52,10 @@ class ServeProcess:
         return f"127.0.0.1:{self.ports[which]}"
 
     def wait_ready(self, timeout: float = 120.0) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"mariner exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
-                )
-            try:
-                if requests.get(f"{self.url()}/readyz", timeout=1).status_code == 200:
-                    return time.monotonic() - t0
-            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy loading
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"not ready after {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+        try:
+            return wait_http_ok(f"{self.url()}/readyz", self.proc, timeout)
+        except ServerError as exc:
+            raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-3000:]}") from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
