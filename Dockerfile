@@ -40,7 +40,7 @@ COPY . .
 # The stubs are generated with grpcio-tools (a pinned dependency), so: install, generate, then
 # reinstall the package alone so the installed copy carries server/_proto.
 RUN pip install . \
- && python -m server.protogen \
+ && python -m mariner.server.protogen \
  && pip install --no-deps --force-reinstall .
 
 # -- runtime: the interpreter, the virtualenv and a user. No compiler, no pip install.

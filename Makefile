@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 # gRPC stubs are generated from proto/ (never committed, never hand-edited); a no-op when fresh.
 protos: $(STAMP)
-	$(PY) -m server.protogen
+	$(PY) -m mariner.server.protogen
 
 java:
 	bash scripts/ensure_java.sh
@@ -35,13 +35,13 @@ triton-venv:
 models: $(STORE)/index.json
 
 $(STORE)/index.json: $(STAMP) $(wildcard training/*.py) handlers/digits_handler.py
-	$(PY) -m training.pipeline --store $(STORE)
+	$(PY) -m mariner.training.pipeline --store $(STORE)
 
 serve: models protos
 	$(VENV)/bin/mariner serve --model-store $(STORE) --models all
 
 serve-torchserve: models java
-	$(PY) -m loadtest.stock_torchserve --model-store $(STORE) --models all
+	$(PY) -m mariner.loadtest.stock_torchserve --model-store $(STORE) --models all
 
 # Locust against a Mariner it starts on 127.0.0.1 (bounded in users and seconds); exits non-zero
 # when p99 > LOADTEST_P99_MS or more than 1% of requests fail. Reports: build/loadtest/.
@@ -49,15 +49,15 @@ LOADTEST_USERS ?= 8
 LOADTEST_SECONDS ?= 20
 LOADTEST_P99_MS ?= 50
 loadtest: models protos
-	$(PY) -m loadtest.gate --store $(STORE) --users $(LOADTEST_USERS) --run-time $(LOADTEST_SECONDS) --p99-ms $(LOADTEST_P99_MS)
+	$(PY) -m mariner.loadtest.gate --store $(STORE) --users $(LOADTEST_USERS) --run-time $(LOADTEST_SECONDS) --p99-ms $(LOADTEST_P99_MS)
 
 # Raw model vs Mariner vs stock TorchServe side by side (about 4 min here): bench/results.md + PNGs.
 bench: models protos java
-	$(PY) -m loadtest.bench
+	$(PY) -m mariner.loadtest.bench
 
 # One sequential client: Mariner vs stock TorchServe vs the bare transport floor.
 quickbench: models protos java
-	$(PY) -m loadtest.quickbench
+	$(PY) -m mariner.loadtest.quickbench
 
 # Hypothesis fuzzing of a live server (>= 10,000 examples); prints the answers counted by status.
 MARINER_FUZZ_EXAMPLES ?= 10000

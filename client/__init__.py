@@ -1,6 +1,6 @@
 """Python client for Mariner: one class per transport, the same methods on each.
 
-    from client import GrpcClient, HttpClient
+    from mariner.client import GrpcClient, HttpClient
     with HttpClient("http://127.0.0.1:8080") as c:          # or GrpcClient("127.0.0.1:7070")
         c.predict("digits_torchscript", pixels).json()      # TorchServe API -> Prediction
         c.infer("digits_torchscript", {"pixels": rows})     # OIP: name -> ndarray in and out
@@ -14,7 +14,7 @@ message. The clients are tested and used by the tests and the load tests, so wha
 what we prove.
 """
 
-from client.errors import (
+from mariner.client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     MarinerError,
@@ -24,10 +24,10 @@ from client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from client.grpc_client import GrpcClient
-from client.http_client import HttpClient
-from client.retry import NO_RETRY, RetryPolicy
-from client.types import Prediction
+from mariner.client.grpc_client import GrpcClient
+from mariner.client.http_client import HttpClient
+from mariner.client.retry import NO_RETRY, RetryPolicy
+from mariner.client.types import Prediction
 
 __all__ = [
     "NO_RETRY",

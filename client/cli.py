@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from client import tensors
-from client.errors import MarinerError
-from client.grpc_client import GrpcClient
-from client.http_client import HttpClient
-from client.types import DEFAULT_HTTP_URL, DEFAULT_TIMEOUT_S
+from mariner.client import tensors
+from mariner.client.errors import MarinerError
+from mariner.client.grpc_client import GrpcClient
+from mariner.client.http_client import HttpClient
+from mariner.client.types import DEFAULT_HTTP_URL, DEFAULT_TIMEOUT_S
 
 Client = GrpcClient | HttpClient
 
@@ -159,7 +158,7 @@ def run(command: str, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point used by `server.cli` for its `predict` and `infer` subcommands."""
+    """Entry point used by `mariner.server.cli` for its `predict` and `infer` subcommands."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("predict", "infer"):
         print("usage: mariner {predict,infer} MODEL FILE [--url URL | --grpc HOST:PORT]", file=sys.stderr)

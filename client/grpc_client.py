@@ -3,9 +3,9 @@
 One channel to the inference port carries both APIs (Mariner serves them on the same port);
 `list_models` uses TorchServe's management service on the management port. Every call has a
 deadline (the client's default unless given) that covers its retries, and UNAVAILABLE /
-RESOURCE_EXHAUSTED are retried per `RetryPolicy`. Failures are `client.errors.MarinerError`s.
+RESOURCE_EXHAUSTED are retried per `RetryPolicy`. Failures are `mariner.client.errors.MarinerError`s.
 
-Stubs come from `server._proto` (generated from proto/ at build time). The OIP stubs are imported
+Stubs come from `mariner.server._proto` (generated from proto/ at build time). The OIP stubs are imported
 only when an OIP method is first used, so the TorchServe API works without them.
 """
 
@@ -19,11 +19,10 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-
-from client import tensors
-from client.errors import MarinerError, Status, make_error, status_from_grpc_name
-from client.retry import Deadline, RetryPolicy, call_with_retry
-from client.types import (
+from mariner.client import tensors
+from mariner.client.errors import MarinerError, Status, make_error, status_from_grpc_name
+from mariner.client.retry import Deadline, RetryPolicy, call_with_retry
+from mariner.client.types import (
     DEFAULT_GRPC_MANAGEMENT_PORT,
     DEFAULT_GRPC_TARGET,
     DEFAULT_TIMEOUT_S,
@@ -31,7 +30,7 @@ from client.types import (
     encode_payload,
     with_port,
 )
-from server.tensors import CONTENTS_FIELD
+from mariner.server.core.tensors import CONTENTS_FIELD
 
 T = TypeVar("T")
 TRANSPORT = "grpc"
@@ -45,11 +44,11 @@ PREDICT_INPUT_KEY = "data"
 
 def _stubs(module: str) -> ModuleType:
     try:
-        return importlib.import_module(f"server._proto.{module}")
+        return importlib.import_module(f"mariner.server._proto.{module}")
     except ImportError as exc:
         raise ImportError(
-            f"gRPC stubs server._proto.{module} are not generated ({exc}); "
-            "run `python -m server.protogen` (or `make protos`)"
+            f"gRPC stubs mariner.server._proto.{module} are not generated ({exc}); "
+            "run `python -m mariner.server.protogen` (or `make protos`)"
         ) from None
 
 

@@ -18,11 +18,10 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import numpy as np
 import requests
-
-from client import tensors
-from client.errors import MarinerError, Status, make_error, status_from_http
-from client.retry import Deadline, RetryPolicy, call_with_retry
-from client.types import (
+from mariner.client import tensors
+from mariner.client.errors import MarinerError, Status, make_error, status_from_http
+from mariner.client.retry import Deadline, RetryPolicy, call_with_retry
+from mariner.client.types import (
     DEFAULT_HTTP_URL,
     DEFAULT_MANAGEMENT_PORT,
     DEFAULT_TIMEOUT_S,

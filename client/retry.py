@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from client.errors import DeadlineExceededError, MarinerError, Status
+from mariner.client.errors import DeadlineExceededError, MarinerError, Status
 
 T = TypeVar("T")
 

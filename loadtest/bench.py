@@ -1,8 +1,8 @@
 """Side-by-side benchmark: the raw model, Mariner and stock TorchServe on the same archive.
 
-    python -m loadtest.bench                      # defaults: TorchScript digits, levels 1,8,64
-    python -m loadtest.bench --model digits_onnx --levels 1,4,16,64 --requests 5000
-    python -m loadtest.bench --servers raw,mariner --duration 10   # e.g. on a GPU machine
+    python -m mariner.loadtest.bench                      # defaults: TorchScript digits, levels 1,8,64
+    python -m mariner.loadtest.bench --model digits_onnx --levels 1,4,16,64 --requests 5000
+    python -m mariner.loadtest.bench --servers raw,mariner --duration 10   # e.g. on a GPU machine
 
 What it measures, in this order (each server alone on the machine, started and stopped here):
 
@@ -11,10 +11,10 @@ What it measures, in this order (each server alone on the machine, started and s
   `handle()` and its throughput at the max batch size. No transport, no queue: the ceiling.
   The model call alone (`predict_topk`, decoding excluded) is reported too.
 - **mariner** (`mariner serve` subprocess) and **torchserve** (stock TorchServe 0.12, via
-  `loadtest.stock_torchserve`), both with the same batchSize / maxBatchDelay, one instance and
+  `mariner.loadtest.stock_torchserve`), both with the same batchSize / maxBatchDelay, one instance and
   the same torch threads, each over gRPC (TorchServe `Predictions`) and HTTP
   (`POST /predictions/{model}`).
-- **closed-loop clients** at each concurrency level (`loadtest.closedloop`): client processes
+- **closed-loop clients** at each concurrency level (`mariner.loadtest.closedloop`): client processes
   separate from the servers, each running `concurrency / processes` coroutines on uvloop
   (grpc.aio for gRPC, HTTP/1.1 keep-alive over raw asyncio streams), sending real test-set
   digits. Every level warms up, then sends a fixed number of requests (or runs for
@@ -25,7 +25,7 @@ What it measures, in this order (each server alone on the machine, started and s
 
 It writes `bench/results.md` (machine, versions and the exact command at the top; tables;
 ratios TorchServe/Mariner; Mariner as a fraction of raw; the issue's targets, each marked held
-or missed; `loadtest.bench_report`), `bench/results.json` (every figure) and
+or missed; `mariner.loadtest.bench_report`), `bench/results.json` (every figure) and
 `bench/latency.png`, `bench/throughput.png`. How to run it on a GPU machine:
 docs/benchmark.md.
 """
@@ -52,10 +52,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-
-from loadtest.bench_report import fmt, other_cores, plot, render_markdown, targets
-from loadtest.closedloop import LevelResult, LoadSpec, Percentiles, run_level
-from loadtest.servers import MarinerProcess
+from mariner.loadtest.bench_report import fmt, other_cores, plot, render_markdown, targets
+from mariner.loadtest.closedloop import LevelResult, LoadSpec, Percentiles, run_level
+from mariner.loadtest.servers import MarinerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("raw", "mariner", "torchserve")
@@ -141,11 +140,10 @@ def _timed_loop(fn: Any, seconds: float, *, min_iters: int = 50) -> list[float]:
 def _measure_raw(settings: Settings, bodies: tuple[bytes, ...]) -> RawResult:
     import numpy as np
     import torch
-
-    from handlers.digits_handler import decode_item
-    from server.archive import open_archive
-    from server.context import Context
-    from server.runner import load_entry_point
+    from mariner.handlers.digits_handler import decode_item
+    from mariner.server.core.archive import open_archive
+    from mariner.server.core.context import Context
+    from mariner.server.core.runner import load_entry_point
 
     torch.set_num_threads(settings.torch_threads)  # the servers get the same setting
     gpu_id = 0 if torch.cuda.is_available() else None
@@ -272,7 +270,7 @@ def bench_mariner(settings: Settings, bodies: tuple[bytes, ...], report: Report)
 
 
 def bench_torchserve(settings: Settings, bodies: tuple[bytes, ...], report: Report) -> None:
-    from loadtest.stock_torchserve import StockTorchServe
+    from mariner.loadtest.stock_torchserve import StockTorchServe
 
     t0 = time.monotonic()
     with StockTorchServe(
@@ -360,7 +358,7 @@ def _csv(text: str, allowed: Sequence[str] | None = None) -> tuple[str, ...]:
 
 def parse_args(argv: Sequence[str] | None) -> Settings:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.bench",
+        prog="python -m mariner.loadtest.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -423,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not archive.is_file():
         print(f"error: {archive} not found (run `make models`)", file=sys.stderr)
         return 2
-    from server import protogen
+    from mariner.server import protogen
 
     protogen.generate()
     # Every torch in play (raw process, Mariner, TorchServe's workers, which inherit the
@@ -433,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv_shown = list(sys.argv[1:] if argv is None else argv)
     report = Report(
         settings=settings,
-        command=shlex.join(["python", "-m", "loadtest.bench", *argv_shown]),
+        command=shlex.join(["python", "-m", "mariner.loadtest.bench", *argv_shown]),
         started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine_info(),
         versions=versions(),
@@ -443,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"This machine has {report.machine['logical_cpus']} logical CPUs: clients and server share "
             "them, so client CPU is taken from the server (see the cores columns)."
         )
-    from loadtest.payloads import test_digit_bodies
+    from mariner.loadtest.payloads import test_digit_bodies
 
     bodies = test_digit_bodies()
     t0 = time.monotonic()

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtest.closedloop import LevelResult
+from mariner.loadtest.closedloop import LevelResult
 
 if TYPE_CHECKING:
-    from loadtest.bench import Report
+    from mariner.loadtest.bench import Report
 
 
 def _cell(report: Report, server: str, protocol: str, c: int) -> LevelResult | None:

@@ -1,4 +1,4 @@
-"""Closed-loop load from client processes of their own: the engine of `loadtest.bench`.
+"""Closed-loop load from client processes of their own: the engine of `mariner.loadtest.bench`.
 
 Each level runs in fresh spawned processes, separate from the server under test, each running
 `concurrency / processes` coroutines on uvloop: grpc.aio for TorchServe gRPC `Predictions`
@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-
-from loadtest.servers import process_tree_cpu_seconds
+from mariner.loadtest.servers import process_tree_cpu_seconds
 
 REQUEST_TIMEOUT_S = 30.0
 BARRIER_TIMEOUT_S = 180.0
@@ -169,8 +168,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
 
     if job.protocol == "grpc":
         import grpc
-
-        from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+        from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
         channel = grpc.aio.insecure_channel(f"{job.host}:{job.port}")
         stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)

@@ -22,7 +22,7 @@ ANSWER = json.dumps({"label": 0, "topk": [{"label": 0, "probability": 1.0}]}, in
 
 
 def _servicer() -> object:
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     class Floor(inference_pb2_grpc.InferenceAPIsServiceServicer):
         async def Predictions(self, request, context):  # noqa: N802 - gRPC method name
@@ -47,10 +47,10 @@ class _Server(uvicorn.Server):
 
 
 async def serve(grpc_port: int, http_port: int) -> None:
-    from server import protogen
+    from mariner.server import protogen
 
     protogen.generate()
-    from server._proto.torchserve import inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2_grpc
 
     server = grpc.aio.server()
     inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server(_servicer(), server)

@@ -9,7 +9,7 @@ Locust keeps response times in buckets of 1 ms below 100 ms, which cannot tell a
 answer from a 1.4 ms one; `install()` swaps in the finer bucketing locust allows
 (`locust.stats.bucket_response_time`): 0.01 ms below 10 ms, 0.1 ms below 100 ms.
 
-`python -m loadtest.gate` (what `make loadtest` runs) starts Mariner on the model store (unless
+`python -m mariner.loadtest.gate` (what `make loadtest` runs) starts Mariner on the model store (unless
 `--host` points at a running server), runs locust headless against 127.0.0.1 bounded in users
 and time with CSV and HTML reports, stops the server, and prints p50/p95/p99 and the verdict.
 With `--library` it drives locust in library mode in this process instead of the locust CLI in
@@ -216,7 +216,7 @@ def run_library(
     """Run the locustfile's users in this process (locust's library mode); (exit code, verdict).
 
     Imports locust, which monkey-patches this process for gevent: call it from a process of its
-    own (`python -m loadtest.gate --library`), not from a test runner or a server.
+    own (`python -m mariner.loadtest.gate --library`), not from a test runner or a server.
     """
     import gevent
     from locust import events
@@ -224,8 +224,7 @@ def run_library(
     from locust.env import Environment
     from locust.html import get_html_report
     from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
-
-    from loadtest import locustfile
+    from mariner.loadtest import locustfile
 
     user_classes = _user_classes(protocols)
     argv = [
@@ -257,7 +256,7 @@ def run_library(
 
 
 def _user_classes(protocols: Sequence[str]) -> list[Any]:
-    from loadtest import locustfile
+    from mariner.loadtest import locustfile
 
     unknown = [p for p in protocols if p not in USER_CLASS_NAMES]
     if unknown:
@@ -273,7 +272,7 @@ USER_CLASS_NAMES = {"grpc": "TorchServeGrpcUser", "http": "PredictionsHttpUser"}
 # -- the `make loadtest` driver ---------------------------------------------------------------------
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m loadtest.gate",
+        prog="python -m mariner.loadtest.gate",
         description="Load-test Mariner with locust and gate on p99 latency and failures (make loadtest).",
     )
     p.add_argument("--store", type=Path, default=REPO / "model_store", help="model store to serve")
@@ -342,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.host:
         host, grpc_target = args.host, args.grpc_target
     else:
-        from loadtest.servers import MarinerProcess
+        from mariner.loadtest.servers import MarinerProcess
 
         server = MarinerProcess(args.store, f"{args.model}.mar", torch_threads=args.torch_threads)
         print(f"starting Mariner with {args.model} from {args.store} ...", flush=True)

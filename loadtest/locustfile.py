@@ -4,7 +4,7 @@
         --host http://127.0.0.1:8080 --grpc-target 127.0.0.1:7070 --model digits_torchscript \\
         --p99-ms 50 --max-fail-ratio 0.01 --csv build/loadtest/stats --html build/loadtest/report.html
 
-`make loadtest` wraps this (see `python -m loadtest.gate --help`): it starts Mariner, runs the
+`make loadtest` wraps this (see `python -m mariner.loadtest.gate --help`): it starts Mariner, runs the
 command above against it and stops it again.
 
 - `TorchServeGrpcUser`: TorchServe's gRPC `Predictions`, built the way locust documents gRPC
@@ -15,14 +15,14 @@ command above against it and stops it again.
 - OIP `ModelInfer` over gRPC arrives with the Open Inference Protocol issue (issue 4). The hook:
   add an `OipGrpcUser(GrpcUser)` here (OIP stub in `make_stub`, a `ModelInferRequest` built
   from the same digits, `check_response` reading the output tensor) and register its name under
-  "oip" in `loadtest.gate.USER_CLASS_NAMES`. Until then `--protocols oip` is refused, rather
+  "oip" in `mariner.loadtest.gate.USER_CLASS_NAMES`. Until then `--protocols oip` is refused, rather
   than measured by something that is not OIP.
 
-Every request carries a real digit from the held-out test split (`loadtest.payloads`), picked
+Every request carries a real digit from the held-out test split (`mariner.loadtest.payloads`), picked
 at random per request, and an answer only counts as a success when it is a prediction (a
 `label` in 0..9): a server answering 200 with garbage fails the run.
 
-The p99 gate (`loadtest.gate`) is installed on locust's `quitting` event: the process exits
+The p99 gate (`mariner.loadtest.gate`) is installed on locust's `quitting` event: the process exits
 non-zero when p99 exceeds `--p99-ms` or the failure ratio exceeds `--max-fail-ratio`.
 """
 
@@ -45,8 +45,8 @@ from locust.env import Environment
 import grpc  # isort: skip
 import grpc.experimental.gevent as grpc_gevent  # isort: skip
 
-from loadtest import gate
-from loadtest.payloads import test_digit_bodies
+from mariner.loadtest import gate
+from mariner.loadtest.payloads import test_digit_bodies
 
 grpc_gevent.init_gevent()
 
@@ -97,10 +97,10 @@ def check_prediction(body: bytes) -> None:
 # -- gRPC, the way locust documents it ---------------------------------------------------------
 @cache
 def _torchserve_stubs() -> Any:
-    from server import protogen
+    from mariner.server import protogen
 
     protogen.generate()  # a no-op when the stubs are fresh
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     return inference_pb2, inference_pb2_grpc
 

@@ -13,12 +13,12 @@ from functools import cache
 
 @cache
 def test_digit_bodies() -> tuple[bytes, ...]:
-    """The test split (training.data.load_splits, seeded) as JSON bodies, one per digit.
+    """The test split (mariner.training.data.load_splits, seeded) as JSON bodies, one per digit.
 
-    Imports torch and scikit-learn (through training.data), so callers that fan out to many
+    Imports torch and scikit-learn (through mariner.training.data), so callers that fan out to many
     processes compute this once and pass the bytes on.
     """
-    from training.data import load_splits
+    from mariner.training.data import load_splits
 
     test = load_splits().test
     return tuple(json.dumps([int(v) for v in row]).encode() for row in test.x)

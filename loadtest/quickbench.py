@@ -1,6 +1,6 @@
 """Quick latency benchmark: one sequential client, Mariner vs stock TorchServe vs bare floors.
 
-`python -m loadtest.quickbench` serves one archive (default: the TorchScript digits model) with
+`python -m mariner.loadtest.quickbench` serves one archive (default: the TorchScript digits model) with
 Mariner and with stock TorchServe, one after the other on free 127.0.0.1 ports, and measures a
 single closed-loop client over gRPC (TorchServe Predictions) and HTTP (/predictions). Two floors
 show what the transport alone costs: a bare grpc.aio server answering the same RPC with fixed
@@ -21,10 +21,9 @@ from pathlib import Path
 
 import grpc
 import requests
-
-from loadtest.payloads import test_digit_bodies
-from loadtest.servers import FloorProcess, MarinerProcess, ServerProcess
-from loadtest.stock_torchserve import StockTorchServe
+from mariner.loadtest.payloads import test_digit_bodies
+from mariner.loadtest.servers import FloorProcess, MarinerProcess, ServerProcess
+from mariner.loadtest.stock_torchserve import StockTorchServe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +53,7 @@ def measure(name: str, protocol: str, call: Callable[[], None], n: int, warmup: 
 
 
 def grpc_caller(target: str, model: str, body: bytes) -> tuple[Callable[[], None], grpc.Channel]:
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     channel = grpc.insecure_channel(target)
     stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
@@ -79,7 +78,7 @@ def http_caller(url: str, body: bytes) -> Callable[[], None]:
 
 
 def run(args: argparse.Namespace) -> list[Latency]:
-    from server import protogen
+    from mariner.server import protogen
 
     protogen.generate()
     body = test_digit_bodies()[0]  # one digit: this measures latency, not payload variety

@@ -2,8 +2,8 @@
 
 `MarinerProcess` runs `mariner serve` exactly as users do (a subprocess, so its CPU time and
 its event loop are its own and a client in this process cannot steal either); `FloorProcess`
-runs the transport floor (`loadtest.floor`: same RPC and route, fixed bytes, no model). Stock
-TorchServe has its own helper, `loadtest.stock_torchserve.StockTorchServe`. quickbench, bench,
+runs the transport floor (`mariner.loadtest.floor`: same RPC and route, fixed bytes, no model). Stock
+TorchServe has its own helper, `mariner.loadtest.stock_torchserve.StockTorchServe`. quickbench, bench,
 `make loadtest` and the load-test tests all start servers through here, so a fix to readiness
 or shutdown lands everywhere at once.
 
@@ -29,8 +29,7 @@ from typing import Self
 
 import psutil
 import requests
-
-from loadtest.stock_torchserve import LOCALHOST, TorchServePorts, pick_free_ports
+from mariner.loadtest.stock_torchserve import LOCALHOST, TorchServePorts, pick_free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 READY_POLL_S = 0.05
@@ -202,7 +201,7 @@ class MarinerProcess(ServerProcess):
         """Nothing starts here. Unset settings are left to the archive (batchSize, maxBatchDelay)."""
         ports = ports or pick_free_ports()
         cmd = [
-            python, "-m", "server.cli", "serve",
+            python, "-m", "mariner.server.cli", "serve",
             "--model-store", str(model_store), "--models", models,
             "--inference-address", f"{LOCALHOST}:{ports.inference}",
             "--management-address", f"{LOCALHOST}:{ports.management}",
@@ -222,14 +221,14 @@ class MarinerProcess(ServerProcess):
 
 
 class FloorProcess(ServerProcess):
-    """The transport floor (`loadtest.floor`): Mariner's RPC and route answering fixed bytes."""
+    """The transport floor (`mariner.loadtest.floor`): Mariner's RPC and route answering fixed bytes."""
 
     ready_path = "/ping"
 
     def __init__(self, *, python: str = sys.executable) -> None:
         ports = pick_free_ports()
         cmd = [
-            python, "-m", "loadtest.floor",
+            python, "-m", "mariner.loadtest.floor",
             "--grpc-port", str(ports.grpc_inference), "--http-port", str(ports.inference),
         ]  # fmt: skip
         super().__init__(cmd, ports)

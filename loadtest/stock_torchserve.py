@@ -603,7 +603,7 @@ def leftover_processes(path: Path) -> list[int]:
 # -- CLI: `make serve` -----------------------------------------------------------------------
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.stock_torchserve",
+        prog="python -m mariner.loadtest.stock_torchserve",
         description="Serve .mar archives with stock TorchServe 0.12 on 127.0.0.1 until Ctrl-C.",
     )
     parser.add_argument("--model-store", type=Path, default=Path("model_store"))

@@ -21,14 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-
-from server.config import ServerConfig, model_specs, pinned_digests
-from server.dataplane import DataPlane, PlaneSettings
-from server.errors import Code, ServingError
-from server.grpc_server import build_grpc_servers
-from server.http_app import inference_app, management_app, metrics_app
-from server.metrics import Metrics, MetricsConfig
-from server.security import (
+from mariner.server.config import ServerConfig, model_specs, pinned_digests
+from mariner.server.control.management_http import management_app
+from mariner.server.control.metrics import Metrics, MetricsConfig
+from mariner.server.control.metrics_http import metrics_app
+from mariner.server.core.dataplane import DataPlane, PlaneSettings
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.protocols.grpc_listener import build_grpc_servers
+from mariner.server.protocols.http_listener import inference_app
+from mariner.server.security import (
     OPEN_HTTP_HEALTH_PATHS,
     GrpcTokenAuth,
     HttpTokenAuth,

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 
 def _serve(argv: Sequence[str]) -> int:
-    from server.app import run
-    from server.config import load_config
-    from server.errors import ServingError
-    from server.logs import setup_logging
+    from mariner.server.app import run
+    from mariner.server.config import load_config
+    from mariner.server.core.errors import ServingError
+    from mariner.server.logs import setup_logging
 
     try:
         cfg = load_config(argv)
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return _serve(rest)
     if command in ("predict", "infer"):
-        from client.cli import run
+        from mariner.client.cli import run
 
         return run(command, rest)
     print(f"mariner: unknown command {command!r}; available: serve, predict, infer", file=sys.stderr)

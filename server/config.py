@@ -20,9 +20,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
-
-from server.archive import UNLISTED
-from server.dataplane import ModelSpec
+from mariner.server.core.archive import UNLISTED
+from mariner.server.core.dataplane import ModelSpec
 
 
 @dataclass(frozen=True)

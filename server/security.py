@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from server.errors import STATUS, Code
+from mariner.server.core.errors import STATUS, Code
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"

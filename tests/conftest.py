@@ -35,16 +35,15 @@ def model_store() -> Path:
 class EagerReference:
     """The trained eager model and the held-out test split, i.e. the answers a server must give."""
 
-    model: Any  # training.model.DigitsCNN in eval mode
-    norm: Any  # training.data.NormStats the archives were packaged with
+    model: Any  # mariner.training.model.DigitsCNN in eval mode
+    norm: Any  # mariner.training.data.NormStats the archives were packaged with
     test_pixels: np.ndarray  # (N, 64) raw intensities 0..16, float32
     test_labels: np.ndarray  # (N,) true digits
 
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         """(N, 64) or (64,) raw pixels -> (N, 10) float32 softmax, computed as the handler does."""
         import torch
-
-        from training.data import to_model_input
+        from mariner.training.data import to_model_input
 
         with torch.inference_mode():
             logits = self.model(to_model_input(np.atleast_2d(pixels), self.norm))
@@ -56,8 +55,8 @@ def eager_reference(model_store: Path) -> EagerReference:
     checkpoint = REPO_ROOT / "build" / "train" / "best.pt"
     if not checkpoint.is_file():
         pytest.fail(f"{checkpoint} is missing: {BUILD_HINT}")
-    from training.data import load_splits
-    from training.export import load_eager
+    from mariner.training.data import load_splits
+    from mariner.training.export import load_eager
 
     model, _ = load_eager(checkpoint)
     splits = load_splits()

@@ -1,6 +1,6 @@
 """Build the model store: train -> export -> quantize -> verify -> package -> index.
 
-`python -m training.pipeline` (what `make models` runs) writes `model_store/*.mar`,
+`python -m mariner.training.pipeline` (what `make models` runs) writes `model_store/*.mar`,
 `model_store/index.json` (each archive's sha256, size and verification record) and the
 variant table as `model_store/report/variants.md` and `variants.png`. It exits non-zero if any
 variant is outside its tolerance or the eager model misses the accuracy target.
@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from server.archive import sha256_file
-from training import package, report
-from training.data import load_splits, to_model_input
-from training.export import Artefact, export_all, load_eager, model_kwargs
-from training.train import TrainConfig, train
-from training.verify import Verification, verify_variant
+from mariner.server.core.archive import sha256_file
+from mariner.training import package, report
+from mariner.training.data import load_splits, to_model_input
+from mariner.training.export import Artefact, export_all, load_eager, model_kwargs
+from mariner.training.train import TrainConfig, train
+from mariner.training.verify import Verification, verify_variant
 
 MIN_TEST_ACCURACY = 0.98
 QUANTIZED = {"int8_dynamic", "int8_pt2e"}

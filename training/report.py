@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.verify import Verification
+from mariner.training.verify import Verification
 
 
 def markdown_table(rows: Sequence[Verification]) -> str:

@@ -1,6 +1,6 @@
 """Train the digits CNN reproducibly.
 
-`python -m training.train --out build/train` writes `last.pt` (resume point, every epoch) and
+`python -m mariner.training.train --out build/train` writes `last.pt` (resume point, every epoch) and
 `best.pt` (best validation accuracy). Both are plain dicts of tensors and builtins so they load
 with `torch.load(..., weights_only=True)`. Two runs with the same seed on CPU give identical
 weights; `--resume` continues a run from `last.pt` bit-for-bit as if never interrupted.
@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from mariner.training.data import DigitsDataset, load_splits, make_loader
+from mariner.training.model import DigitsCNN
 from torch import nn
 from tqdm import tqdm
-
-from training.data import DigitsDataset, load_splits, make_loader
-from training.model import DigitsCNN
 
 
 @dataclass(frozen=True)

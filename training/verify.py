@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from server.context import Context
+from mariner.server.core.context import Context
 
 FP32_MAX_ABS_DIFF = 1e-4  # fp32 variants: same math, only op order and fusion may differ
 INT8_MAX_ACC_DROP = 0.01  # int8 variants: at most one accuracy point lost

@@ -13,14 +13,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.servers import ServerError, wait_http_ok
-from loadtest.stock_torchserve import pick_free_ports
+from mariner.loadtest.servers import ServerError, wait_http_ok
+from mariner.loadtest.stock_torchserve import pick_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 class ServeProcess:
-    """`python -m server.cli serve` on five free ports; `extra_args` are more `mariner serve` flags."""
+    """`python -m mariner.server.cli serve` on five free ports; `extra_args` are more flags."""
 
     def __init__(
         self, model_store: Path, models: str, log_path: Path, extra_args: Sequence[str] = ()
@@ -30,7 +30,7 @@ class ServeProcess:
         )
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "server.cli", "serve",
+            sys.executable, "-m", "mariner.server.cli", "serve",
             "--model-store", str(model_store), "--models", models,
             "--inference-address", f"127.0.0.1:{self.ports['http']}",
             "--management-address", f"127.0.0.1:{self.ports['mgmt']}",

@@ -35,8 +35,8 @@ from typing import Any
 import grpc
 import pytest
 import requests
+from mariner.server import protogen
 
-from server import protogen
 from tests.e2e.serve_process import ServeProcess
 from tests.integration.fault_archive import build_fault_archive
 
@@ -94,8 +94,8 @@ class Client:
 
     def __init__(self, srv: ServeProcess) -> None:
         protogen.generate()
-        from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-        from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+        from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+        from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
         self.srv = srv
         self.ts_pb, self.oip_pb = inference_pb2, grpc_service_pb2

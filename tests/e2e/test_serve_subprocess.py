@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from mariner.server import protogen
 
-from server import protogen
 from tests.e2e.serve_process import ServeProcess
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 def test_sigterm_under_traffic_answers_every_accepted_request(model_store: Path, tmp_path: Path) -> None:
     protogen.generate()
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     srv = ServeProcess(model_store, "digits_torchscript.mar", tmp_path / "serve.log")
     try:

@@ -29,8 +29,7 @@ from urllib.parse import quote
 
 import grpc
 from hypothesis import strategies as st
-
-from server import protogen
+from mariner.server import protogen
 
 MAX_REQUEST_BYTES = 64 * 1024  # the fuzzed server's limit: low, so crossing it is cheap
 MODEL = "digits_onnx"
@@ -194,9 +193,8 @@ def stubs() -> SimpleNamespace:
     protogen.generate()
     from grpc_health.v1 import health_pb2  # noqa: F401  (registers its messages in the pool)
     from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401
-
-    from server._proto.inference import grpc_service_pb2
-    from server._proto.torchserve import inference_pb2, management_pb2
+    from mariner.server._proto.inference import grpc_service_pb2
+    from mariner.server._proto.torchserve import inference_pb2, management_pb2
 
     return SimpleNamespace(oip=grpc_service_pb2, ts=inference_pb2, mgmt=management_pb2)
 

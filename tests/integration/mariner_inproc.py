@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from server.app import BoundPorts, MarinerServer
-from server.config import ServerConfig
+from mariner.server.app import BoundPorts, MarinerServer
+from mariner.server.config import ServerConfig
 
 
 class InProcessMariner:

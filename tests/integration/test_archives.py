@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
-from server.context import Context
-from training.data import DigitsSplits, load_splits
-from training.model import DigitsCNN
+from mariner.server.core.context import Context
+from mariner.training.data import DigitsSplits, load_splits
+from mariner.training.model import DigitsCNN
 
 pytestmark = [
     pytest.mark.integration,

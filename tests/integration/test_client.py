@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
-from PIL import Image
-
-from client import (
+from mariner.client import (
     DeadlineExceededError,
     GrpcClient,
     HttpClient,
@@ -37,8 +35,10 @@ from client import (
     Status,
     UnavailableError,
 )
-from client.retry import Deadline, call_with_retry
-from server import protogen
+from mariner.client.retry import Deadline, call_with_retry
+from mariner.server import protogen
+from PIL import Image
+
 from tests.integration.mariner_inproc import InProcessMariner
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ def client(request: pytest.FixtureRequest, mariner: InProcessMariner) -> Iterato
 
 def _eager_logits(ref: EagerReference, pixels: np.ndarray) -> np.ndarray:
     import torch
-
-    from training.data import to_model_input
+    from mariner.training.data import to_model_input
 
     with torch.inference_mode():
         return ref.model(to_model_input(np.atleast_2d(pixels), ref.norm)).float().numpy()
@@ -232,7 +231,7 @@ class _Script:
 def grpc_stub() -> Iterator[Callable[[_Script, grpc.StatusCode], str]]:
     """A real grpc server whose Predictions follows a `_Script`; yields a factory -> target."""
     protogen.generate()
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     servers: list[grpc.Server] = []
     scripts: list[_Script] = []
@@ -469,7 +468,11 @@ class socket_closed_port:  # noqa: N801 - used like a function in `with`
 # -- the CLI, as users run it ---------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "mariner.server.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

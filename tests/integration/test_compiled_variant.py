@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
-from server.context import Context
-from training.verify import load_handler_class
+from mariner.server.core.context import Context
+from mariner.training.verify import load_handler_class
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """The locust p99 gate against a live Mariner: a reachable SLO passes, an impossible one fails.
 
-Locust runs in library mode in a subprocess (`python -m loadtest.gate --library`): importing
+Locust runs in library mode in a subprocess (`python -m mariner.loadtest.gate --library`): importing
 locust monkey-patches the importing process for gevent, which would leak into every later test
 of this pytest session. Mariner runs as users run it, `mariner serve` in a subprocess.
 """
@@ -16,9 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-from loadtest.gate import Slo, fine_bucket_response_time, judge
-from loadtest.servers import MarinerProcess
+from mariner.loadtest.gate import Slo, fine_bucket_response_time, judge
+from mariner.loadtest.servers import MarinerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,7 +38,7 @@ def run_gate(
 ) -> tuple[int, dict[str, Any]]:
     """One bounded library-mode locust run; (exit code, verdict.json)."""
     cmd = [
-        sys.executable, "-m", "loadtest.gate", "--library",
+        sys.executable, "-m", "mariner.loadtest.gate", "--library",
         "--host", server.http_url, "--grpc-target", server.grpc_target, "--model", model,
         "--users", str(USERS), "--run-time", str(RUN_SECONDS),
         "--p99-ms", str(p99_ms), "--max-fail-ratio", "0.01", "--report-dir", str(report_dir),

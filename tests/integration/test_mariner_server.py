@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 import requests
+from mariner.server import protogen
 
-from server import protogen
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -34,8 +34,8 @@ MAX_REQUEST = 256 * 1024
 def pb() -> SimpleNamespace:
     protogen.generate()
     return SimpleNamespace(
-        inference=importlib.import_module("server._proto.torchserve.inference_pb2"),
-        inference_grpc=importlib.import_module("server._proto.torchserve.inference_pb2_grpc"),
+        inference=importlib.import_module("mariner.server._proto.torchserve.inference_pb2"),
+        inference_grpc=importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc"),
     )
 
 

@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 import pytest
 import requests
+from mariner.server import protogen
 from prometheus_client.parser import text_string_to_metric_families
 
-from server import protogen
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -32,8 +32,8 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def pb() -> SimpleNamespace:
     protogen.generate()
-    from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     return SimpleNamespace(
         m=grpc_service_pb2,
@@ -60,8 +60,7 @@ def stub(mariner: InProcessMariner, pb: SimpleNamespace) -> Iterator[object]:
 
 def eager_logits(reference, pixels: np.ndarray) -> np.ndarray:
     import torch
-
-    from training.data import to_model_input
+    from mariner.training.data import to_model_input
 
     with torch.inference_mode():
         return reference.model(to_model_input(pixels, reference.norm)).float().numpy()

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 import requests
+from mariner.server import protogen
+from mariner.server.app import check_exposure
+from mariner.server.config import ServerConfig
+from mariner.server.core.errors import Code, ServingError
 
-from server import protogen
-from server.app import check_exposure
-from server.config import ServerConfig
-from server.errors import Code, ServingError
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -78,8 +78,7 @@ def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: In
 def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from server._proto.torchserve import (
+    from mariner.server._proto.torchserve import (
         inference_pb2,
         inference_pb2_grpc,
         management_pb2,
@@ -128,7 +127,7 @@ def test_listening_beyond_loopback_without_tokens_refuses_to_start(tmp_path: Pat
     assert tokens.accepts("Bearer abc")
     check_exposure(replace(exposed, insecure=True))
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--grpc-inference-address", "0.0.0.0:0"],
+        [sys.executable, "-m", "mariner.server.cli", "serve", "--grpc-inference-address", "0.0.0.0:0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -183,7 +182,7 @@ def test_tls_and_mutual_tls(model_store: Path, tmp_path: Path) -> None:
         with pytest.raises(requests.exceptions.ConnectionError):  # TLS 1.3 rejects after the handshake
             requests.post(url, data=BODY, headers=hdr, verify=str(cert), timeout=10)  # no client certificate
         protogen.generate()
-        from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+        from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
         creds = grpc.ssl_channel_credentials(
             cert.read_bytes(), client_key.read_bytes(), client_cert.read_bytes()

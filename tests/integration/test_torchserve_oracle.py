@@ -20,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import requests
+from mariner.loadtest.stock_torchserve import StockTorchServe, TorchServeError, leftover_processes
 from PIL import Image
-
-from loadtest.stock_torchserve import StockTorchServe, TorchServeError, leftover_processes
 
 if TYPE_CHECKING:  # conftest is pytest's to import; the class is only needed for annotations
     from tests.conftest import EagerReference
@@ -212,11 +211,10 @@ def mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
 
 def _grpc_predict(target: str, model: str, data: bytes) -> bytes:
     import grpc
-
-    from server import protogen
+    from mariner.server import protogen
 
     protogen.generate()
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     with grpc.insecure_channel(target) as ch:
         stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)

@@ -8,9 +8,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from server.archive import ArchiveLimits, open_archive, resolve_in_store
-from server.errors import Code, ServingError
+from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Unit tests of server.batcher.Batcher: pure asyncio, fake runners, no timed sleeps, no wall clock.
+"""Unit tests of the Batcher: pure asyncio, fake runners, no timed sleeps, no wall clock.
 
 How these tests stay deterministic:
 - Every test runs on an event loop whose `time()` is a `FakeClock`, and the same clock is given
@@ -21,10 +21,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from server.batcher import Batcher, BatchPolicy
-from server.errors import Code, ServingError
-from server.types import InferRequest, InferResult, Protocol
+from mariner.server.core.batcher import Batcher, BatchPolicy
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 
 pytestmark = pytest.mark.unit
 
@@ -137,7 +136,7 @@ def req(rid: str, *, items: int = 1, deadline: float | None = None) -> InferRequ
         model="digits",
         version="1",
         data={"body": rid},
-        protocol=Protocol.TS_HTTP,
+        protocol=WireProtocol.TS_HTTP,
         request_id=rid,
         deadline=deadline,
         items=items,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from server.config import ServerConfig, load_config, model_specs, read_properties
+from mariner.server.config import ServerConfig, load_config, model_specs, read_properties
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
-
-from training.data import (
+from mariner.training.data import (
     DigitsDataset,
     DigitsSplits,
     NormStats,
@@ -17,6 +15,7 @@ from training.data import (
     make_loader,
     to_model_input,
 )
+from sklearn.datasets import load_digits
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,7 @@ the server's own message), and the exposed ports are the server's defaults.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -21,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from server.app import check_exposure
-from server.config import ServerConfig, load_config
-from server.errors import Code, ServingError
+from mariner.server.app import check_exposure
+from mariner.server.config import ServerConfig, load_config
+from mariner.server.core.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 
@@ -309,12 +309,13 @@ def test_copy_from_names_an_earlier_stage(dockerfile: Dockerfile) -> None:
 def test_build_stage_copies_what_pip_install_needs(
     dockerfile: Dockerfile, pyproject: dict, dockerignore: DockerIgnore
 ) -> None:
-    """`pip install .` needs pyproject.toml, the readme it names, proto/ and every package it includes."""
+    """`pip install .` needs pyproject.toml, setup.py, the readme, proto/ and every folder setup.py maps."""
     build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
     copied = {src.rstrip("/") or "." for cp in copies(build) if cp.from_stage is None for src in cp.sources}
-    needed = {"pyproject.toml", pyproject["project"]["readme"], "proto"}
-    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
-    needed |= {p for p in packages if (REPO / p).is_dir()}
+    needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"], "proto"}
+    folders = ast.literal_eval(re.search(r"^FOLDERS = (\(.*\))$", (REPO / "setup.py").read_text(), re.M)[1])
+    assert folders, "setup.py names no folders"
+    needed |= {p for p in folders if (REPO / p).is_dir()}
     for rel in sorted(needed):
         assert "." in copied or rel in copied, f"{dockerfile.path.name}: the build stage does not copy {rel}"
         for name in _source_files(rel):

@@ -26,11 +26,17 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-
-from server import protogen
-from server.errors import Code, ServingError
-from server.metrics import Metrics
-from server.types import InferRequest, InferResult, ModelInfo, ModelState, Protocol, WorkerInfo
+from mariner.server import protogen
+from mariner.server.control.metrics import Metrics
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import (
+    InferRequest,
+    InferResult,
+    ModelInfo,
+    ModelState,
+    WireProtocol,
+    WorkerInfo,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -46,11 +52,11 @@ def pb() -> SimpleNamespace:
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     return SimpleNamespace(
-        inference=importlib.import_module("server._proto.torchserve.inference_pb2"),
-        inference_grpc=importlib.import_module("server._proto.torchserve.inference_pb2_grpc"),
-        management=importlib.import_module("server._proto.torchserve.management_pb2"),
-        management_grpc=importlib.import_module("server._proto.torchserve.management_pb2_grpc"),
-        grpc_server=importlib.import_module("server.grpc_server"),
+        inference=importlib.import_module("mariner.server._proto.torchserve.inference_pb2"),
+        inference_grpc=importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc"),
+        management=importlib.import_module("mariner.server._proto.torchserve.management_pb2"),
+        management_grpc=importlib.import_module("mariner.server._proto.torchserve.management_pb2_grpc"),
+        grpc_server=importlib.import_module("mariner.server.protocols.grpc_listener"),
         health=health_pb2,
         health_grpc=health_pb2_grpc,
         reflection=reflection_pb2,
@@ -229,7 +235,7 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
 
 
 def count(plane: FakePlane, model: str, version: str, code: str) -> float:
-    labels = {"model": model, "version": version, "protocol": Protocol.TS_GRPC.value, "code": code}
+    labels = {"model": model, "version": version, "protocol": WireProtocol.TS_GRPC.value, "code": code}
     return plane.metrics.registry.get_sample_value("mariner_requests_total", labels) or 0.0
 
 
@@ -267,7 +273,7 @@ def test_predictions_round_trips_bytes_and_builds_the_request(pb: SimpleNamespac
     first, second = plane.seen
     assert first.model == "echo"
     assert first.version is None
-    assert first.protocol is Protocol.TS_GRPC
+    assert first.protocol is WireProtocol.TS_GRPC
     assert dict(first.data) == {"data": payload}
     assert first.headers["x-trace"] == "abc"
     assert "blob-bin" not in first.headers
@@ -574,9 +580,9 @@ def test_fix_imports_rewrites_only_our_modules() -> None:
     )
     assert protogen.fix_imports(source, generated).splitlines() == [
         "from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2",
-        "from server._proto.google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2",
-        "from server._proto.torchserve import inference_pb2 as torchserve_dot_inference__pb2",
-        "from server._proto import top_pb2 as top__pb2",
+        "from mariner.server._proto.google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2",
+        "from mariner.server._proto.torchserve import inference_pb2 as torchserve_dot_inference__pb2",
+        "from mariner.server._proto import top_pb2 as top__pb2",
     ]
 
 
@@ -626,10 +632,10 @@ def test_bundled_status_proto_yields_to_googleapis(tmp_path: Path) -> None:
         """\
         import sys
         import google.rpc.status_pb2 as upstream
-        from server._proto.torchserve import inference_pb2
+        from mariner.server._proto.torchserve import inference_pb2
         field = inference_pb2.PredictionResponse.DESCRIPTOR.fields_by_name["status"]
         assert field.message_type.file is upstream.DESCRIPTOR
-        assert "server._proto.google.rpc.status_bundled_pb2" not in sys.modules
+        assert "mariner.server._proto.google.rpc.status_bundled_pb2" not in sys.modules
         """
     )
     repo = Path(protogen.__file__).resolve().parent.parent

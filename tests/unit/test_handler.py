@@ -18,16 +18,15 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import mariner.handlers.digits_handler as dh
 import numpy as np
 import pytest
 import torch
+from mariner.handlers.digits_handler import DigitsHandler, decode_item
+from mariner.server.core.context import Context
+from mariner.training.model import DigitsCNN
 from PIL import Image
 from sklearn.datasets import load_digits
-
-import handlers.digits_handler as dh
-from handlers.digits_handler import DigitsHandler, decode_item
-from server.context import Context
-from training.model import DigitsCNN
 
 pytestmark = pytest.mark.unit
 
@@ -489,7 +488,7 @@ _NO_TS_SCRIPT = textwrap.dedent(
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.path.insert(0, root)
-    from server.context import Context
+    from mariner.server.core.context import Context
     manifest = {"model": {"modelName": "d", "serializedFile": "weights.pt"}}
     cfg = {"handler": {"format": "eager", "model_kwargs": json.loads(sys.argv[3])}}
     ctx = Context("d", model_dir, manifest, batch_size=2, gpu_id=None, model_yaml_config=cfg)

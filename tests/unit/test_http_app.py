@@ -19,11 +19,19 @@ from typing import Any
 import pytest
 import requests
 import uvicorn
-
-from server.errors import RETRY_AFTER_SECONDS, Code, ServingError
-from server.http_app import inference_app, management_app, metrics_app
-from server.metrics import Metrics
-from server.types import InferRequest, InferResult, ModelInfo, ModelState, Protocol, WorkerInfo
+from mariner.server.control.management_http import management_app
+from mariner.server.control.metrics import Metrics
+from mariner.server.control.metrics_http import metrics_app
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
+from mariner.server.core.types import (
+    InferRequest,
+    InferResult,
+    ModelInfo,
+    ModelState,
+    WireProtocol,
+    WorkerInfo,
+)
+from mariner.server.protocols.http_listener import inference_app
 
 pytestmark = pytest.mark.unit
 
@@ -252,7 +260,7 @@ def test_json_body_is_parsed_and_answer_passes_through(plane: FakePlane, inferen
     assert resp.headers["content-type"] == "application/json"
     (req,) = plane.calls
     assert req.data == {"body": {"pixels": [0, 16, 3]}}
-    assert (req.model, req.version, req.protocol, req.items) == ("digits", None, Protocol.TS_HTTP, 1)
+    assert (req.model, req.version, req.protocol, req.items) == ("digits", None, WireProtocol.TS_HTTP, 1)
     assert re.fullmatch(r"[0-9a-f]{32}", req.request_id)
     assert resp.headers["x-request-id"] == req.request_id
     assert req.headers["x-trace"] == "t1"  # names lower-cased, as TorchServe's context shows them

@@ -26,12 +26,11 @@ import numpy as np
 import pytest
 import requests
 import uvicorn
-
-from server import protogen
-from server.errors import Code, ServingError
-from server.metrics import Metrics
-from server.tensors import ModelSignature, TensorSpec, encode_raw
-from server.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server import protogen
+from mariner.server.control.metrics import Metrics
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
 pytestmark = pytest.mark.unit
 
@@ -176,9 +175,9 @@ PIXELS = np.arange(3 * 64, dtype=np.float32).reshape(3, 64) % 17
 def pb() -> SimpleNamespace:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from server import grpc_oip, grpc_server
-    from server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+    from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+    from mariner.server.protocols import grpc_listener as grpc_server
+    from mariner.server.protocols.oip import grpc as grpc_oip
 
     return SimpleNamespace(
         m=grpc_service_pb2,
@@ -440,7 +439,7 @@ def plane(shared_plane: FakePlane) -> FakePlane:
 
 @pytest.fixture(scope="module")
 def url(shared_plane: FakePlane) -> Iterator[str]:
-    from server.http_app import inference_app
+    from mariner.server.protocols.http_listener import inference_app
 
     with serve(inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)) as base:
         yield base

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's tensor codec (server.tensors) and shared checks (server.oip).
+"""The Open Inference Protocol's tensor codec (core.tensors) and shared checks (protocols.oip.codec).
 
 Every datatype round-trips through both wire forms (raw little-endian bytes and typed values),
 BYTES uses 4-byte little-endian length prefixes, and every mismatch is an INVALID_ARGUMENT
@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from server import oip
-from server.errors import Code, ServingError
-from server.tensors import (
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.tensors import (
     DTYPES,
     ModelSignature,
     TensorSpec,
@@ -28,8 +26,8 @@ from server.tensors import (
     encode_raw,
     match_signature,
 )
-from server.types import InferResult
-from server.types import Protocol as WireProtocol
+from mariner.server.core.types import InferResult, WireProtocol
+from mariner.server.protocols.oip import codec as oip
 
 pytestmark = pytest.mark.unit
 
@@ -235,7 +233,7 @@ def test_inputs_must_agree_on_rows() -> None:
     assert "batch dim" in invalid(match_signature, inputs, TWO_IN).message
 
 
-# -- shared adapter checks (server.oip) ---------------------------------------------------------
+# -- shared adapter checks (protocols.oip.codec) -----------------------------------------------
 def test_element_cap_is_checked_before_any_allocation() -> None:
     err = invalid(oip.check_header, "words", "BYTES", [1 << 40], 1000)
     assert "'words'" in err.message

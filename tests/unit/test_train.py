@@ -8,13 +8,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import mariner.training.train as train_mod
 import pytest
 import torch
-
-import training.train as train_mod
-from training.data import load_splits
-from training.model import NUM_CLASSES, DigitsCNN
-from training.train import TrainConfig, load_checkpoint, set_seed, train
+from mariner.training.data import load_splits
+from mariner.training.model import NUM_CLASSES, DigitsCNN
+from mariner.training.train import TrainConfig, load_checkpoint, set_seed, train
 
 pytestmark = pytest.mark.unit
 
@@ -262,7 +261,7 @@ def test_best_checkpoint_rebuilds_the_model(run_a: Path) -> None:
     model = DigitsCNN(width=cfg["width"], hidden=cfg["hidden"], dropout=cfg["dropout"])
     model.load_state_dict(ck["model"])  # strict: every key present, no extras
     splits = load_splits(seed=cfg["seed"])
-    from training.data import to_model_input
+    from mariner.training.data import to_model_input
 
     with torch.inference_mode():
         pred = model.eval()(to_model_input(splits.val.x, splits.norm)).argmax(1).numpy()

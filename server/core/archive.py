@@ -20,8 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
-
-from server.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist

@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.errors import Code, ServingError, internal
-from server.types import InferRequest, InferResult
+from mariner.server.core.errors import Code, ServingError, internal
+from mariner.server.core.types import InferRequest, InferResult
 
 log = logging.getLogger("mariner.batcher")
 

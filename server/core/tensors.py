@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from server.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError
 
 try:  # bfloat16 for numpy; ships with onnx's dependencies
     from ml_dtypes import bfloat16 as _bf16

@@ -16,8 +16,8 @@ from email.policy import HTTP as _HTTP_POLICY
 from typing import Any
 from urllib.parse import parse_qsl
 
-from server.errors import Code, ServingError
-from server.http_common import JSON
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.protocols.http_common import JSON
 
 # Parts of a multipart/form-data or urlencoded body; each becomes one key of the handler's dict.
 MAX_FORM_PARTS = 64

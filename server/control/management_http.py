@@ -14,13 +14,9 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
-
-from server.errors import Code, ServingError
-from server.http_common import (
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import ModelInfo
+from mariner.server.protocols.http_common import (
     JSON,
     BodyTooLarge,
     error_response,
@@ -29,11 +25,14 @@ from server.http_common import (
     make_guard,
     read_body,
 )
-from server.http_forms import decode_value, mime_type
-from server.types import ModelInfo
+from mariner.server.protocols.torchserve.forms import decode_value, mime_type
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from server.dataplane import DataPlane
+    from mariner.server.core.dataplane import DataPlane
 
 log = logging.getLogger("mariner.http")
 

@@ -18,18 +18,17 @@ from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
-
-from server.errors import STATUS, Code, ServingError, as_serving_error
-from server.protogen import stubs_missing
-from server.types import ModelInfo
+from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.types import ModelInfo
+from mariner.server.protogen import stubs_missing
 
 try:
-    from server._proto.torchserve import management_pb2, management_pb2_grpc
+    from mariner.server._proto.torchserve import management_pb2, management_pb2_grpc
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
     raise stubs_missing(exc) from exc
 
 if TYPE_CHECKING:
-    from server.metrics import Metrics
+    from mariner.server.control.metrics import Metrics
 
 log = logging.getLogger("mariner.grpc.management")
 

@@ -1,6 +1,6 @@
 """The Open Inference Protocol's transport-neutral half, shared by its gRPC and REST adapters.
 
-Both adapters decode wire tensors with `server.tensors` and then do the same things, in the
+Both adapters decode wire tensors with `mariner.server.core.tensors` and then do the same things, in the
 same order, with the same messages: resolve the model (NOT_FOUND), require a declared tensor
 signature, check request parameters, bound each input's element count before anything is
 allocated, match the inputs against the signature (shape x datatype x bytes), check requested
@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-
-from server.errors import STATUS, Code, ServingError
-from server.tensors import (
+from mariner.server.core.errors import STATUS, Code, ServingError
+from mariner.server.core.tensors import (
     DTYPES,
     ModelSignature,
     TensorSpec,
@@ -36,11 +35,10 @@ from server.tensors import (
     element_count,
     match_signature,
 )
-from server.types import InferRequest, InferResult, ModelInfo
-from server.types import Protocol as WireProtocol
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 
 if TYPE_CHECKING:
-    from server.metrics import Metrics
+    from mariner.server.control.metrics import Metrics
 
 log = logging.getLogger("mariner.oip")
 

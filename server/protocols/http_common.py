@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the REST apps (TorchServe's in server.http_app and
-server.http_management, the Open Inference Protocol's in server.http_oip).
+"""HTTP plumbing shared by the REST apps (TorchServe's in mariner.server.protocols.http_listener and
+mariner.server.control.management_http, the Open Inference Protocol's in mariner.server.protocols.oip.http).
 
 What lives here is protocol-neutral transport work: reading a bounded body, handing request
 headers to the handler, cancelling an inference whose client has gone, deciding when decoding
@@ -16,17 +16,16 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
+from mariner.server.core.types import InferRequest, InferResult
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
-from server.types import InferRequest, InferResult
-
 if TYPE_CHECKING:
-    from server.dataplane import DataPlane
+    from mariner.server.core.dataplane import DataPlane
 
 T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -60,7 +59,7 @@ def json_response(obj: Any, status: int = 200) -> Response:
 def error_response(
     err: ServingError, *, status: int | None = None, headers: Mapping[str, str] | None = None
 ) -> Response:
-    """`ServingError` as TorchServe's error JSON, status from `server.errors.STATUS`.
+    """`ServingError` as TorchServe's error JSON, status from `mariner.server.core.errors.STATUS`.
 
     `status` overrides the table only for transport-level answers that are not a serving code
     (413 for an oversized body). RESOURCE_EXHAUSTED carries Retry-After so clients back off.

@@ -1,6 +1,4 @@
-"""TorchServe's REST APIs on Starlette: inference (8080) here, management (8081) in
-server.http_management, metrics (8082) in server.http_metrics; all three are importable from
-here, as `server.app` does.
+"""TorchServe's REST inference API on Starlette: `/ping` and `/predictions/{model}[/{version}]`.
 
 The apps translate HTTP to `InferRequest` and `InferResult`/`ServingError` back; the DataPlane
 decides everything else. Wire shapes follow stock TorchServe 0.12 (checked against its
@@ -14,7 +12,7 @@ Deliberate differences from TorchServe, each for a reason:
   forwards the raw bytes and lets the handler fail. Validating first keeps one bad request from
   failing a whole batch. An empty body is a 400 too.
 - Errors use TorchServe's `{"code", "type", "message"}` shape, but `type` is our `Code` name and
-  the status comes from `server.errors.STATUS` (the one place codes map to HTTP statuses).
+  the status comes from `core.errors.STATUS` (the one place codes map to HTTP statuses).
 - Registering from a URL is always refused: archives come only from the model store.
 - Cancelled clients are noticed: when the connection drops, the pending inference is cancelled
   so the batcher drops it before it reaches the device.
@@ -27,51 +25,34 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
-
-from server.errors import STATUS, Code, ServingError, internal
-from server.http_common import (
+from mariner.server.core.errors import STATUS, Code, ServingError, internal
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.protocols.http_common import (
     CANCELLED_STATUS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADERS,
     JSON,
-    NOT_READY_STATUS,
     PAYLOAD_TOO_LARGE,
     BodyTooLarge,
     ClientGone,
     body_too_large,
     error_response,
     infer_unless_client_gone,
-    json_response,
-    make_app,
     offload_if_large,
     read_body,
     request_headers,
 )
-from server.http_forms import decode_data
-from server.http_management import management_app
-from server.http_metrics import metrics_app
-from server.http_oip import routes as oip_routes
-from server.types import InferRequest, InferResult, Protocol
+from mariner.server.protocols.torchserve.forms import decode_data
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from server.dataplane import DataPlane
-
-__all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
-    "DEFAULT_MAX_HEADERS",
-    "error_response",
-    "inference_app",
-    "management_app",
-    "metrics_app",
-]
+    from mariner.server.core.dataplane import DataPlane
 
 log = logging.getLogger("mariner.http")
 
-_PROTOCOL = Protocol.TS_HTTP
+_PROTOCOL = WireProtocol.TS_HTTP
 _PROTOCOL_LABEL = _PROTOCOL.value
 _JSON_OPENERS = (b"{", b"[")
 # Headers a handler must not set: the server frames the body itself.
@@ -107,15 +88,14 @@ def _result_response(result: InferResult, request_id: str) -> Response:
     return Response(result.body, status, headers)
 
 
-# -- inference app (8080) ----------------------------------------------------------------------
-def inference_app(
+# -- routes ------------------------------------------------------------------------------------
+def routes(
     dataplane: DataPlane,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_headers: int = DEFAULT_MAX_HEADERS,
-) -> Starlette:
-    """TorchServe's inference API: /ping, /predictions/{model}[/{version}], plus /healthz, /readyz,
-    and the Open Inference Protocol's /v2 routes (server.http_oip).
+) -> list[Route]:
+    """TorchServe's inference API: /ping and /predictions/{model}[/{version}].
 
     `max_body_bytes` bounds a prediction body (413 beyond it, before it is read when the client
     declares its length); `max_headers` bounds the headers handed to the handler.
@@ -128,20 +108,6 @@ def inference_app(
         if dataplane.is_ready():
             return Response(_HEALTHY, 200, media_type=JSON)
         return Response(_UNHEALTHY, _UNHEALTHY_STATUS, media_type=JSON)
-
-    async def healthz(request: Request) -> Response:
-        """Liveness: the process answers. Kubernetes restarts the pod when this fails."""
-        if dataplane.is_live():
-            return json_response({"status": "alive"})
-        return json_response({"status": "not alive"}, NOT_READY_STATUS)
-
-    async def readyz(request: Request) -> Response:
-        """Readiness: every model loaded and not draining, so load balancers send traffic here."""
-        if dataplane.draining:
-            return json_response({"status": "draining"}, NOT_READY_STATUS)
-        if dataplane.is_ready():
-            return json_response({"status": "ready"})
-        return json_response({"status": "not ready"}, NOT_READY_STATUS)
 
     async def predict(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -187,13 +153,8 @@ def inference_app(
         return response
 
     methods = ["POST", "PUT"]
-    routes = [
+    return [
         Route("/ping", ping, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
         Route("/predictions/{model}", predict, methods=methods),
         Route("/predictions/{model}/{version}", predict, methods=methods),
     ]
-    # The Open Inference Protocol's /v2 routes share the port and the DataPlane.
-    routes += oip_routes(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
-    return make_app(routes)

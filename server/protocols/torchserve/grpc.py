@@ -2,7 +2,7 @@
 
 A transport adapter only: it turns `PredictionsRequest`s into `InferRequest`s, hands them to
 the DataPlane and turns the `InferResult` or `ServingError` back into gRPC. Status codes come
-from `server.errors.STATUS` and nowhere else; anything unexpected becomes INTERNAL with a
+from `mariner.server.core.errors.STATUS` and nowhere else; anything unexpected becomes INTERNAL with a
 sanitized message, because grpc.aio would otherwise answer UNKNOWN with the exception text.
 """
 
@@ -17,21 +17,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
-
-from server.errors import STATUS, Code, ServingError, as_serving_error
-from server.protogen import stubs_missing
-from server.types import InferRequest, InferResult, ModelInfo
-from server.types import Protocol as WireProtocol
+from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
+from mariner.server.protogen import stubs_missing
 
 try:
     from google.protobuf import empty_pb2
-
-    from server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
     raise stubs_missing(exc) from exc
 
 if TYPE_CHECKING:
-    from server.metrics import Metrics
+    from mariner.server.control.metrics import Metrics
 
 log = logging.getLogger("mariner.grpc.inference")
 

@@ -13,11 +13,11 @@ speaks it (binary is its default):
   (tritonclient sets it when it requests no outputs). Binary outputs carry
   `parameters.binary_data_size` instead of `data` and follow the JSON, in output order, with
   `Inference-Header-Content-Length` on the response; otherwise the answer is plain JSON.
-- errors: `{"error": message}` (what tritonclient reads), status from `server.errors.STATUS`.
+- errors: `{"error": message}` (what tritonclient reads), status from `mariner.server.core.errors.STATUS`.
 - `Content-Encoding: gzip|deflate` request bodies are inflated (bounded by the body limit);
   responses are never compressed, which the protocol allows.
 
-Decoding and checks are those of `server.oip`, shared with the gRPC adapter.
+Decoding and checks are those of `mariner.server.protocols.oip.codec`, shared with the gRPC adapter.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ import zlib
 from typing import Any
 
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
-
-from server import oip
-from server.errors import RETRY_AFTER_SECONDS, Code, ServingError, internal
-from server.http_common import (
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError, internal
+from mariner.server.core.tensors import decode_raw, decode_values, encode_raw
+from mariner.server.core.types import WireProtocol
+from mariner.server.protocols.http_common import (
     CANCELLED_STATUS,
     DEFAULT_MAX_HEADERS,
     JSON,
@@ -50,8 +47,10 @@ from server.http_common import (
     read_body,
     request_headers,
 )
-from server.tensors import decode_raw, decode_values, encode_raw
-from server.types import Protocol as WireProtocol
+from mariner.server.protocols.oip import codec as oip
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 log = logging.getLogger("mariner.http.oip")
 

@@ -23,10 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-
-from server import grpc_inference, grpc_management, grpc_oip, oip
-from server.grpc_decoding import SafeDecoding
-from server.types import ModelInfo
+from mariner.server.control import management_grpc as grpc_management
+from mariner.server.core.types import ModelInfo
+from mariner.server.protocols.grpc_decoding import SafeDecoding
+from mariner.server.protocols.oip import codec as oip
+from mariner.server.protocols.oip import grpc as grpc_oip
+from mariner.server.protocols.torchserve import grpc as grpc_inference
 
 log = logging.getLogger("mariner.grpc")
 

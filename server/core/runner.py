@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from server.archive import ModelArchive
-from server.batcher import InstanceFailed
-from server.context import Context
-from server.errors import Code, ServingError
-from server.types import InferResult
+from mariner.server.core.archive import ModelArchive
+from mariner.server.core.batcher import InstanceFailed
+from mariner.server.core.context import Context
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import InferResult
 
 log = logging.getLogger("mariner.runner")
 _module_ids = itertools.count()

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.archive import ArchiveLimits, ModelArchive, open_archive, resolve_in_store
-from server.batcher import Batcher, BatchPolicy, BatchRunner
-from server.errors import Code, ServingError
-from server.metrics import Metrics
-from server.runner import Placement, Runner, place_instances
-from server.tensors import ModelSignature
-from server.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server.control.metrics import Metrics
+from mariner.server.core.archive import ArchiveLimits, ModelArchive, open_archive, resolve_in_store
+from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.runner import Placement, Runner, place_instances
+from mariner.server.core.tensors import ModelSignature
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
 log = logging.getLogger("mariner.dataplane")
 

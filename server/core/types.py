@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class Protocol(enum.Enum):
+class WireProtocol(enum.Enum):
     """Bounded label set for metrics: which API and transport a request came in on."""
 
     TS_HTTP = "torchserve-http"
@@ -36,7 +36,7 @@ class InferRequest:
     model: str
     version: str | None
     data: Mapping[str, Any]
-    protocol: Protocol
+    protocol: WireProtocol
     request_id: str
     headers: Mapping[str, str] = field(default_factory=dict)
     deadline: float | None = None
@@ -98,4 +98,4 @@ class ModelInfo:
     max_workers: int
     workers: tuple[WorkerInfo, ...]
     load_seconds: float | None
-    signature: Any = None  # server.tensors.ModelSignature | None (OIP ModelMetadata)
+    signature: Any = None  # mariner.server.core.tensors.ModelSignature | None (OIP ModelMetadata)

@@ -2,9 +2,10 @@
 
 A transport adapter only, mounted on the same grpc.aio server (port 7070) as TorchServe's
 InferenceAPIsService: it turns `ModelInferRequest`s into `InferRequest`s through
-`server.oip` and the tensor codec, hands them to the same DataPlane and batcher, and answers
+`mariner.server.protocols.oip.codec` and the tensor codec, hands them to the same DataPlane
+and batcher, and answers
 with `raw_output_contents` (the form tritonclient reads by default). Status codes come from
-`server.errors.STATUS` only; anything unexpected becomes INTERNAL with a sanitized message,
+`mariner.server.core.errors.STATUS` only; anything unexpected becomes INTERNAL with a sanitized message,
 never gRPC UNKNOWN.
 
 Mapping of a Triton client's request to the handler:
@@ -25,17 +26,16 @@ from typing import Any
 
 import grpc
 import numpy as np
-
-from server import oip
-from server.errors import STATUS, Code, ServingError, as_serving_error
-from server.grpc_inference import request_headers
-from server.protogen import stubs_missing
-from server.tensors import CONTENTS_FIELD, decode_raw, decode_values, encode_raw
-from server.types import Protocol as WireProtocol
+from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.tensors import CONTENTS_FIELD, decode_raw, decode_values, encode_raw
+from mariner.server.core.types import WireProtocol
+from mariner.server.protocols.oip import codec as oip
+from mariner.server.protocols.torchserve.grpc import request_headers
+from mariner.server.protogen import stubs_missing
 
 try:
-    from server._proto.inference import grpc_service_pb2 as pb
-    from server._proto.inference import grpc_service_pb2_grpc as pb_grpc
+    from mariner.server._proto.inference import grpc_service_pb2 as pb
+    from mariner.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
     raise stubs_missing(exc) from exc
 

@@ -1,0 +1,1 @@
+"""The control plane: management APIs, metrics, health."""

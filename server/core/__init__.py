@@ -1,0 +1,1 @@
+"""The protocol-neutral core: archives, the dataplane, batching, runners, errors, types."""

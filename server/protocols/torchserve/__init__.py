@@ -1,0 +1,1 @@
+"""TorchServe's inference API over gRPC and HTTP."""
