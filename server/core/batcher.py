@@ -22,9 +22,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from mariner.server.core.errors import Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult
@@ -35,12 +35,7 @@ log = logging.getLogger("mariner.batcher")
 class BatchRunner(Protocol):
     id: str
 
-    async def run(
-        self,
-        data: Sequence[Mapping[str, Any]],
-        request_ids: Sequence[str],
-        headers: Sequence[Mapping[str, str]],
-    ) -> list[InferResult]: ...
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]: ...
 
 
 class BatchObserver(Protocol):
@@ -276,11 +271,7 @@ class Batcher:
                 sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
             )
             async with asyncio.timeout(self.policy.batch_timeout_s):
-                results = await runner.run(
-                    [p.req.data for p in batch],
-                    [p.req.request_id for p in batch],
-                    [p.req.headers for p in batch],
-                )
+                results = await runner.run([p.req for p in batch])
             if len(results) != len(batch):
                 log.error(
                     "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)

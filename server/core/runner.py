@@ -20,12 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import InstanceFailed
 from mariner.server.core.context import Context
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferResult
+from mariner.server.core.types import InferRequest, InferResult
 
 log = logging.getLogger("mariner.runner")
 _module_ids = itertools.count()
@@ -71,15 +70,17 @@ def _release_cached_memory(placement: Placement) -> None:
         torch.cuda.empty_cache()
 
 
-def is_tensor_request(data: Mapping[str, Any]) -> bool:
-    """True only for the OIP path's {"tensors": {name: ndarray}}: a TorchServe client's form field
-    named "tensors" holds bytes, str or parsed JSON, never arrays, so it cannot pose as one."""
-    tensors = data.get("tensors")
-    return (
-        isinstance(tensors, dict)
-        and bool(tensors)
-        and all(isinstance(v, np.ndarray) for v in tensors.values())
-    )
+def handler_input(req: InferRequest) -> Mapping[str, Any]:
+    """What the handler receives for one request, decided by the request's typed `tensors` field.
+
+    A tensor request reaches the handler as {"tensors": {name: ndarray}}, the shape handlers
+    that serve the Open Inference Protocol know; any other request hands over its `data` as is.
+    The decision never looks inside `data`, so a TorchServe form field named "tensors" stays a
+    form field.
+    """
+    if req.tensors is not None:
+        return {"tensors": req.tensors}
+    return req.data
 
 
 def encode_output(value: Any) -> bytes:
@@ -159,7 +160,6 @@ class Runner:
         self.instance = instance
         self.generation = generation
         self.id = f"{archive.name}-{archive.version}-{instance}" + (f".{generation}" if generation else "")
-        self.oom_splits = 0
         self._on_oom = on_oom
         self.placement = placement
         self.batch_size = batch_size
@@ -213,49 +213,40 @@ class Runner:
         self._stream.synchronize()
         return out
 
-    async def run(
-        self,
-        data: Sequence[Mapping[str, Any]],
-        request_ids: Sequence[str],
-        headers: Sequence[Mapping[str, str]],
-    ) -> list[InferResult]:
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
         """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
         loop = asyncio.get_running_loop()
         try:
-            fut = loop.run_in_executor(self._executor, self._run_batch, list(data), request_ids, headers)
+            fut = loop.run_in_executor(self._executor, self._run_batch, list(requests))
         except RuntimeError as exc:  # executor shut down: this instance is gone
             raise InstanceFailed(f"instance {self.id} is stopped") from exc
         return await fut
 
-    def _run_batch(
-        self, data: list[Mapping[str, Any]], request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]
-    ) -> list[InferResult]:
+    def _run_batch(self, requests: list[InferRequest]) -> list[InferResult]:
         """Run a batch; on out-of-memory, split it in halves and retry each (down to one request)."""
         try:
-            return self._handle_batch(data, request_ids, headers)
+            return self._handle_batch(requests)
         except _OutOfMemory:
-            if len(data) == 1:
+            if len(requests) == 1:
                 raise ServingError(
                     Code.RESOURCE_EXHAUSTED,
                     "the model ran out of memory on this request alone; send a smaller input",
                 ) from None
-            self.oom_splits += 1
             if self._on_oom is not None:
                 self._on_oom()
             _release_cached_memory(self.placement)
-            mid = len(data) // 2
-            log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id, len(data),
-                        mid, len(data) - mid)  # fmt: skip
-            return self._run_batch(data[:mid], request_ids[:mid], headers[:mid]) + self._run_batch(
-                data[mid:], request_ids[mid:], headers[mid:]
-            )
+            mid = len(requests) // 2
+            log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
+                        len(requests), mid, len(requests) - mid)  # fmt: skip
+            return self._run_batch(requests[:mid]) + self._run_batch(requests[mid:])
 
-    def _handle_batch(
-        self, data: list[Mapping[str, Any]], request_ids: Sequence[str], headers: Sequence[Mapping[str, str]]
-    ) -> list[InferResult]:
+    def _handle_batch(self, requests: list[InferRequest]) -> list[InferResult]:
         ctx = self._context
         if ctx is None or self._handle is None:
             raise ServingError(Code.UNAVAILABLE, f"model instance {self.id} is not loaded")
+        data = [handler_input(req) for req in requests]
+        request_ids = [req.request_id for req in requests]
+        headers = [req.headers for req in requests]
         ctx.begin_batch(request_ids, headers)
         try:
             outputs = self._run_on_stream(self._handle, data, ctx)
@@ -283,9 +274,9 @@ class Runner:
                 Code.INTERNAL, f"the model's handler returned {got} results for a batch of {len(data)}"
             )
         results = []
-        for i, value in enumerate(outputs):
+        for i, (req, value) in enumerate(zip(requests, outputs, strict=True)):
             meta = ctx.response_meta(i)
-            tensors = value.get("tensors") if isinstance(value, dict) and is_tensor_request(data[i]) else None
+            tensors = value.get("tensors") if req.tensors is not None and isinstance(value, dict) else None
             results.append(
                 InferResult(
                     body=b"" if tensors is not None else encode_output(value),

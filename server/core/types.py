@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 class WireProtocol(enum.Enum):
     """Bounded label set for metrics: which API and transport a request came in on."""
@@ -25,11 +27,13 @@ class WireProtocol(enum.Enum):
 class InferRequest:
     """One client request, protocol-neutral.
 
-    `data` is what the handler receives for this request, in TorchServe's shape: a dict such as
-    {"body": <parsed JSON | str | bytes>} or the gRPC `input` map's entries; for the Open
-    Inference Protocol it is {"tensors": {input name: numpy array [N, ...]}}, checked against
-    the model's signature. `items` is the number of batch slots the request takes (N for a
-    tensor request; 1 otherwise).
+    A request is one of two kinds, told apart by `tensors` and nothing else:
+    - TorchServe's (`tensors` None): `data` is what the handler receives for this request, in
+      TorchServe's shape: {"body": <parsed JSON | str | bytes>} or the gRPC `input` map's entries.
+    - the Open Inference Protocol's (`tensors` set): input name -> numpy array [N, ...], already
+      checked against the model's signature; `data` is empty. The runner builds the handler's
+      input from this field, so no client-chosen field name ("tensors" in a form) can pose as one.
+    `items` is the number of batch slots the request takes (N for a tensor request; 1 otherwise).
     `deadline` is a `time.monotonic()` instant after which the answer is useless.
     """
 
@@ -41,6 +45,7 @@ class InferRequest:
     headers: Mapping[str, str] = field(default_factory=dict)
     deadline: float | None = None
     items: int = 1
+    tensors: Mapping[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class InferResult:
     model_version: str = ""
     # Tensor answers (Open Inference Protocol): output name -> array, rows in request order.
     # Set instead of `body` when the handler answered a tensor request with {"tensors": {...}}.
-    tensors: Mapping[str, Any] | None = None
+    tensors: Mapping[str, np.ndarray] | None = None
 
 
 class ModelState(enum.Enum):
@@ -77,6 +82,11 @@ class WorkerInfo:
     device: str
     status: str  # READY | LOADING | FAILED
     batches: int
+    # Facts about the process running this worker, None where not known (describe then omits
+    # them rather than inventing a value).
+    pid: int | None = None
+    memory_bytes: int | None = None  # resident set size
+    started_at: float | None = None  # time.time() when the worker last became ready
 
 
 @dataclass(frozen=True)
@@ -99,3 +109,6 @@ class ModelInfo:
     workers: tuple[WorkerInfo, ...]
     load_seconds: float | None
     signature: Any = None  # mariner.server.core.tensors.ModelSignature | None (OIP ModelMetadata)
+    loaded_at_startup: bool = True  # False for versions added by a management register call
+    pending_requests: int = 0  # queued in the batcher now, not yet running
+    device_type: str | None = None  # "cpu" / "gpu" when the settings asked for one

@@ -14,18 +14,16 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.protocols.call import CallerGone, CallPlane, Refused
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-
-if TYPE_CHECKING:
-    from mariner.server.core.dataplane import DataPlane
 
 T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -41,7 +39,6 @@ OFFLOAD_DECODE_BYTES = 256 * 1024
 
 JSON = "application/json"
 PAYLOAD_TOO_LARGE = 413  # transport-level, like Starlette's 405: not a serving Code
-CANCELLED_STATUS = STATUS[Code.CANCELLED].http
 NOT_READY_STATUS = STATUS[Code.UNAVAILABLE].http
 
 
@@ -122,27 +119,33 @@ def make_guard(
 
 
 # -- requests ----------------------------------------------------------------------------------
-class BodyTooLarge(Exception):
-    """The body is over the route's limit (answered 413)."""
+class BodyTooLarge(Refused):
+    """The body is over the route's limit of `limit` bytes (answered and counted as 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(body_too_large(limit), PAYLOAD_TOO_LARGE)
 
 
-class ClientGone(Exception):
-    """The client disconnected while its inference was pending (counted as 499)."""
+class ClientGone(CallerGone):
+    """The client disconnected while its request was read or its inference pending (499)."""
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refusing (before reading, when Content-Length says so) more than `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
+        raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge
-            chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
     if len(chunks) == 1:  # the usual case: no join, no copy
         return chunks[0]
     return b"".join(chunks)
@@ -167,7 +170,7 @@ async def offload_if_large(
 
 
 async def infer_unless_client_gone(
-    dataplane: DataPlane, req: InferRequest, receive: Callable[[], Awaitable[Mapping[str, Any]]]
+    dataplane: CallPlane, req: InferRequest, receive: Callable[[], Awaitable[Mapping[str, Any]]]
 ) -> InferResult:
     """`dataplane.infer`, cancelled if the client disconnects first.
 

@@ -102,15 +102,10 @@ class FakeRunner:
         self._gate.set()
         self._gate = None
 
-    async def run(
-        self,
-        data: Sequence[Mapping[str, Any]],
-        request_ids: Sequence[str],
-        headers: Sequence[Mapping[str, str]],
-    ) -> list[InferResult]:
-        assert len(data) == len(request_ids) == len(headers)
-        self.batches.append(list(request_ids))
-        self.data.append(list(data))
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        request_ids = [r.request_id for r in requests]
+        self.batches.append(request_ids)
+        self.data.append([r.data for r in requests])
         call = len(self.batches)
         self.running += 1
         try:
@@ -921,9 +916,9 @@ def test_property_every_request_gets_exactly_its_own_result(
     for r in runners:
         original = r.run
 
-        async def recording(data, request_ids, headers, _orig=original):  # type: ignore[no-untyped-def]
-            order.append(list(request_ids))
-            return await _orig(data, request_ids, headers)
+        async def recording(requests, _orig=original):  # type: ignore[no-untyped-def]
+            order.append([r.request_id for r in requests])
+            return await _orig(requests)
 
         r.run = recording  # type: ignore[method-assign]
     ids = [f"req{i}" for i in range(len(sizes))]

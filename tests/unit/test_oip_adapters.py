@@ -142,7 +142,8 @@ class FakePlane:
 
     async def infer(self, req: InferRequest) -> InferResult:
         self.seen.append(req)
-        tensors = req.data["tensors"]
+        tensors = req.tensors
+        assert tensors is not None, "an OIP request travels with typed tensors"
         if req.model == "reject":
             return InferResult(body=b'{"error": "pixels must be in [0, 16]", "code": 400}', status=400)
         if req.model == "text":
@@ -285,7 +286,7 @@ def test_grpc_infer_returns_every_declared_output_raw(pb: SimpleNamespace, raw: 
             np.testing.assert_array_equal(got[name], want[name])
         (req,) = plane.seen
         assert (req.model, req.version, req.items, req.request_id) == ("digits", "1", 3, "req-7")
-        np.testing.assert_array_equal(req.data["tensors"]["pixels"], PIXELS)
+        np.testing.assert_array_equal(req.tensors["pixels"], PIXELS)
         assert req.deadline is not None
         assert req.deadline < time.monotonic() + 5.1
         assert requests_total(plane, "oip-grpc", "200") == 1
@@ -545,7 +546,7 @@ def test_rest_binary_extension_round_trip_as_tritonclient_speaks_it(url: str, pl
         assert "data" not in out
         got = np.frombuffer(parts[out["name"]], want[out["name"]].dtype).reshape(out["shape"])
         np.testing.assert_array_equal(got, want[out["name"]])
-    np.testing.assert_array_equal(plane.seen[0].data["tensors"]["pixels"], PIXELS)
+    np.testing.assert_array_equal(plane.seen[0].tensors["pixels"], PIXELS)
 
 
 def test_rest_per_output_binary_choice_overrides_the_request_default(url: str) -> None:

@@ -290,7 +290,9 @@ def test_prepare_builds_a_tensor_request_with_one_slot_per_row() -> None:
     prepared = _prepared()
     req = prepared.request
     assert (req.model, req.version, req.items, req.request_id) == ("digits", "1.0", 2, "r1")
-    assert set(req.data["tensors"]) == {"pixels"}
+    assert req.tensors is not None
+    assert set(req.tensors) == {"pixels"}
+    assert req.data == {}  # nothing a handler could mistake for TorchServe input
 
 
 def test_pick_outputs_all_declared_in_signature_order_with_declared_types() -> None:

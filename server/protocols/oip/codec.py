@@ -1,21 +1,21 @@
 """The Open Inference Protocol's transport-neutral half, shared by its gRPC and REST adapters.
 
-Both adapters decode wire tensors with `mariner.server.core.tensors` and then do the same things, in the
-same order, with the same messages: resolve the model (NOT_FOUND), require a declared tensor
-signature, check request parameters, bound each input's element count before anything is
-allocated, match the inputs against the signature (shape x datatype x bytes), check requested
-output names, and only then queue an `InferRequest` whose `data` is
-{"tensors": {input name: array [N, ...]}} and whose `items` is N, so the batcher gives it N
-slots. The handler's answer comes back as arrays in `InferResult.tensors`; `pick_outputs`
-selects and orders them for the response. Keeping this here means a Triton gRPC client and a
-Triton HTTP client see identical verdicts for the same request.
+Both adapters decode wire tensors with `mariner.server.core.tensors` and then do the same
+things, in the same order, with the same messages: resolve the model (NOT_FOUND), require a
+declared tensor signature, check request parameters, bound each input's element count before
+anything is allocated, match the inputs against the signature (shape x datatype x bytes),
+check requested output names, and only then queue an `InferRequest` whose typed `tensors`
+field is {input name: array [N, ...]} and whose `items` is N, so the batcher gives it N slots.
+The handler's answer comes back as arrays in `InferResult.tensors`; `pick_outputs` selects and
+orders them for the response. Keeping this here means a Triton gRPC client and a Triton HTTP
+client see identical verdicts for the same request. Counting, timing and error mapping are
+the call path's (`mariner.server.protocols.call`), as for every other protocol.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import logging
 import time
 import uuid
@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from mariner.server.core.errors import STATUS, Code, ServingError
+from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import (
     DTYPES,
     ModelSignature,
     TensorSpec,
+    bad,
     check_shape,
     datatype_of,
     dtype_of,
@@ -36,6 +37,7 @@ from mariner.server.core.tensors import (
     match_signature,
 )
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
+from mariner.server.protocols.call import handler_error, is_error_status
 
 if TYPE_CHECKING:
     from mariner.server.control.metrics import Metrics
@@ -50,8 +52,6 @@ PLATFORM = "pytorch_torchserve"
 EXTENSIONS: tuple[str, ...] = ("binary_tensor_data",)
 # A client-chosen request id is echoed and logged; beyond this length it is refused.
 MAX_ID_CHARS = 256
-# Bytes of a handler's error body carried into the error message.
-MAX_ERROR_DETAIL = 1024
 # Parameters that ask for features Mariner lacks; silently ignoring them would return wrong data.
 _UNSUPPORTED_TENSOR_PARAMS = {
     "shared_memory_region": "shared-memory tensors are not supported; send the data in the request",
@@ -87,10 +87,6 @@ class OipPlane(Protocol):
     def known_label(self, model: str, version: str | None) -> tuple[str, str]: ...
 
 
-def bad(message: str) -> ServingError:
-    return ServingError(Code.INVALID_ARGUMENT, message)
-
-
 @functools.cache
 def server_version() -> str:
     """The installed package's version (ServerMetadata), or a marker when run from a bare tree."""
@@ -98,27 +94,6 @@ def server_version() -> str:
         return importlib.metadata.version(SERVER_NAME)
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def code_label(code: Code | None) -> str:
-    """mariner_requests_total's `code`: the HTTP-equivalent status, as every adapter labels it."""
-    return "200" if code is None else str(STATUS[code].http)
-
-
-def observe(
-    plane: OipPlane, protocol: WireProtocol, model: str, version: str | None, code: str, t0: float
-) -> None:
-    """Count and time one inference call under bounded labels (unknown models are 'unknown')."""
-    try:
-        label_model, label_version = plane.known_label(model, version) if model else ("unknown", "unknown")
-    except Exception:  # a metrics lookup must never fail the call
-        log.exception("metric label lookup failed")
-        label_model, label_version = "unknown", "unknown"
-    metrics = plane.metrics
-    metrics.requests.labels(label_model, label_version, protocol.value, code).inc()
-    metrics.request_duration.labels(label_model, label_version, protocol.value).observe(
-        time.perf_counter() - t0
-    )
 
 
 # -- metadata ---------------------------------------------------------------------------------
@@ -251,7 +226,8 @@ def prepare(
     req = InferRequest(
         model=handle.name,
         version=handle.version,
-        data={"tensors": {name: arr for name, (_, arr) in inputs.items()}},
+        data={},
+        tensors={name: arr for name, (_, arr) in inputs.items()},
         protocol=protocol,
         request_id=request_id,
         headers=headers,
@@ -262,20 +238,6 @@ def prepare(
 
 
 # -- results ----------------------------------------------------------------------------------
-def handler_error(result: InferResult) -> ServingError:
-    """A per-request error status the handler set, with the handler's own (bounded) message."""
-    text = result.body[:MAX_ERROR_DETAIL].decode("utf-8", errors="replace").strip()
-    message = ""
-    try:
-        parsed = json.loads(result.body) if result.body[:1] == b"{" else None
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("error"), str):
-        message = parsed["error"][:MAX_ERROR_DETAIL]
-    message = message or result.phrase or text or f"the model's handler answered with status {result.status}"
-    return ServingError.from_http_status(result.status, message)
-
-
 @dataclass(frozen=True)
 class OutputTensor:
     name: str
@@ -300,7 +262,7 @@ def _as_output(name: str, value: Any, declared: str | None) -> OutputTensor:
 def pick_outputs(prepared: Prepared, result: InferResult) -> list[OutputTensor]:
     """The handler's arrays as response outputs: the requested ones in request order, or every
     declared output in signature order; datatypes as declared (arrays cast to them)."""
-    if result.status >= 400:
+    if is_error_status(result.status):  # the call path stops these first; kept for direct callers
         raise handler_error(result)
     tensors = result.tensors
     model = prepared.handle.name

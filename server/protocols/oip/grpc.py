@@ -11,7 +11,8 @@ never gRPC UNKNOWN.
 Mapping of a Triton client's request to the handler:
 - `inputs[i]` with `raw_input_contents[i]` (or typed `contents`) -> numpy array of its
   datatype and shape, checked against the model's declared signature;
-- the handler receives {"tensors": {name: array [N, ...]}} as one request taking N batch slots;
+- the request carries them in its typed `tensors` field, as one request taking N batch slots
+  (the handler receives {"tensors": {name: array [N, ...]}});
 - its {"tensors": {...}} answer -> `outputs` + `raw_output_contents`, the requested outputs in
   request order (all declared outputs when none are requested); `id` is echoed.
 """
@@ -20,15 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
-from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
-from mariner.server.core.tensors import CONTENTS_FIELD, decode_raw, decode_values, encode_raw
+from mariner.server.core.errors import Code, as_serving_error
+from mariner.server.core.tensors import CONTENTS_FIELD, bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
+from mariner.server.protocols.call import Failed, Infer, Ok, abort, run_call
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.torchserve.grpc import request_headers
 from mariner.server.protogen import stubs_missing
@@ -48,8 +49,6 @@ PROTOCOL = WireProtocol.OIP_GRPC
 # window bounds what one stream can hold in memory.
 STREAM_WINDOW = 64
 
-# The typed `contents` field for each datatype (FP16/BF16 have none: raw bytes only).
-
 
 def params_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
     """An `InferParameter` map as plain Python values."""
@@ -64,7 +63,7 @@ def decode_inputs(request: Any, max_elements: int) -> dict[str, tuple[str, np.nd
     """Every input as (datatype, array), from `raw_input_contents` or typed `contents`."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
-        raise oip.bad(
+        raise bad(
             f"raw_input_contents has {len(raw)} buffers for {len(request.inputs)} inputs; "
             "send one buffer per input, in the order of `inputs`"
         )
@@ -72,20 +71,20 @@ def decode_inputs(request: Any, max_elements: int) -> dict[str, tuple[str, np.nd
     for i, tensor in enumerate(request.inputs):
         name, datatype = tensor.name, tensor.datatype.upper()
         if name in decoded:
-            raise oip.bad(f"input {name!r} is given more than once")
+            raise bad(f"input {name!r} is given more than once")
         if tensor.parameters:
             oip.check_tensor_params("input", name, params_of(tensor.parameters))
         shape = oip.check_header(name, datatype, tensor.shape, max_elements)
         if raw:
             if tensor.HasField("contents"):
-                raise oip.bad(
+                raise bad(
                     f"input {name!r} has `contents` while the request uses raw_input_contents; use one form"
                 )
             decoded[name] = (datatype, decode_raw(name, datatype, shape, raw[i]))
             continue
         field = CONTENTS_FIELD.get(datatype)
         if field is None:
-            raise oip.bad(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
+            raise bad(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
         decoded[name] = (datatype, decode_values(name, datatype, shape, getattr(tensor.contents, field)))
     return decoded
 
@@ -118,8 +117,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             error = as_serving_error(exc, "describing the model")
             if error.code is Code.INTERNAL:
                 log.exception("ModelMetadata for %r failed", request.name)
-            await context.abort(STATUS[error.code].grpc, error.message)
-            raise AssertionError("unreachable: context.abort always raises") from None
+            await abort(context, error)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"],
@@ -131,21 +129,10 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ----------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        t0 = time.perf_counter()
-        model, version = request.model_name, request.model_version or None
-        try:
-            response = await self._answer(request, context.invocation_metadata(), context.time_remaining())
-        except asyncio.CancelledError:  # the client went away: record it, let grpc finish the call
-            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(Code.CANCELLED), t0)
-            raise
-        except Exception as exc:
-            error = self._serving_error(exc, model)
-        else:
-            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(None), t0)
-            return response
-        oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(error.code), t0)
-        await context.abort(STATUS[error.code].grpc, error.message)
-        raise AssertionError("unreachable: context.abort always raises")
+        outcome = await self._call(request, context.invocation_metadata(), context.time_remaining())
+        if isinstance(outcome, Failed):
+            await abort(context, outcome.error)
+        return outcome.value
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
@@ -176,27 +163,35 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
                     left.cancel()
 
     async def _stream_one(self, request: Any, metadata: Any, time_remaining: float | None) -> Any:
-        t0 = time.perf_counter()
+        outcome = await self._call(request, metadata, time_remaining)
+        if isinstance(outcome, Ok):
+            return pb.ModelStreamInferResponse(infer_response=outcome.value)
+        echo = pb.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        )
+        return pb.ModelStreamInferResponse(error_message=outcome.error.message, infer_response=echo)
+
+    async def _call(
+        self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None
+    ) -> Ok[Any] | Failed:
+        """One ModelInferRequest through the call path (ModelInfer and each streamed request)."""
+
+        async def work(infer: Infer) -> Any:
+            return await self._answer(request, infer, metadata, time_remaining)
+
         model, version = request.model_name, request.model_version or None
-        try:
-            response = await self._answer(request, metadata, time_remaining)
-        except asyncio.CancelledError:
-            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(Code.CANCELLED), t0)
-            raise
-        except Exception as exc:
-            error = self._serving_error(exc, model)
-            oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(error.code), t0)
-            echo = pb.ModelInferResponse(model_name=model, model_version=request.model_version, id=request.id)
-            return pb.ModelStreamInferResponse(error_message=error.message, infer_response=echo)
-        oip.observe(self._plane, PROTOCOL, model, version, oip.code_label(None), t0)
-        return pb.ModelStreamInferResponse(infer_response=response)
+        return await run_call(self._plane, PROTOCOL, model, version, work)
 
     async def _answer(
-        self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None
+        self,
+        request: Any,
+        infer: Infer,
+        metadata: Sequence[tuple[str, str | bytes]] | None,
+        time_remaining: float | None,
     ) -> Any:
         """Decode, check, queue, and encode one ModelInferRequest; raises ServingError."""
         if not request.model_name:
-            raise oip.bad("model_name is required: name a model this server serves")
+            raise bad("model_name is required: name a model this server serves")
         handle = self._plane.resolve(request.model_name, request.model_version or None)
         deadline = oip.deadline_from(params_of(request.parameters), time_remaining)
         request_id = oip.request_id_of(request.id)
@@ -215,7 +210,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             deadline=deadline,
             headers=request_headers(metadata),
         )
-        result = await self._plane.infer(prepared.request)
+        result = await infer(prepared.request)
         outputs = oip.pick_outputs(prepared, result)
         tensor = pb.ModelInferResponse.InferOutputTensor
         return pb.ModelInferResponse(
@@ -225,12 +220,6 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(name=o.name, datatype=o.datatype, shape=o.array.shape) for o in outputs],
             raw_output_contents=[encode_raw(o.array) for o in outputs],
         )
-
-    @staticmethod
-    def _serving_error(exc: Exception, model: str) -> ServingError:
-        if not isinstance(exc, ServingError):
-            log.exception("OIP inference for model %r failed unexpectedly", model)
-        return as_serving_error(exc, "running the inference")
 
 
 def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int) -> OipServicer:

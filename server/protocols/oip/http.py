@@ -24,23 +24,19 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import zlib
 from typing import Any
 
 import numpy as np
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError, internal
-from mariner.server.core.tensors import decode_raw, decode_values, encode_raw
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
+from mariner.server.core.tensors import bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
+from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.protocols.http_common import (
-    CANCELLED_STATUS,
     DEFAULT_MAX_HEADERS,
     JSON,
     NOT_READY_STATUS,
-    PAYLOAD_TOO_LARGE,
     BodyTooLarge,
-    ClientGone,
-    body_too_large,
     infer_unless_client_gone,
     make_guard,
     offload_if_large,
@@ -48,7 +44,7 @@ from mariner.server.protocols.http_common import (
     request_headers,
 )
 from mariner.server.protocols.oip import codec as oip
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -84,16 +80,16 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
-        raise oip.bad(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+        raise bad(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
-        raise oip.bad(f"request body is not valid {encoding} data: {exc}") from None
+        raise bad(f"request body is not valid {encoding} data: {exc}") from None
     if len(out) > limit:
-        raise BodyTooLarge
+        raise BodyTooLarge(limit)
     if not inflater.eof:
-        raise oip.bad(f"request body is truncated {encoding} data")
+        raise bad(f"request body is truncated {encoding} data")
     return out
 
 
@@ -102,7 +98,7 @@ def _header_length(value: str | None, size: int) -> int | None:
         return None
     digits = value.strip()
     if not (digits.isascii() and digits.isdigit()) or int(digits) > size:
-        raise oip.bad(
+        raise bad(
             f"Inference-Header-Content-Length must be a byte count within the {size}-byte body, got {value!r}"
         )
     return int(value)
@@ -118,14 +114,14 @@ def _check_json_values(name: str, datatype: str, data: Any) -> None:
         if isinstance(item, list):
             stack.extend(item)
         elif not isinstance(item, str):
-            raise oip.bad(f"input {name!r}: BYTES data in JSON must be strings, got {type(item).__name__}")
+            raise bad(f"input {name!r}: BYTES data in JSON must be strings, got {type(item).__name__}")
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise oip.bad(f"{what} must be a JSON object")
+        raise bad(f"{what} must be a JSON object")
     return value
 
 
@@ -137,13 +133,13 @@ class ParsedInfer:
         try:
             doc = json.loads(body[:split])
         except ValueError as exc:
-            raise oip.bad(f"inference request is not valid JSON: {exc}") from None
+            raise bad(f"inference request is not valid JSON: {exc}") from None
         except RecursionError:
-            raise oip.bad("inference request is JSON nested too deeply") from None
+            raise bad("inference request is JSON nested too deeply") from None
         doc = _object(doc, "the inference request")
         client_id = doc.get("id", "")
         if not isinstance(client_id, str):
-            raise oip.bad("request 'id' must be a string")
+            raise bad("request 'id' must be a string")
         self.client_id = client_id
         self.params = _object(doc.get("parameters"), "request 'parameters'")
         self.binary_default = self.params.get("binary_data_output") is True
@@ -152,12 +148,12 @@ class ParsedInfer:
         self.binary: dict[str, bool] = {}
         outputs = doc.get("outputs") or []
         if not isinstance(outputs, list):
-            raise oip.bad("request 'outputs' must be a list")
+            raise bad("request 'outputs' must be a list")
         for out in outputs:
             out = _object(out, "each requested output")
             name = out.get("name")
             if not isinstance(name, str) or not name:
-                raise oip.bad("each requested output needs a 'name'")
+                raise bad("each requested output needs a 'name'")
             params = _object(out.get("parameters"), f"output {name!r} 'parameters'")
             oip.check_tensor_params("output", name, params)
             self.requested.append(name)
@@ -167,22 +163,22 @@ class ParsedInfer:
     @staticmethod
     def _inputs(raw_inputs: Any, binary: memoryview, max_elements: int) -> dict[str, tuple[str, np.ndarray]]:
         if not isinstance(raw_inputs, list) or not raw_inputs:
-            raise oip.bad("request 'inputs' must be a non-empty list of tensors")
+            raise bad("request 'inputs' must be a non-empty list of tensors")
         decoded: dict[str, tuple[str, np.ndarray]] = {}
         pos = 0
         for entry in raw_inputs:
             entry = _object(entry, "each input")
             name, datatype, shape = entry.get("name"), entry.get("datatype"), entry.get("shape")
             if not isinstance(name, str) or not name:
-                raise oip.bad("each input needs a 'name'")
+                raise bad("each input needs a 'name'")
             if name in decoded:
-                raise oip.bad(f"input {name!r} is given more than once")
+                raise bad(f"input {name!r} is given more than once")
             if not isinstance(datatype, str):
-                raise oip.bad(f"input {name!r} needs a 'datatype' string")
+                raise bad(f"input {name!r} needs a 'datatype' string")
             if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) for d in shape
             ):
-                raise oip.bad(f"input {name!r} needs a 'shape' list of integers")
+                raise bad(f"input {name!r} needs a 'shape' list of integers")
             datatype = datatype.upper()
             dims = oip.check_header(name, datatype, shape, max_elements)
             params = _object(entry.get("parameters"), f"input {name!r} 'parameters'")
@@ -190,9 +186,9 @@ class ParsedInfer:
             size = params.get("binary_data_size")
             if size is not None:
                 if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                    raise oip.bad(f"input {name!r}: binary_data_size must be a non-negative integer")
+                    raise bad(f"input {name!r}: binary_data_size must be a non-negative integer")
                 if pos + size > len(binary):
-                    raise oip.bad(
+                    raise bad(
                         f"input {name!r}: binary_data_size {size} runs past the body "
                         f"({len(binary) - pos} binary bytes left)"
                     )
@@ -202,14 +198,14 @@ class ParsedInfer:
                 decoded[name] = (datatype, decode_raw(name, datatype, dims, raw))  # type: ignore[arg-type]
                 continue
             if "data" not in entry:
-                raise oip.bad(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+                raise bad(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
             data = entry["data"]
             if not isinstance(data, list):
                 data = [data]
             _check_json_values(name, datatype, data)
             decoded[name] = (datatype, decode_values(name, datatype, dims, data))
         if pos != len(binary):
-            raise oip.bad(
+            raise bad(
                 f"{len(binary) - pos} bytes of binary data follow the JSON that no input's "
                 "binary_data_size accounts for"
             )
@@ -279,7 +275,7 @@ def routes(
         ok = dataplane.model_ready(handle.name, handle.version)
         return _json({"name": handle.name, "ready": ok}, 200 if ok else NOT_READY_STATUS)
 
-    async def run_infer(request: Request) -> Response:
+    async def run_infer(request: Request, infer: Infer) -> Response:
         p = request.path_params
         body = await read_body(request, max_body_bytes)
         body = inflate(body, request.headers.get("content-encoding", "").strip().lower(), max_body_bytes)
@@ -295,7 +291,7 @@ def routes(
             deadline=oip.deadline_from(parsed.params, None),
             headers=request_headers(request, max_headers),
         )
-        result = await infer_unless_client_gone(dataplane, prepared.request, request.receive)  # type: ignore[arg-type]
+        result = await infer(prepared.request)
         outputs = oip.pick_outputs(prepared, result)
         header: dict[str, Any] = {
             "model_name": handle.name,
@@ -318,21 +314,20 @@ def routes(
         )
 
     async def infer(request: Request) -> Response:
-        t0 = time.perf_counter()
         p = request.path_params
-        try:
-            response = await run_infer(request)
-        except ServingError as e:
-            response = error_response(e)
-        except BodyTooLarge:
-            response = error_response(body_too_large(max_body_bytes), PAYLOAD_TOO_LARGE)
-        except (ClientGone, ClientDisconnect):
-            response = Response(status_code=CANCELLED_STATUS)  # nobody reads it; counted as 499
-        except Exception:
-            log.exception("OIP infer for model %r failed", p["model"])
-            response = error_response(internal("running the inference"))
-        oip.observe(dataplane, PROTOCOL, p["model"], p.get("version"), str(response.status_code), t0)
-        return response
+        outcome = await run_call(
+            dataplane,
+            PROTOCOL,
+            p["model"],
+            p.get("version"),
+            lambda infer: run_infer(request, infer),
+            infer=lambda req: infer_unless_client_gone(dataplane, req, request.receive),
+        )
+        if not isinstance(outcome, Failed):
+            return outcome.value
+        if outcome.cancelled:
+            return Response(status_code=CANCELLED_STATUS)  # nobody reads it
+        return error_response(outcome.error, outcome.http_status)
 
     get = ["GET"]
     model = "/v2/models/{model}"

@@ -8,7 +8,6 @@ sanitized message, because grpc.aio would otherwise answer UNKNOWN with the exce
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -17,8 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
-from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.errors import STATUS, Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
+from mariner.server.protocols.call import Failed, Infer, abort, answer_text, run_call
 from mariner.server.protogen import stubs_missing
 
 try:
@@ -40,17 +40,6 @@ PROTOCOL = WireProtocol.TS_GRPC
 MAX_HEADERS = 64
 MAX_HEADER_NAME = 256
 MAX_HEADER_VALUE = 8192
-# Bytes of a handler's error body carried into the gRPC status details.
-MAX_ERROR_DETAIL = 1024
-
-
-def code_label(code: Code | None) -> str:
-    """The `code` label of mariner_requests_total: the HTTP-equivalent status ("200", "404"...).
-
-    The HTTP adapter labels with its status code, so one bounded label set (and one PromQL
-    error-rate query) covers both transports; `protocol` tells them apart.
-    """
-    return "200" if code is None else str(STATUS[code].http)
 
 
 class InferencePlane(Protocol):
@@ -107,24 +96,11 @@ def to_infer_request(
     )
 
 
-def handler_error(result: InferResult) -> ServingError:
-    """A per-request error status the handler set (set_response_status) as a ServingError.
-
-    Stock TorchServe's gRPC frontend ignores that status and answers OK with the error body;
-    Mariner maps it (400 -> INVALID_ARGUMENT, 503 -> UNAVAILABLE, ...) so gRPC clients see the
-    failure in the status, with the handler's own message (bounded) as the details.
-    """
-    text = result.body[:MAX_ERROR_DETAIL].decode("utf-8", errors="replace").strip()
-    message = text or result.phrase or f"the model's handler answered with status {result.status}"
-    return ServingError.from_http_status(result.status, message)
-
-
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
     """Ping, Predictions and StreamPredictions over the DataPlane; StreamPredictions2 is refused."""
 
     def __init__(self, dataplane: InferencePlane) -> None:
         self._plane = dataplane
-        self._metrics = dataplane.metrics
 
     async def Ping(self, request: empty_pb2.Empty, context: grpc.aio.ServicerContext) -> Any:
         """Health as TorchServe reports it: always status OK, the verdict is in the JSON body."""
@@ -139,7 +115,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.PredictionResponse:
         """One request, one answer: `prediction` carries the handler's bytes unchanged."""
-        result = await self._predict(request, context, "Predictions")
+        result = await self._predict(request, context)
         return inference_pb2.PredictionResponse(prediction=result.body)
 
     async def StreamPredictions(
@@ -150,7 +126,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         That is what stock TorchServe sends for a non-streaming handler too: the single
         response, then the end of the stream.
         """
-        result = await self._predict(request, context, "StreamPredictions")
+        result = await self._predict(request, context)
         yield inference_pb2.PredictionResponse(prediction=result.body)
 
     async def StreamPredictions2(
@@ -166,47 +142,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         )
 
     async def _predict(
-        self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext, rpc: str
+        self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext
     ) -> InferResult:
-        """Run one prediction and record it; aborts the call with the mapped status on failure."""
-        start = time.perf_counter()
-        model, version = self._labels(request.model_name, request.model_version or None)
-        try:
+        """Run one prediction through the call path; aborts the call with the mapped status on failure.
+
+        A handler's own error status becomes the gRPC status (stock TorchServe answers OK with
+        the error body instead), and the handler's body itself, bounded, is the details: over
+        both TorchServe transports the client reads the handler's answer unchanged.
+        """
+
+        async def work(infer: Infer) -> InferResult:
             req = to_infer_request(
                 request, metadata=context.invocation_metadata(), time_remaining=context.time_remaining()
             )
-            result = await self._plane.infer(req)
-            if result.status >= 400:
-                raise handler_error(result)
-        except asyncio.CancelledError:  # the client went away: record it, let grpc finish the call
-            self._observe(model, version, code_label(Code.CANCELLED), time.perf_counter() - start)
-            raise
-        except ServingError as exc:
-            error = exc
-        except Exception as exc:
-            log.exception("%s for model %r failed unexpectedly", rpc, model)
-            error = as_serving_error(exc, "running the prediction")
-        else:
-            self._observe(model, version, code_label(None), time.perf_counter() - start)
-            return result
-        self._observe(model, version, code_label(error.code), time.perf_counter() - start)
-        await context.abort(STATUS[error.code].grpc, error.message)
-        raise AssertionError("unreachable: context.abort always raises")
+            return await infer(req)
 
-    def _labels(self, model: str, version: str | None) -> tuple[str, str]:
-        """Bounded label values: a loaded model's name and version, else "unknown"."""
-        if not model:
-            return "unknown", "unknown"
-        try:
-            return self._plane.known_label(model, version)
-        except Exception:
-            log.exception("metric label lookup failed")
-            return "unknown", "unknown"
-
-    def _observe(self, model: str, version: str, code: str, seconds: float) -> None:
-        protocol = PROTOCOL.value
-        self._metrics.requests.labels(model, version, protocol, code).inc()
-        self._metrics.request_duration.labels(model, version, protocol).observe(seconds)
+        model, version = request.model_name, request.model_version or None
+        outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
+        if isinstance(outcome, Failed):
+            details = answer_text(outcome.answer) if outcome.answer is not None else ""
+            await abort(context, outcome.error, details)
+        return outcome.value
 
 
 def add_to_server(dataplane: InferencePlane, server: grpc.aio.Server) -> InferenceServicer:

@@ -21,21 +21,16 @@ Deliberate differences from TorchServe, each for a reason:
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import TYPE_CHECKING
 
-from mariner.server.core.errors import STATUS, Code, ServingError, internal
+from mariner.server.core.errors import STATUS, Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.protocols.http_common import (
-    CANCELLED_STATUS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADERS,
     JSON,
-    PAYLOAD_TOO_LARGE,
-    BodyTooLarge,
-    ClientGone,
-    body_too_large,
     error_response,
     infer_unless_client_gone,
     offload_if_large,
@@ -43,7 +38,7 @@ from mariner.server.protocols.http_common import (
     request_headers,
 )
 from mariner.server.protocols.torchserve.forms import decode_data
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -53,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mariner.http")
 
 _PROTOCOL = WireProtocol.TS_HTTP
-_PROTOCOL_LABEL = _PROTOCOL.value
 _JSON_OPENERS = (b"{", b"[")
 # Headers a handler must not set: the server frames the body itself.
 _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
@@ -100,9 +94,6 @@ def routes(
     `max_body_bytes` bounds a prediction body (413 beyond it, before it is read when the client
     declares its length); `max_headers` bounds the headers handed to the handler.
     """
-    metrics = dataplane.metrics
-    requests_total = metrics.requests
-    duration = metrics.request_duration
 
     async def ping(request: Request) -> Response:
         if dataplane.is_ready():
@@ -110,12 +101,12 @@ def routes(
         return Response(_UNHEALTHY, _UNHEALTHY_STATUS, media_type=JSON)
 
     async def predict(request: Request) -> Response:
-        t0 = time.perf_counter()
         params = request.path_params
         model: str = params["model"]
         version: str | None = params.get("version")
         request_id = uuid.uuid4().hex
-        try:
+
+        async def work(infer: Infer) -> InferResult:
             body = await read_body(request, max_body_bytes)
             if not body:
                 raise ServingError(
@@ -131,26 +122,24 @@ def routes(
                 request_id=request_id,
                 headers=request_headers(request, max_headers),
             )
-            response = _result_response(
-                await infer_unless_client_gone(dataplane, req, request.receive), request_id
-            )
-        except ServingError as e:
-            response = error_response(e, headers={"x-request-id": request_id})
-        except BodyTooLarge:
-            response = error_response(
-                body_too_large(max_body_bytes), status=PAYLOAD_TOO_LARGE, headers={"x-request-id": request_id}
-            )
-        except (ClientGone, ClientDisconnect):
-            response = Response(status_code=CANCELLED_STATUS)  # nobody reads it; counted as 499
-        except Exception:
-            log.exception("prediction request %s for model %r failed", request_id, model)
-            response = error_response(
-                internal("answering a prediction"), headers={"x-request-id": request_id}
-            )
-        label_model, label_version = dataplane.known_label(model, version)
-        requests_total.labels(label_model, label_version, _PROTOCOL_LABEL, str(response.status_code)).inc()
-        duration.labels(label_model, label_version, _PROTOCOL_LABEL).observe(time.perf_counter() - t0)
-        return response
+            return await infer(req)
+
+        outcome = await run_call(
+            dataplane,
+            _PROTOCOL,
+            model,
+            version,
+            work,
+            infer=lambda req: infer_unless_client_gone(dataplane, req, request.receive),
+            what="answering a prediction",
+        )
+        if not isinstance(outcome, Failed):
+            return _result_response(outcome.value, request_id)
+        if outcome.answer is not None:  # the handler's own error status and body pass through
+            return _result_response(outcome.answer, request_id)
+        if outcome.cancelled:
+            return Response(status_code=CANCELLED_STATUS)  # nobody reads it
+        return error_response(outcome.error, status=outcome.http_status, headers={"x-request-id": request_id})
 
     methods = ["POST", "PUT"]
     return [
