@@ -22,7 +22,7 @@ ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 FROM busybox:1.37.0 AS models
 COPY model_store/ /models/
 
-# -- build: a virtualenv holding the pinned project and its generated gRPC stubs.
+# -- build: a virtualenv holding the pinned serving set (no extras) and the generated gRPC stubs.
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -37,11 +37,16 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
 # The whole build context (.dockerignore trims it to sources): every package pyproject.toml
 # includes comes along without being listed here.
 COPY . .
-# The stubs are generated with grpcio-tools (a pinned dependency), so: install, generate, then
-# reinstall the package alone so the installed copy carries server/_proto.
-RUN pip install . \
- && python -m mariner.server.protogen \
- && pip install --no-deps --force-reinstall .
+# The gRPC stubs are generated first, into server/_proto, by grpcio-tools (pyproject's `protogen`
+# extra, same pin) in a throwaway virtualenv: the generator is a build tool, and /opt/venv, which the
+# runtime stage copies, must not carry it. protogen.py needs only the standard library and
+# grpc_tools, so it runs from the source tree. Then `pip install .` (the serving set, no extras)
+# installs the package with its stubs.
+ARG GRPCIO_TOOLS=grpcio-tools==1.85.1
+RUN python -m venv /opt/protogen \
+ && /opt/protogen/bin/pip install "${GRPCIO_TOOLS}" \
+ && /opt/protogen/bin/python server/protogen.py \
+ && pip install .
 
 # -- runtime: the interpreter, the virtualenv and a user. No compiler, no pip install.
 # The token files mariner.yaml names exist as placeholders holding no token (a comment line), so

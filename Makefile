@@ -1,4 +1,6 @@
-# Every target creates the virtualenv if missing and installs the pinned project into it.
+# Every target creates the virtualenv if missing and installs the pinned project into it, with
+# every extra ('.[dev]': train, bench, protogen and the test tools). A serving install is
+# `pip install .` alone; see pyproject.toml.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -14,7 +14,9 @@ import ast
 import json
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -331,6 +333,53 @@ def test_torch_pin_matches_pyproject(dockerfile: Dockerfile, pyproject: dict) ->
     assert re.findall(r"\btorch==[\w.+]+", runs) == [pinned], (
         f"{dockerfile.path.name} must install exactly {pinned} (as pyproject.toml pins it)"
     )
+
+
+def _stage_args(stage: Stage) -> dict[str, str]:
+    """ARG defaults declared inside a stage."""
+    return dict(a.args.split("=", 1) for a in stage.all("ARG") if "=" in a.args)
+
+
+def test_runtime_virtualenv_gets_the_serving_set_only(dockerfile: Dockerfile, pyproject: dict) -> None:
+    """/opt/venv (what the runtime stage copies) gets `pip install .` with no extras and no
+    generator; grpcio-tools lives in a build-only virtualenv pinned as pyproject's `protogen` extra."""
+    build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
+    args = _stage_args(build)
+    commands = [_substitute(cmd.strip(), args) for r in build.all("RUN") for cmd in re.split(r"&&|;", r.args)]
+    into_venv = [c for c in commands if re.match(r"^(pip|python3?[\d.]* -m pip) install\b", c)]
+    assert into_venv, f"{dockerfile.path.name}: no pip install into /opt/venv"
+    for cmd in into_venv:
+        assert not re.search(r"\[|-r ", cmd), f"{dockerfile.path.name}: {cmd!r} installs extras"
+        assert "grpcio-tools" not in cmd, f"{dockerfile.path.name}: {cmd!r} puts the generator in /opt/venv"
+    assert any(re.fullmatch(r"pip install \.", c) for c in into_venv), into_venv
+    (tools,) = pyproject["project"]["optional-dependencies"]["protogen"]
+    generator_installs = [c for c in commands if "grpcio-tools" in c]
+    assert generator_installs == [f'/opt/protogen/bin/pip install "{tools}"'], generator_installs
+    assert "/opt/protogen/bin/python server/protogen.py" in commands
+    copied = [src for cp in copies(dockerfile.final) if cp.from_stage == build.name for src in cp.sources]
+    assert copied == ["/opt/venv"], f"{dockerfile.path.name}: the runtime stage copies {copied}"
+
+
+def test_stub_generator_runs_from_a_bare_source_tree(tmp_path: Path) -> None:
+    """The build stage runs server/protogen.py with nothing installed but grpcio-tools: it must
+    need nothing of the project, and write a package of stubs for every .proto."""
+    shutil.copytree(REPO / "proto", tmp_path / "proto")
+    (tmp_path / "server").mkdir()
+    shutil.copy2(REPO / "server" / "protogen.py", tmp_path / "server" / "protogen.py")
+    proc = subprocess.run(
+        [sys.executable, "-I", "server/protogen.py"],  # -I: no cwd or user site on sys.path
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "server" / "_proto"
+    assert (out / "__init__.py").is_file()
+    for proto in (tmp_path / "proto").rglob("*.proto"):
+        rel = proto.relative_to(tmp_path / "proto").with_suffix("")
+        assert (out / rel.parent / f"{rel.name}_pb2.py").is_file(), rel
 
 
 def test_base_images_are_pinned(dockerfile: Dockerfile) -> None:
