@@ -515,3 +515,47 @@ def test_handler_imports_and_runs_with_ts_blocked(model_dir: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 <= out[0]["label"] <= 9
     assert out[1]["code"] == 400
+
+
+# -- the runner's tensor contract -------------------------------------------------------------
+
+
+def _runner_with(handle: Any) -> Any:
+    """A Runner whose handler is `handle`, without loading an archive."""
+    from types import SimpleNamespace
+
+    from mariner.server.core.runner import Placement, Runner
+
+    archive = SimpleNamespace(name="digits", version="1.0")
+    runner = Runner(archive, instance=0, placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]
+    runner._context = Context("digits", ".", {}, batch_size=4, gpu_id=None)
+    runner._handle = handle
+    return runner
+
+
+def test_runner_takes_the_tensor_path_only_for_typed_tensor_requests() -> None:
+    from mariner.server.core.types import InferRequest, WireProtocol
+
+    arrays = {"pixels": np.zeros((2, 64), np.float32)}
+    # A TorchServe request whose form field is named "tensors" (even holding arrays, which no
+    # client can send) is handed over as it came and answered as bytes, never as tensors.
+    spoof = InferRequest("digits", None, {"tensors": arrays}, WireProtocol.TS_HTTP, "r1")
+    typed = InferRequest("digits", None, {}, WireProtocol.OIP_HTTP, "r2", tensors=arrays, items=2)
+    seen: list[Any] = []
+
+    def handle(data: list[Any], ctx: Any) -> list[Any]:
+        seen.extend(data)
+        return [{"tensors": {"label": [7, 7]}} for _ in data]
+
+    runner = _runner_with(handle)
+    try:
+        ts_result, oip_result = runner._handle_batch([spoof, typed])
+    finally:
+        runner.close()
+    assert seen[0] is spoof.data
+    assert seen[1] == {"tensors": arrays}
+    assert ts_result.tensors is None
+    assert json.loads(ts_result.body) == {"tensors": {"label": [7, 7]}}  # encoded the TorchServe way
+    assert oip_result.tensors is not None
+    np.testing.assert_array_equal(oip_result.tensors["label"], [7, 7])
+    assert oip_result.body == b""

@@ -8,7 +8,7 @@ that bad requests fail before they are queued.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -18,9 +18,7 @@ from typing import Any
 
 import pytest
 import requests
-import uvicorn
 from mariner.server.control.management_http import management_app
-from mariner.server.control.metrics import Metrics
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
 from mariner.server.core.types import (
@@ -33,17 +31,12 @@ from mariner.server.core.types import (
 )
 from mariner.server.protocols.http_listener import inference_app
 
+from tests.unit.fakes import QuietMetrics, serve
+
 pytestmark = pytest.mark.unit
 
 MAX_BODY = 512 * 1024
 TIMEOUT = 10
-
-
-class QuietMetrics(Metrics):
-    """Real metrics without the CUDA sampling, which would import torch into a unit test."""
-
-    def _sample_gpu(self) -> None:
-        pass
 
 
 def make_info(name: str, version: str, *, default: bool = True, device: str = "cpu") -> ModelInfo:
@@ -61,7 +54,7 @@ def make_info(name: str, version: str, *, default: bool = True, device: str = "c
         queue_size=1024,
         min_workers=1,
         max_workers=1,
-        workers=(WorkerInfo(id=f"{name}-{version}-0", device=device, status="READY", batches=3),),
+        workers=(WorkerInfo(id=f"{name}-{version}-0", device=device, status="READY", batches=3, pid=4242),),
         load_seconds=0.5,
     )
 
@@ -139,6 +132,7 @@ class FakePlane:
         self._require_management("model registration")
         self.management_calls.append(("register", archive_name, overrides))
         info = make_info(overrides.get("name", archive_name.removesuffix(".mar")), "3.0")
+        info = dataclasses.replace(info, loaded_at_startup=False)  # as the DataPlane marks it
         self.infos.append(info)
         return [info]
 
@@ -153,27 +147,6 @@ class FakePlane:
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
         self._require_management("scaling workers")
         self.management_calls.append(("scale", model, version, min_workers, max_workers))
-
-
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run `app` on uvicorn at 127.0.0.1:0 in a thread; yield its base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:  # readiness poll
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.005)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ order, output selection and datatypes are all checked on real bytes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,25 +23,18 @@ import grpc
 import numpy as np
 import pytest
 import requests
-import uvicorn
 from mariner.server import protogen
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
+from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, serve
+
 pytestmark = pytest.mark.unit
 
 MAX_MESSAGE = 1 << 20
 TIMEOUT = 10
-DIGITS = ModelSignature(
-    inputs=(TensorSpec("pixels", "FP32", (-1, 64)),),
-    outputs=(
-        TensorSpec("logits", "FP32", (-1, 10)),
-        TensorSpec("probabilities", "FP32", (-1, 10)),
-        TensorSpec("label", "INT64", (-1,)),
-    ),
-)
 TEXT = ModelSignature(
     inputs=(TensorSpec("text", "BYTES", (-1,)),),
     outputs=(TensorSpec("upper", "BYTES", (-1,)), TensorSpec("length", "INT32", (-1,))),
@@ -54,11 +45,6 @@ SIGNATURES: dict[str, ModelSignature | None] = {
     "text": TEXT,
     "legacy": None,
 }
-
-
-class QuietMetrics(Metrics):
-    def _sample_gpu(self) -> None:  # no torch import in a unit test
-        pass
 
 
 def _info(name: str, version: str, default: bool) -> ModelInfo:
@@ -80,16 +66,6 @@ def _info(name: str, version: str, default: bool) -> ModelInfo:
         load_seconds=0.1,
         signature=SIGNATURES[name],
     )
-
-
-def digits_outputs(pixels: np.ndarray) -> dict[str, np.ndarray]:
-    """Deterministic 'model': logits are the first ten pixels doubled."""
-    logits = (pixels[:, :10] * 2).astype(np.float32)
-    return {
-        "logits": logits,
-        "probabilities": np.full_like(logits, 0.1),
-        "label": logits.argmax(axis=1).astype(np.int64),
-    }
 
 
 @dataclass
@@ -406,26 +382,6 @@ def test_grpc_stream_answers_each_request_in_order_with_errors_in_stream(pb: Sim
 # ==============================================================================================
 # REST
 # ==============================================================================================
-@contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.005)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-
-
 @pytest.fixture(scope="module")
 def shared_plane() -> FakePlane:
     return FakePlane()
