@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import ssl
 import tempfile
 from collections.abc import Iterator
@@ -48,6 +49,22 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drop idle TLS connections at once, then uvicorn's own graceful shutdown.
+
+        uvicorn closes an idle keep-alive connection politely; over TLS that sends close_notify
+        and waits for the peer's, which a client that has simply stopped using the connection
+        never sends. asyncio then waits its 30 s TLS shutdown timeout and uvicorn its whole grace
+        period, although no request is in flight. An idle connection has nothing left to send,
+        so aborting it loses nothing; connections with a response in progress are left alone.
+        """
+        if self.config.is_ssl:
+            for connection in list(self.server_state.connections):
+                cycle = getattr(connection, "cycle", None)
+                if cycle is None or cycle.response_complete:
+                    connection.transport.abort()
+        await super().shutdown(sockets)
 
 
 def _uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:

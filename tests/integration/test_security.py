@@ -4,6 +4,7 @@ and the archive allowlist."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -114,6 +115,65 @@ def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
         )
 
 
+@pytest.fixture(scope="module")
+def closed(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+    """Tokens from rotation files, and health and metrics closed (--no-open-health/--no-open-metrics)."""
+    d = tmp_path_factory.mktemp("tokens")
+    (d / "inference").write_text(f"# rotating: old and new both valid\n{INF}\n{INF}-new\n")
+    (d / "management").write_text(f"{MGMT}\n")
+    srv = InProcessMariner(
+        model_store,
+        "digits_onnx.mar",
+        inference_token_file=d / "inference",
+        management_token_file=d / "management",
+        open_health=False,
+        open_metrics=False,
+    ).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_token_files_accept_every_rotated_token_and_nothing_longer(closed: InProcessMariner) -> None:
+    url = f"{closed.http}/predictions/digits_onnx"
+    hdr = {"Content-Type": "application/json"}
+    for token in (INF, f"{INF}-new"):
+        r = requests.post(url, data=BODY, headers={**hdr, **bearer(token)}, timeout=10)
+        assert r.status_code == 200, token
+    for token in (f"{INF}-new-but-longer", f"{INF}x", INF[:-1], MGMT):
+        r = requests.post(url, data=BODY, headers={**hdr, **bearer(token)}, timeout=10)
+        assert r.status_code == 401, token
+    models = f"{closed.management}/models"
+    assert requests.get(models, headers=bearer(MGMT), timeout=10).status_code == 200
+    assert requests.get(models, headers=bearer(f"{MGMT}2"), timeout=10).status_code == 401
+    assert requests.get(models, headers=bearer(INF), timeout=10).status_code == 401
+
+
+def test_closed_health_and_metrics_need_tokens(closed: InProcessMariner) -> None:
+    for path in ("/ping", "/healthz", "/readyz", "/v2/health/ready", "/v2/health/live"):
+        url = f"{closed.http}{path}"
+        assert requests.get(url, timeout=10).status_code == 401, path
+        assert requests.get(url, headers=bearer(INF), timeout=10).status_code == 200, path
+    metrics = f"{closed.metrics}/metrics"
+    assert requests.get(metrics, timeout=10).status_code == 401
+    assert requests.get(metrics, headers=bearer(INF), timeout=10).status_code == 401
+    scraped = requests.get(metrics, headers=bearer(MGMT), timeout=10)
+    assert scraped.status_code == 200
+    assert "mariner_requests_total" in scraped.text
+    protogen.generate()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    check = health_pb2.HealthCheckRequest(service="digits_onnx")
+    with grpc.insecure_channel(closed.grpc_target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Check(check, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = stub.Check(check, metadata=(("authorization", f"Bearer {INF}"),), timeout=10)
+        assert ok.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_listening_beyond_loopback_without_tokens_refuses_to_start(tmp_path: Path) -> None:
     exposed = replace(ServerConfig(), inference_address="0.0.0.0:8080")
     with pytest.raises(ServingError) as info:
@@ -201,3 +261,50 @@ def test_tls_and_mutual_tls(model_store: Path, tmp_path: Path) -> None:
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_tls_server_with_an_idle_client_connection_stops_without_waiting_for_it(
+    model_store: Path, tmp_path: Path
+) -> None:
+    """A client that keeps its TLS connection open (as every pooled client does) never answers
+    close_notify; shutdown must not wait on it, let alone for the whole grace period."""
+    cert, key = _self_signed(tmp_path, "server")
+    srv = InProcessMariner(
+        model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key, grace_seconds=600.0
+    ).start()
+    session = requests.Session()
+    records = _Records()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    level = uvicorn_log.level
+    try:
+        r = session.post(
+            f"https://127.0.0.1:{srv.ports.inference}/predictions/digits_onnx",
+            data=BODY,
+            headers={"Content-Type": "application/json"},
+            verify=str(cert),
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert len(srv.server._http[0].server_state.connections) == 1, (
+            "the finished request's connection idles"
+        )
+        uvicorn_log.addHandler(records)
+        uvicorn_log.setLevel(logging.INFO)
+        srv.stop()  # with the 600 s grace period, waiting on the idle connection would time this out
+    finally:
+        uvicorn_log.removeHandler(records)
+        uvicorn_log.setLevel(level)
+        session.close()
+    assert "Shutting down" in records.messages, "uvicorn's shutdown did run"
+    assert not [m for m in records.messages if "Waiting for connections" in m or "timeout" in m], (
+        records.messages
+    )
