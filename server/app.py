@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from mariner.server.config import ServerConfig, model_specs, pinned_digests
+from mariner.server.config import ServerConfig, model_specs, pinned_digests, server_layers
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
@@ -152,6 +152,7 @@ class MarinerServer:
                 default_max_queue=cfg.max_queue,
                 torch_threads=cfg.torch_threads or default_torch_threads(),
                 management_enabled=cfg.enable_model_management,
+                model_layers=server_layers(cfg),
             ),
             self.metrics,
         )

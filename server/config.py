@@ -5,7 +5,11 @@ YAML/JSON with our keys, or a TorchServe `config.properties`, of which we unders
 users already have (`inference_address`, `management_address`, `metrics_address`,
 `grpc_inference_port`, `grpc_management_port`, `model_store`, `load_models`,
 `default_workers_per_model`, `models={...}` with batchSize/maxBatchDelay/minWorkers/
-maxWorkers/responseTimeout). Everything binds 127.0.0.1 unless configured otherwise.
+maxWorkers/responseTimeout/deviceType). Everything binds 127.0.0.1 unless configured otherwise.
+
+A model version's serving settings (batchSize, maxBatchDelay...) are layered once more, in
+core.model_settings: archive model-config < config.properties `models={...}` < these settings
+(flags/env/file) < a management register call.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from urllib.parse import urlparse
 import yaml
 from mariner.server.core.archive import UNLISTED
 from mariner.server.core.dataplane import ModelSpec
+from mariner.server.core.model_settings import ServerLayers, SettingsOverrides
 
 
 @dataclass(frozen=True)
@@ -219,26 +224,31 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
     return replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
 
 
-def _override_for(cfg: ServerConfig, name: str, archive: str) -> dict[str, Any]:
-    """Settings from a TorchServe `models={...}` block for this model (its default version)."""
-    versions = cfg.model_overrides.get(name) or {}
-    chosen: Mapping[str, Any] = {}
-    for v in versions.values() if isinstance(versions, Mapping) else []:
-        if isinstance(v, Mapping) and (v.get("marName") in (None, archive) or v.get("defaultVersion")):
-            chosen = v
-            break
-    keys = {
-        "batchSize": "batch_size",
-        "maxBatchDelay": "max_batch_delay_ms",
-        "responseTimeout": "response_timeout_s",
-        "minWorkers": "min_workers",
-        "maxWorkers": "max_workers",
-    }
-    return {ours: chosen[ts] for ts, ours in keys.items() if ts in chosen}
+def server_layers(cfg: ServerConfig) -> ServerLayers:
+    """The layers every model version's settings resolve over (see core.model_settings):
+    config.properties `models={...}`, then flags / MARINER_* env / our config file.
+
+    Raises ServingError(INVALID_ARGUMENT) naming the field when a value is not allowed.
+    """
+    flags = SettingsOverrides.parse(
+        {
+            "batchSize": cfg.batch_size,
+            "maxBatchDelay": cfg.max_batch_delay_ms,
+            "responseTimeout": cfg.response_timeout_s,
+            "minWorkers": cfg.min_workers,
+            "maxQueue": cfg.max_queue,
+        },
+        "the server's flags, MARINER_* environment or config file",
+    )
+    return ServerLayers(per_model=cfg.model_overrides, flags=flags)
 
 
 def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> list[ModelSpec]:
-    """Expand `models` ('all' or a list) into ModelSpecs with the overrides applied."""
+    """Expand `models` ('all' or a list) into ModelSpecs.
+
+    Their serving settings are resolved when each archive is opened (its model-config is the
+    lowest layer), over `server_layers(cfg)`.
+    """
     entries: list[tuple[str | None, str]] = []
     if cfg.models.strip() in ("all", "ALL", ""):
         entries = [(None, p.name) for p in sorted(cfg.model_store.glob("*.mar"))]
@@ -252,28 +262,12 @@ def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> l
                 entries.append((name.strip(), archive.strip()))
             else:
                 entries.append((None, item if item.endswith(".mar") else f"{item}.mar"))
-    specs = []
-    for name, archive in entries:
-        model_name = name or Path(archive).stem
-        over = _override_for(cfg, model_name, archive)
-        specs.append(
-            ModelSpec(
-                archive=archive,
-                name=name,
-                batch_size=cfg.batch_size or over.get("batch_size"),
-                max_batch_delay_ms=(
-                    cfg.max_batch_delay_ms
-                    if cfg.max_batch_delay_ms is not None
-                    else over.get("max_batch_delay_ms")
-                ),
-                response_timeout_s=cfg.response_timeout_s or over.get("response_timeout_s"),
-                min_workers=cfg.min_workers or over.get("min_workers"),
-                max_workers=over.get("max_workers"),
-                max_queue=cfg.max_queue,
-                sha256=None if pinned is None else pinned.get(archive, UNLISTED),
-            )
+    return [
+        ModelSpec(
+            archive=archive, name=name, sha256=None if pinned is None else pinned.get(archive, UNLISTED)
         )
-    return specs
+        for name, archive in entries
+    ]
 
 
 def pinned_digests(store: Path) -> dict[str, str]:

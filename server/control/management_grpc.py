@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
 from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.model_settings import register_call_overrides
 from mariner.server.core.types import ModelInfo
 from mariner.server.protogen import stubs_missing
 
@@ -27,15 +27,9 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
     raise stubs_missing(exc) from exc
 
-if TYPE_CHECKING:
-    from mariner.server.control.metrics import Metrics
-
 log = logging.getLogger("mariner.grpc.management")
 
 SERVICE_NAME: str = management_pb2.DESCRIPTOR.services_by_name["ManagementAPIsService"].full_name
-
-# TorchServe's page size bounds for ListModels.
-MAX_PAGE = 100
 
 T = TypeVar("T")
 
@@ -43,7 +37,6 @@ T = TypeVar("T")
 class ManagementPlane(Protocol):
     """The slice of the DataPlane this adapter needs (the real one and test fakes provide it)."""
 
-    metrics: Metrics
     management_enabled: bool
 
     def models(self) -> list[ModelInfo]: ...
@@ -59,124 +52,25 @@ class ManagementPlane(Protocol):
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None: ...
 
 
-def _model_url(info: ModelInfo) -> str:
-    """The archive's file name, as TorchServe shows it; never a server-side path."""
-    return PurePath(info.archive).name
-
-
 def list_models_json(models: Sequence[ModelInfo], limit: int, next_page_token: int) -> str:
-    """TorchServe's ListModels document: default versions sorted by name, paginated.
+    """TorchServe's ListModels document (the same builder as REST's GET /models), as JSON.
 
-    One deliberate difference: proto3 cannot tell an unset `limit` from 0, and stock TorchServe
-    then returns an empty page; here 0 means the default page size (100), like its REST API.
+    One deliberate difference from stock TorchServe: proto3 cannot tell an unset `limit` from 0,
+    and stock TorchServe then returns an empty page; here 0 means the default page size (100),
+    like a REST call without `limit`.
     """
-    if limit <= 0 or limit > MAX_PAGE:
-        limit = MAX_PAGE
-    start = max(next_page_token, 0)
-    defaults: dict[str, ModelInfo] = {}
-    for info in models:
-        if info.is_default or info.name not in defaults:
-            defaults[info.name] = info
-    names = sorted(defaults)
-    doc: dict[str, Any] = {}
-    last = start + limit
-    if last > len(names):
-        last = len(names)
-    else:  # TorchServe sets the token whenever the page was full, even at the very end
-        doc["nextPageToken"] = str(last)
-    doc["models"] = [{"modelName": n, "modelUrl": _model_url(defaults[n])} for n in names[start:last]]
-    return json.dumps(doc, indent=2)
+    return json.dumps(list_models(models, limit or MAX_PAGE, next_page_token), indent=2)
 
 
-def _pending(metrics: Metrics | None, info: ModelInfo) -> int:
-    if metrics is None:
-        return 0
-    value = metrics.registry.get_sample_value(
-        "mariner_queue_depth", {"model": info.name, "version": info.version}
-    )
-    return int(value or 0)
-
-
-def describe_entry(info: ModelInfo, metrics: Metrics | None = None) -> dict[str, Any]:
-    """One element of TorchServe's DescribeModel list, in its key order.
-
-    Settings Mariner does not have (sequence batching, venvs, job tickets...) carry TorchServe's
-    defaults so clients that index those keys keep working. Mariner's own facts are under
-    "mariner", a key TorchServe does not use.
-    """
-    gpu = any(w.device.startswith("cuda") for w in info.workers)
-    pending = _pending(metrics, info)
-    return {
-        "modelName": info.name,
-        "modelVersion": info.version,
-        "modelUrl": _model_url(info),
-        "runtime": "python",
-        "minWorkers": info.min_workers,
-        "maxWorkers": info.max_workers,
-        "batchSize": info.batch_size,
-        "maxBatchDelay": round(info.max_batch_delay_ms),
-        "responseTimeout": round(info.response_timeout_s),
-        "startupTimeout": 120,
-        "maxRetryTimeoutInSec": 300,
-        "clientTimeoutInMills": 0,
-        "parallelType": "",
-        "parallelLevel": 0,
-        "deviceType": "gpu" if gpu else "cpu",
-        "continuousBatching": False,
-        "useJobTicket": False,
-        "useVenv": False,
-        "stateful": False,
-        "sequenceMaxIdleMSec": 0,
-        "sequenceTimeoutMSec": 0,
-        "maxNumSequence": 0,
-        "maxSequenceJobQueueSize": 0,
-        "loadedAtStartup": True,
-        "workers": [
-            {
-                "id": w.id,
-                "status": w.status,
-                "memoryUsage": 0,
-                "pid": os.getpid(),  # runners are threads of this process
-                "gpu": w.device.startswith("cuda"),
-                "gpuUsage": "N/A",
-            }
-            for w in info.workers
-        ],
-        "jobQueueStatus": {
-            "remainingCapacity": max(info.queue_size - pending, 0),
-            "pendingRequests": pending,
-        },
-        "mariner": {
-            "isDefault": info.is_default,
-            "state": info.state.value,
-            "handler": info.handler,
-            "sha256": info.sha256,
-            "queueSize": info.queue_size,
-            "loadSeconds": info.load_seconds,
-            "devices": [w.device for w in info.workers],
-            "batches": [w.batches for w in info.workers],
-        },
-    }
-
-
-def describe_json(
-    plane: ManagementPlane, model: str, version: str | None, metrics: Metrics | None = None
-) -> str:
-    """TorchServe's DescribeModel document: the default version, one version, or "all"."""
-    if not model:
-        raise ServingError(Code.INVALID_ARGUMENT, "model_name is required: name a model this server serves")
-    if version == "all":
-        infos = plane.describe(model, None)
-    elif version:
-        infos = plane.describe(model, version)
-    else:
-        every = plane.describe(model, None)
-        infos = [i for i in every if i.is_default] or every[:1]
-    return json.dumps([describe_entry(i, metrics) for i in infos], indent=2)
+def describe_json(plane: ManagementPlane, model: str, version: str | None) -> str:
+    """TorchServe's DescribeModel document (the same builder as REST's GET /models/{name}), as
+    JSON: the default version, one version, or "all"."""
+    return json.dumps(describe_models(plane, model, version), indent=2)
 
 
 def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str, Any]:
-    """RegisterModelRequest fields as DataPlane overrides; refuses the ones Mariner cannot honour.
+    """RegisterModelRequest fields as DataPlane overrides (checked by the same function as REST's
+    parameters); refuses the ones Mariner cannot honour.
 
     proto3 sends 0 / "" for unset fields, so only non-zero values override the archive's config.
     """
@@ -194,17 +88,15 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
             Code.INVALID_ARGUMENT,
             "s3_sse_kms is not supported: archives are loaded only from the model store",
         )
-    overrides: dict[str, Any] = {}
+    overrides = register_call_overrides(
+        batch_size=request.batch_size,
+        # proto3 sends 0 for an unset field; a delay of 0 is then the archive's, not "never wait".
+        max_batch_delay=request.max_batch_delay or None,
+        response_timeout=request.response_timeout,
+        initial_workers=request.initial_workers,
+    ).given()
     if request.model_name:
         overrides["name"] = request.model_name
-    if request.batch_size > 0:
-        overrides["batch_size"] = request.batch_size
-    if request.max_batch_delay > 0:
-        overrides["max_batch_delay_ms"] = float(request.max_batch_delay)
-    if request.response_timeout > 0:
-        overrides["response_timeout_s"] = float(request.response_timeout)
-    if request.initial_workers > 0:
-        overrides["min_workers"] = request.initial_workers
     return overrides
 
 
@@ -245,10 +137,9 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
                 "customized (handler-provided) model metadata is not supported; "
                 "call DescribeModel without customized",
             )
-        metrics = getattr(self._plane, "metrics", None)
 
         async def describe() -> str:
-            return describe_json(self._plane, request.model_name, request.model_version or None, metrics)
+            return describe_json(self._plane, request.model_name, request.model_version or None)
 
         msg = await self._call(context, "describing the model", describe)
         return management_pb2.ManagementResponse(msg=msg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -20,6 +21,13 @@ from mariner.server.control.metrics import Metrics
 from mariner.server.core.archive import ArchiveLimits, ModelArchive, open_archive, resolve_in_store
 from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.model_settings import (
+    ModelSettings,
+    ServerLayers,
+    SettingsOverrides,
+    archive_overrides,
+    resolve_model_settings,
+)
 from mariner.server.core.runner import Placement, Runner, place_instances
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
@@ -29,27 +37,29 @@ log = logging.getLogger("mariner.dataplane")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model to load: an archive file in the store plus settings that override its config."""
+    """One model to load: an archive file in the store, the name to serve it under, and the
+    register call's settings (the top layer; empty for models loaded at start-up)."""
 
     archive: str
     name: str | None = None
-    batch_size: int | None = None
-    max_batch_delay_ms: float | None = None
-    response_timeout_s: float | None = None
-    min_workers: int | None = None
-    max_workers: int | None = None
-    max_queue: int | None = None
+    overrides: SettingsOverrides = SettingsOverrides()
     sha256: str | None = None
+    loaded_at_startup: bool = True
 
 
 @dataclass(frozen=True)
 class PlaneSettings:
+    """Server-wide settings of the DataPlane. `model_layers` are the config.properties
+    `models={...}` entries and the flags/env that every model version's settings resolve over,
+    at start-up and for a register call alike."""
+
     model_store: Path
     work_dir: Path
     default_max_queue: int = 1024
     torch_threads: int | None = None
     management_enabled: bool = False
     limits: ArchiveLimits = ArchiveLimits()
+    model_layers: ServerLayers = ServerLayers()
 
 
 class _ObserverAdapter:
@@ -73,9 +83,13 @@ class _ObserverAdapter:
         self._compute.observe(seconds)
 
 
-def _cfg_int(cfg: dict[str, Any], key: str, default: int) -> int:
-    value = cfg.get(key, default)
-    return int(value) if value is not None else default
+def _resident_bytes() -> int | None:
+    """This process's resident set size (Linux /proc); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class ModelEndpoint:
@@ -88,23 +102,21 @@ class ModelEndpoint:
         self.archive = archive
         self.name = archive.name
         self.version = archive.version
-        self.batch_size = spec.batch_size or _cfg_int(cfg, "batchSize", 1)
-        delay_ms = (
-            spec.max_batch_delay_ms
-            if spec.max_batch_delay_ms is not None
-            else float(cfg.get("maxBatchDelay", 0))
+        # The one resolution: defaults < archive model-config < config.properties < flags/env <
+        # register call. A bad value anywhere refuses this archive with the field named.
+        self.settings: ModelSettings = resolve_model_settings(
+            SettingsOverrides(max_queue=settings.default_max_queue),
+            archive_overrides(cfg, archive.path.name),
+            *settings.model_layers.for_model(archive.name, archive.version, archive.path.name),
+            spec.overrides,
         )
-        self.max_batch_delay_ms = delay_ms
-        self.response_timeout_s = float(
-            spec.response_timeout_s
-            if spec.response_timeout_s is not None
-            else cfg.get("responseTimeout", 120)
-        )
-        self.min_workers = spec.min_workers or _cfg_int(cfg, "minWorkers", 1)
-        self.max_workers = max(
-            self.min_workers, spec.max_workers or _cfg_int(cfg, "maxWorkers", self.min_workers)
-        )
-        self.max_queue = spec.max_queue or settings.default_max_queue
+        self.batch_size = self.settings.batch_size
+        self.max_batch_delay_ms = self.settings.max_batch_delay_ms
+        self.response_timeout_s = self.settings.response_timeout_s
+        self.min_workers = self.settings.min_workers
+        self.max_workers = self.settings.max_workers
+        self.max_queue = self.settings.max_queue
+        self.loaded_at_startup = spec.loaded_at_startup
         self.state = ModelState.LOADING
         self.load_seconds: float | None = None
         try:
@@ -113,11 +125,12 @@ class ModelEndpoint:
             msg = f"archive {archive.path.name}: bad signature: {exc}"
             raise ServingError(Code.INVALID_ARGUMENT, msg) from exc
         placements = place_instances(
-            self.min_workers, device_type=cfg.get("deviceType"), torch_threads=settings.torch_threads
+            self.min_workers, device_type=self.settings.device_type, torch_threads=settings.torch_threads
         )
         self._metrics = metrics
         self._oom = metrics.oom_splits.labels(self.name, self.version)
         self.runners = [self._new_runner(i, p) for i, p in enumerate(placements)]
+        self._ready_since: dict[str, float] = {}  # runner id -> time.time() it became ready
         self.batcher: Batcher | None = None
         self.policy = BatchPolicy(
             self.batch_size,
@@ -165,6 +178,7 @@ class ModelEndpoint:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
+            self._ready_since[new.id] = time.time()
             self._refresh_state()
             log.info("instance %s replaced (%s) and ready", new.id, reason)
             return new
@@ -174,6 +188,7 @@ class ModelEndpoint:
         t0 = time.perf_counter()
         try:
             await asyncio.gather(*(r.start() for r in self.runners))
+            self._ready_since.update(dict.fromkeys((r.id for r in self.runners), time.time()))
         except BaseException:
             self.state = ModelState.FAILED
             self._metrics.model_ready.labels(self.name, self.version).set(0)
@@ -219,6 +234,12 @@ class ModelEndpoint:
         shutil.rmtree(self.archive.model_dir, ignore_errors=True)
 
     def info(self, is_default: bool) -> ModelInfo:
+        """This version's facts for management: settings, live queue depth and its workers.
+
+        Runners are threads of this process today, so each worker's pid and memory are the
+        process's own (true, and what a client sees on the machine).
+        """
+        pid, rss = os.getpid(), _resident_bytes()
         return ModelInfo(
             name=self.name,
             version=self.version,
@@ -233,9 +254,23 @@ class ModelEndpoint:
             queue_size=self.max_queue,
             min_workers=self.min_workers,
             max_workers=self.max_workers,
-            workers=tuple(WorkerInfo(r.id, r.placement.device, r.status, r.batches) for r in self.runners),
+            workers=tuple(
+                WorkerInfo(
+                    r.id,
+                    r.placement.device,
+                    r.status,
+                    r.batches,
+                    pid=pid,
+                    memory_bytes=rss,
+                    started_at=self._ready_since.get(r.id),
+                )
+                for r in self.runners
+            ),
             load_seconds=self.load_seconds,
             signature=self.signature,
+            loaded_at_startup=self.loaded_at_startup,
+            pending_requests=self.batcher.queued_items if self.batcher is not None else 0,
+            device_type=self.settings.device_type,
         )
 
 
@@ -409,7 +444,11 @@ class DataPlane:
 
     async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
         self._require_management("model registration")
-        spec = ModelSpec(archive=archive_name, **overrides)
+        name = overrides.pop("name", None)
+        # Keyword overrides are checked here like every other layer (SettingsOverrides does it).
+        spec = ModelSpec(
+            archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
+        )
         ep = self._open(spec)
         self._expected.append(spec)
         await ep.load()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mariner.server.config import ServerConfig, load_config, model_specs, read_properties
+from mariner.server.config import ServerConfig, load_config, model_specs, read_properties, server_layers
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
 
 pytestmark = pytest.mark.unit
 
@@ -70,11 +72,10 @@ def test_torchserve_config_properties_are_understood(tmp_path: Path) -> None:
     assert cfg.model_store == tmp_path
     (spec,) = model_specs(cfg)
     assert spec.archive == "digits.mar"
-    assert (spec.batch_size, spec.max_batch_delay_ms, spec.min_workers, spec.response_timeout_s) == (
-        16,
-        3,
-        2,
-        9,
+    archive = SettingsOverrides(batch_size=32, max_batch_delay_ms=5, response_timeout_s=30, max_workers=4)
+    resolved = resolve_model_settings(archive, *server_layers(cfg).for_model("digits", "1.0", "digits.mar"))
+    assert resolved == ModelSettings(
+        batch_size=16, max_batch_delay_ms=3.0, response_timeout_s=9.0, min_workers=2, max_workers=4
     )
 
 
@@ -90,4 +91,28 @@ def test_model_list_forms(tmp_path: Path) -> None:
     assert [s.archive for s in model_specs(cfg)] == ["a.mar", "b.mar"]
     cfg = load_config(["--model-store", str(tmp_path), "--models", "x=a.mar, b", "--batch-size", "8"], env={})
     specs = model_specs(cfg)
-    assert [(s.name, s.archive, s.batch_size) for s in specs] == [("x", "a.mar", 8), (None, "b.mar", 8)]
+    assert [(s.name, s.archive, s.loaded_at_startup) for s in specs] == [
+        ("x", "a.mar", True),
+        (None, "b.mar", True),
+    ]
+    # --batch-size is the flags layer every model resolves over, whatever its archive says.
+    for name, archive in (("x", "a.mar"), ("b", "b.mar")):
+        layers = server_layers(cfg).for_model(name, "1.0", archive)
+        assert resolve_model_settings(SettingsOverrides(batch_size=32), *layers).batch_size == 8
+
+
+def test_bad_model_settings_in_config_stop_the_server_naming_the_field(tmp_path: Path) -> None:
+    props = tmp_path / "config.properties"
+    props.write_text('models={"digits": {"1.0": {"marName": "digits.mar", "batchSize": "lots"}}}\n')
+    cfg = load_config(["--config-file", str(props)], env={})
+    with pytest.raises(ServingError) as err:
+        server_layers(cfg)
+    assert err.value.code is Code.INVALID_ARGUMENT
+    assert err.value.message == (
+        "batchSize must be a positive integer, got 'lots' (from config.properties models['digits']['1.0'])"
+    )
+    cfg = load_config(["--max-batch-delay-ms", "-5"], env={})
+    with pytest.raises(
+        ServingError, match=r"^maxBatchDelay must be a number >= 0, got -5\.0 \(from the server's flags"
+    ):
+        server_layers(cfg)

@@ -513,8 +513,9 @@ def test_describe_model_matches_torchserve_shape(pb: SimpleNamespace) -> None:
         "batchSize",
         "maxBatchDelay",
         "responseTimeout",
-        "startupTimeout",
+        "deviceType",
     ]
+    assert "startupTimeout" not in entry  # not enforced by Mariner, so not claimed
     assert entry["modelName"] == "echo"
     assert entry["modelUrl"] == "echo.mar"  # no server paths
     assert (entry["batchSize"], entry["maxBatchDelay"], entry["responseTimeout"]) == (8, 5, 30)
@@ -522,6 +523,7 @@ def test_describe_model_matches_torchserve_shape(pb: SimpleNamespace) -> None:
     assert entry["loadedAtStartup"] is True
     assert entry["workers"][0]["id"] == "w0"
     assert entry["workers"][0]["status"] == "READY"
+    assert "memoryUsage" not in entry["workers"][0]  # the fake's WorkerInfo does not know it
     assert entry["jobQueueStatus"] == {"remainingCapacity": 128, "pendingRequests": 0}
     assert missing.code() == grpc.StatusCode.NOT_FOUND
 

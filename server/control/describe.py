@@ -1,0 +1,160 @@
+"""TorchServe's list-models and describe-model documents, built once for REST and gRPC.
+
+Both management APIs answer with these dicts (gRPC puts them, as JSON, in its `msg`, as stock
+TorchServe does), so the two can never disagree about a model. Every value comes from the
+`ModelInfo` the DataPlane reports; nothing is read back out of metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import PurePath
+from typing import Any, Protocol
+
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import ModelInfo, WorkerInfo
+
+# TorchServe caps a list-models page at 100 entries.
+MAX_PAGE = 100
+
+
+class Describable(Protocol):
+    """The slice of the DataPlane the builders read."""
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def describe(self, model: str, version: str | None = None) -> list[ModelInfo]: ...
+
+
+def model_url(info: ModelInfo) -> str:
+    """The archive's file name, as TorchServe shows it; never a server-side path."""
+    return PurePath(info.archive).name
+
+
+def list_models(models: Sequence[ModelInfo], limit: int, next_page_token: int) -> dict[str, Any]:
+    """TorchServe's list-models document: one entry per model (its default version), sorted by
+    name, paginated.
+
+    As in TorchServe, a `limit` outside 0..100 means 100, and `nextPageToken` is present
+    whenever the page was full, even when nothing follows it.
+    """
+    if not 0 <= limit <= MAX_PAGE:
+        limit = MAX_PAGE
+    start = max(next_page_token, 0)
+    defaults: dict[str, ModelInfo] = {}
+    for info in models:
+        if info.is_default or info.name not in defaults:
+            defaults[info.name] = info
+    names = sorted(defaults)
+    doc: dict[str, Any] = {}
+    last = start + limit
+    if last > len(names):
+        last = len(names)
+    else:
+        doc["nextPageToken"] = str(last)
+    doc["models"] = [{"modelName": n, "modelUrl": model_url(defaults[n])} for n in names[start:last]]
+    return doc
+
+
+def _iso_utc(seconds: float) -> str:
+    """TorchServe's startTime format: 2026-01-31T12:00:00.123Z."""
+    millis = int(seconds * 1000) % 1000  # truncated, like the seconds gmtime shows
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+def _worker(w: WorkerInfo) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": w.id}
+    if w.started_at is not None:
+        entry["startTime"] = _iso_utc(w.started_at)
+    entry["status"] = w.status
+    if w.memory_bytes is not None:
+        entry["memoryUsage"] = w.memory_bytes
+    if w.pid is not None:
+        entry["pid"] = w.pid
+    entry["gpu"] = w.device.startswith("cuda")
+    entry["gpuUsage"] = "N/A"  # per-GPU utilisation is not sampled per worker
+    return entry
+
+
+def _gpu_ids(info: ModelInfo) -> list[int]:
+    return sorted({int(w.device.partition(":")[2] or 0) for w in info.workers if w.device.startswith("cuda")})
+
+
+def describe_model(info: ModelInfo) -> dict[str, Any]:
+    """One element of TorchServe 0.12's describe-model list, in its key order, with real values.
+
+    Keys stock TorchServe sends that are left out, because Mariner has no true value for them:
+    - startupTimeout, maxRetryTimeoutInSec, clientTimeoutInMills: Mariner enforces no such
+      limits (a failed worker is retried with backoff until the model is unregistered);
+    - parallelType, parallelLevel: no model-parallel (pipeline/tensor) execution;
+    - sequenceMaxIdleMSec, sequenceTimeoutMSec, maxNumSequence, maxSequenceJobQueueSize: no
+      sequence batching (`stateful` is false);
+    - per worker, startTime / memoryUsage / pid when the DataPlane does not know them.
+    gpuUsage is "N/A", TorchServe's own answer when it cannot read a GPU's utilisation.
+
+    Added: deviceIds (the GPUs the workers run on, as TorchServe's model config names them)
+    when any worker is on a GPU, and "mariner" with facts TorchServe has no key for (exact
+    delays, state, sha256, per-worker device and batch counts).
+    """
+    gpus = _gpu_ids(info)
+    entry: dict[str, Any] = {
+        "modelName": info.name,
+        "modelVersion": info.version,
+        "modelUrl": model_url(info),
+        "runtime": "python",
+        "minWorkers": info.min_workers,
+        "maxWorkers": info.max_workers,
+        "batchSize": info.batch_size,
+        "maxBatchDelay": round(info.max_batch_delay_ms),
+        "responseTimeout": round(info.response_timeout_s),
+        # What the settings asked for, else where the workers actually run.
+        "deviceType": info.device_type or ("gpu" if gpus else "cpu"),
+    }
+    if gpus:
+        entry["deviceIds"] = gpus
+    entry.update(
+        {
+            "continuousBatching": False,
+            "useJobTicket": False,
+            "useVenv": False,
+            "stateful": False,
+            "loadedAtStartup": info.loaded_at_startup,
+            "workers": [_worker(w) for w in info.workers],
+            "jobQueueStatus": {
+                "remainingCapacity": max(info.queue_size - info.pending_requests, 0),
+                "pendingRequests": info.pending_requests,
+            },
+            "mariner": {
+                "isDefault": info.is_default,
+                "state": info.state.value,
+                "handler": info.handler,
+                "sha256": info.sha256,
+                "queueSize": info.queue_size,
+                "maxBatchDelayMs": info.max_batch_delay_ms,
+                "responseTimeoutSeconds": info.response_timeout_s,
+                "loadSeconds": info.load_seconds,
+                "devices": [w.device for w in info.workers],
+                "batches": [w.batches for w in info.workers],
+            },
+        }
+    )
+    return entry
+
+
+def select_versions(plane: Describable, model: str, version: str | None) -> list[ModelInfo]:
+    """The versions a describe call is about: the default one when `version` is empty, every one
+    for "all", else exactly that one (NOT_FOUND when the model or version is not served)."""
+    if not model:
+        raise ServingError(Code.INVALID_ARGUMENT, "model_name is required: name a model this server serves")
+    if version == "all":
+        return plane.describe(model, None)
+    if version:
+        return plane.describe(model, version)
+    every = plane.describe(model, None)
+    return [i for i in every if i.is_default] or every[:1]
+
+
+def describe_models(plane: Describable, model: str, version: str | None) -> list[dict[str, Any]]:
+    """TorchServe's describe-model document (a list, one entry per version described)."""
+    return [describe_model(i) for i in select_versions(plane, model, version)]

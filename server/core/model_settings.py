@@ -1,0 +1,254 @@
+"""One resolution of a model version's serving settings, from every place a user can set them.
+
+Layers, lowest to highest (a higher layer wins for each setting it gives):
+
+1. built-in defaults (batchSize 1, maxBatchDelay 0 ms, responseTimeout 120 s, one worker),
+2. the archive's model-config YAML (what the model author shipped),
+3. the TorchServe `config.properties` entry `models={"name": {"version": {...}}}`,
+4. server flags / MARINER_* environment / our config file (`--batch-size`, `--max-queue`...),
+5. the management register call's parameters (REST POST /models, gRPC RegisterModel).
+
+Every layer is parsed and checked by `SettingsOverrides.parse`, so a bad value fails the same way
+wherever it came from: a ServingError(INVALID_ARGUMENT) naming the field, the value, what is
+allowed, and where the value came from. Start-up and both register paths go through
+`resolve_model_settings`; nothing else turns a config value into a number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mariner.server.core.errors import Code, ServingError
+
+DEVICE_TYPES = ("cpu", "gpu")
+
+# Our field name -> TorchServe's model-config key (the name users see in messages and YAML).
+TS_KEYS: dict[str, str] = {
+    "batch_size": "batchSize",
+    "max_batch_delay_ms": "maxBatchDelay",
+    "response_timeout_s": "responseTimeout",
+    "min_workers": "minWorkers",
+    "max_workers": "maxWorkers",
+    "max_queue": "maxQueue",
+    "device_type": "deviceType",
+}
+_POSITIVE_INTS = frozenset({"batch_size", "min_workers", "max_workers", "max_queue"})
+
+
+def _bad(key: str, allowed: str, value: Any, source: str) -> ServingError:
+    where = f" (from {source})" if source else ""
+    return ServingError(Code.INVALID_ARGUMENT, f"{key} must be {allowed}, got {value!r}{where}")
+
+
+def _positive_int(key: str, value: Any, source: str) -> int:
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = None
+    if number is None or number < 1:
+        raise _bad(key, "a positive integer", value, source)
+    return number
+
+
+def _number(key: str, value: Any, source: str, *, zero_ok: bool) -> float:
+    number: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
+        raise _bad(key, "a number >= 0" if zero_ok else "a number > 0", value, source)
+    return number
+
+
+def _device_type(key: str, value: Any, source: str) -> str:
+    text = str(value).strip().lower() if isinstance(value, str) else None
+    if text not in DEVICE_TYPES:
+        raise _bad(key, "one of " + ", ".join(repr(d) for d in DEVICE_TYPES), value, source)
+    return text
+
+
+def _checked(name: str, value: Any, source: str, key: str | None = None) -> Any:
+    """`value` checked and converted for our field `name`; errors call it `key` (default: its
+    model-config name)."""
+    key = key or TS_KEYS[name]
+    if name in _POSITIVE_INTS:
+        return _positive_int(key, value, source)
+    if name == "max_batch_delay_ms":
+        return _number(key, value, source, zero_ok=True)
+    if name == "response_timeout_s":
+        return _number(key, value, source, zero_ok=False)
+    return _device_type(key, value, source)
+
+
+@dataclass(frozen=True)
+class SettingsOverrides:
+    """The settings one layer gives; None means "this layer does not say".
+
+    Constructing one checks every given value (so typed values from code are held to the same
+    rules as text from a file); `parse` reads TorchServe's model-config keys from any mapping.
+    """
+
+    batch_size: int | None = None
+    max_batch_delay_ms: float | None = None
+    response_timeout_s: float | None = None
+    min_workers: int | None = None
+    max_workers: int | None = None
+    max_queue: int | None = None
+    device_type: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                object.__setattr__(self, f.name, _checked(f.name, value, ""))
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], source: str) -> SettingsOverrides:
+        """Read TorchServe's keys (batchSize, maxBatchDelay, ...) from `values`; other keys are
+        ignored (a model-config holds handler settings too). `source` is named in errors."""
+        given = {name: values[key] for name, key in TS_KEYS.items() if values.get(key) is not None}
+        return cls(**{name: _checked(name, value, source) for name, value in given.items()})
+
+    def given(self) -> dict[str, Any]:
+        """The settings this layer gives, by our field names (for keyword arguments)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """A model version's resolved serving settings: what the endpoint, batcher and describe use.
+
+    `device_type` is None when no layer asked for a device (the runner then uses a GPU when
+    there is one).
+    """
+
+    batch_size: int = 1
+    max_batch_delay_ms: float = 0.0
+    response_timeout_s: float = 120.0
+    min_workers: int = 1
+    max_workers: int = 1
+    max_queue: int = 1024
+    device_type: str | None = None
+
+
+def resolve_model_settings(*layers: SettingsOverrides) -> ModelSettings:
+    """Merge `layers` (lowest first) over the defaults; the highest layer giving a setting wins.
+
+    maxWorkers is never below minWorkers: raising minWorkers at a higher layer (a flag, a
+    register call's initial_workers) raises maxWorkers with it rather than failing.
+    """
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged.update(layer.given())
+    min_workers = merged.get("min_workers", ModelSettings.min_workers)
+    merged["max_workers"] = max(min_workers, merged.get("max_workers", min_workers))
+    return ModelSettings(**merged)
+
+
+def _is_unset(value: Any, zero_ok: bool) -> bool:
+    """TorchServe's register semantics: an absent or empty parameter means "the default", and so
+    does 0 where 0 is not a valid value (REST's initial_workers=0; proto3, which cannot tell an
+    unset number from 0). maxBatchDelay 0 is valid ("never wait") and is kept."""
+    if value is None or value == "":
+        return True
+    if zero_ok:
+        return False
+    try:
+        return float(value) == 0
+    except (TypeError, ValueError):
+        return False  # not a number: left in, so the check names it
+
+
+def register_call_overrides(
+    *,
+    batch_size: Any = None,
+    max_batch_delay: Any = None,
+    response_timeout: Any = None,
+    initial_workers: Any = None,
+) -> SettingsOverrides:
+    """The register call's layer, from REST query/body parameters or gRPC RegisterModelRequest.
+
+    initial_workers sets both minWorkers and maxWorkers, as TorchServe does. A gRPC caller passes
+    None for a max_batch_delay of 0, since proto3 cannot say whether it was set.
+    """
+    values: dict[str, Any] = {}
+    for name, param, value in (
+        ("batch_size", "batch_size", batch_size),
+        ("max_batch_delay_ms", "max_batch_delay", max_batch_delay),
+        ("response_timeout_s", "response_timeout", response_timeout),
+        ("min_workers", "initial_workers", initial_workers),
+    ):
+        if not _is_unset(value, zero_ok=name == "max_batch_delay_ms"):
+            # Errors name the register parameter the caller sent, not the model-config key.
+            values[name] = _checked(name, value, "the register call", key=param)
+    if "min_workers" in values:
+        values["max_workers"] = values["min_workers"]
+    return SettingsOverrides(**values)
+
+
+def _entry_for(versions: Any, version: str, archive_file: str) -> Mapping[str, Any]:
+    """Pick the `models={...}` entry for one archive: the one naming it by marName, else the one
+    keyed by its version, else the entry marked defaultVersion (TorchServe's own fallback)."""
+    if not isinstance(versions, Mapping):
+        return {}
+    entries = [(str(k), v) for k, v in versions.items() if isinstance(v, Mapping)]
+    for _, entry in entries:
+        if entry.get("marName") == archive_file:
+            return entry
+    for key, entry in entries:
+        if key == version and entry.get("marName") in (None, archive_file):
+            return entry
+    for _, entry in entries:
+        if entry.get("defaultVersion"):
+            return entry
+    return {}
+
+
+@dataclass(frozen=True)
+class ServerLayers:
+    """The server-wide layers: config.properties `models={...}` and flags/env.
+
+    Every `models` entry is checked when this is built, so a typo in config.properties stops
+    the server at start-up with the field named, even for a model loaded only later.
+    """
+
+    per_model: Mapping[str, Any] = field(default_factory=dict)
+    flags: SettingsOverrides = SettingsOverrides()
+
+    def __post_init__(self) -> None:
+        for name, versions in self.per_model.items():
+            if not isinstance(versions, Mapping):
+                raise ServingError(
+                    Code.INVALID_ARGUMENT,
+                    f"config.properties models[{name!r}] must map versions to settings, got {versions!r}",
+                )
+            for version, entry in versions.items():
+                if isinstance(entry, Mapping):
+                    SettingsOverrides.parse(entry, self._source(name, str(version)))
+
+    @staticmethod
+    def _source(name: str, version: str) -> str:
+        return f"config.properties models[{name!r}][{version!r}]"
+
+    def for_model(self, name: str, version: str, archive_file: str) -> tuple[SettingsOverrides, ...]:
+        """This model version's config.properties layer and the flags layer, lowest first."""
+        entry = _entry_for(self.per_model.get(name), version, archive_file)
+        return (SettingsOverrides.parse(entry, self._source(name, version)), self.flags)
+
+
+def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> SettingsOverrides:
+    """The archive's model-config YAML as a layer."""
+    return SettingsOverrides.parse(model_config, f"the model-config of {archive_file}")

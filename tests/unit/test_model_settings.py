@@ -1,0 +1,311 @@
+"""One resolution of a model's serving settings: archive < config.properties < flags/env < register call.
+
+The layer functions are tested alone, then through the DataPlane's real open path with a tiny
+archive (nothing is loaded: the endpoint is built, its settings read back, its batcher faked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zipfile
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mariner.server.control.metrics import Metrics
+from mariner.server.core.batcher import Batcher
+from mariner.server.core.dataplane import DataPlane, ModelSpec, PlaneSettings
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.model_settings import (
+    ModelSettings,
+    ServerLayers,
+    SettingsOverrides,
+    archive_overrides,
+    register_call_overrides,
+    resolve_model_settings,
+)
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+
+pytestmark = pytest.mark.unit
+
+# Four layers, each giving every setting a different value, lowest first.
+ARCHIVE = {"batchSize": 32, "maxBatchDelay": 5, "responseTimeout": 30, "minWorkers": 1, "maxWorkers": 4}
+PROPERTIES = {"batchSize": 16, "maxBatchDelay": 3, "responseTimeout": 9, "minWorkers": 2, "maxWorkers": 5}
+FLAGS = {"batchSize": 8, "maxBatchDelay": 2, "responseTimeout": 7, "minWorkers": 3, "maxQueue": 50}
+CALL = {"batch_size": "4", "max_batch_delay": "1", "response_timeout": "6", "initial_workers": "6"}
+
+
+def layers() -> list[SettingsOverrides]:
+    return [
+        archive_overrides(ARCHIVE, "toy.mar"),
+        SettingsOverrides.parse(PROPERTIES, "properties"),
+        SettingsOverrides.parse(FLAGS, "flags"),
+        register_call_overrides(**CALL),
+    ]
+
+
+def test_defaults_when_no_layer_says_anything() -> None:
+    assert resolve_model_settings() == ModelSettings(
+        batch_size=1, max_batch_delay_ms=0.0, response_timeout_s=120.0, min_workers=1, max_workers=1
+    )
+    assert (
+        resolve_model_settings(SettingsOverrides.parse({"handler": {"topk": 3}}, "archive"))
+        == ModelSettings()
+    )
+
+
+def test_each_layer_overrides_the_one_below() -> None:
+    archive, properties, flags, call = layers()
+    assert resolve_model_settings(archive) == ModelSettings(32, 5.0, 30.0, 1, 4)
+    assert resolve_model_settings(archive, properties) == ModelSettings(16, 3.0, 9.0, 2, 5)
+    # flags say nothing about maxWorkers: properties' 5 stays; maxQueue only comes from flags
+    assert resolve_model_settings(archive, properties, flags) == ModelSettings(
+        8, 2.0, 7.0, 3, 5, max_queue=50
+    )
+    assert resolve_model_settings(archive, properties, flags, call) == ModelSettings(4, 1.0, 6.0, 6, 6, 50)
+    # order is what decides, not which kind of layer it is
+    assert resolve_model_settings(call, flags, properties, archive) == ModelSettings(32, 5.0, 30.0, 1, 4, 50)
+
+
+@pytest.mark.parametrize("setting", [f.name for f in fields(ModelSettings)])
+def test_a_layer_that_is_silent_on_a_setting_leaves_the_lower_value(setting: str) -> None:
+    low = SettingsOverrides(
+        batch_size=2,
+        max_batch_delay_ms=2.0,
+        response_timeout_s=2.0,
+        min_workers=2,
+        max_workers=2,
+        max_queue=2,
+        device_type="cpu",
+    )
+    high_values = {"batch_size": 9, "max_batch_delay_ms": 9.0, "response_timeout_s": 9.0, "min_workers": 1}
+    high_values |= {"max_workers": 9, "max_queue": 9, "device_type": "gpu"}
+    del high_values[setting]
+    resolved = resolve_model_settings(low, SettingsOverrides(**high_values))
+    for name, value in high_values.items():
+        assert getattr(resolved, name) == value
+    expected_low = getattr(low, setting)
+    assert getattr(resolved, setting) == expected_low
+
+
+def test_max_workers_follows_a_higher_min_workers() -> None:
+    archive = SettingsOverrides(min_workers=1, max_workers=2)
+    assert resolve_model_settings(archive, SettingsOverrides(min_workers=4)).max_workers == 4
+    assert resolve_model_settings(archive, SettingsOverrides(min_workers=2)).max_workers == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"batchSize": "lots"}, "batchSize must be a positive integer, got 'lots' (from archive x.mar)"),
+        ({"batchSize": 0}, "batchSize must be a positive integer, got 0 (from archive x.mar)"),
+        ({"batchSize": 2.5}, "batchSize must be a positive integer, got 2.5 (from archive x.mar)"),
+        ({"batchSize": True}, "batchSize must be a positive integer, got True (from archive x.mar)"),
+        ({"maxBatchDelay": -1}, "maxBatchDelay must be a number >= 0, got -1 (from archive x.mar)"),
+        ({"maxBatchDelay": "soon"}, "maxBatchDelay must be a number >= 0, got 'soon' (from archive x.mar)"),
+        ({"responseTimeout": 0}, "responseTimeout must be a number > 0, got 0 (from archive x.mar)"),
+        ({"responseTimeout": "nan"}, "responseTimeout must be a number > 0, got 'nan' (from archive x.mar)"),
+        ({"minWorkers": -2}, "minWorkers must be a positive integer, got -2 (from archive x.mar)"),
+        ({"maxWorkers": "many"}, "maxWorkers must be a positive integer, got 'many' (from archive x.mar)"),
+        ({"deviceType": "tpu"}, "deviceType must be one of 'cpu', 'gpu', got 'tpu' (from archive x.mar)"),
+    ],
+)
+def test_bad_values_name_the_field_the_value_and_what_is_allowed(
+    values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ServingError) as err:
+        SettingsOverrides.parse(values, "archive x.mar")
+    assert err.value.code is Code.INVALID_ARGUMENT
+    assert err.value.message == message
+
+
+def test_values_from_text_are_converted() -> None:
+    parsed = SettingsOverrides.parse(
+        {"batchSize": " 8", "maxBatchDelay": "2.5", "responseTimeout": "60", "deviceType": "GPU", "x": 1}, "t"
+    )
+    assert parsed == SettingsOverrides(
+        batch_size=8, max_batch_delay_ms=2.5, response_timeout_s=60.0, device_type="gpu"
+    )
+    assert parsed.given() == {
+        "batch_size": 8,
+        "max_batch_delay_ms": 2.5,
+        "response_timeout_s": 60.0,
+        "device_type": "gpu",
+    }
+
+
+def test_typed_overrides_are_checked_too() -> None:
+    with pytest.raises(ServingError, match=r"^maxQueue must be a positive integer, got 0$"):
+        SettingsOverrides(max_queue=0)
+
+
+def test_register_call_zero_or_empty_means_the_default_but_a_zero_delay_is_kept() -> None:
+    assert (
+        register_call_overrides(batch_size=0, response_timeout="", initial_workers="0") == SettingsOverrides()
+    )
+    assert register_call_overrides(max_batch_delay="0") == SettingsOverrides(max_batch_delay_ms=0.0)
+    assert register_call_overrides(initial_workers=3) == SettingsOverrides(min_workers=3, max_workers=3)
+
+
+@pytest.mark.parametrize(
+    ("param", "value", "message"),
+    [
+        ("batch_size", "two", "batch_size must be a positive integer, got 'two' (from the register call)"),
+        ("batch_size", "-1", "batch_size must be a positive integer, got '-1' (from the register call)"),
+        ("max_batch_delay", "-5", "max_batch_delay must be a number >= 0, got '-5' (from the register call)"),
+        ("response_timeout", "x", "response_timeout must be a number > 0, got 'x' (from the register call)"),
+        (
+            "initial_workers",
+            "1.5",
+            "initial_workers must be a positive integer, got '1.5' (from the register call)",
+        ),
+    ],
+)
+def test_register_call_errors_name_the_parameter_sent(param: str, value: str, message: str) -> None:
+    with pytest.raises(ServingError) as err:
+        register_call_overrides(**{param: value})
+    assert (err.value.code, err.value.message) == (Code.INVALID_ARGUMENT, message)
+
+
+def test_properties_entry_is_chosen_by_mar_name_then_version_then_default() -> None:
+    per_model = {
+        "digits": {
+            "1.0": {"marName": "digits_v1.mar", "batchSize": 1},
+            "2.0": {"batchSize": 2},
+            "3.0": {"marName": "other.mar", "defaultVersion": True, "batchSize": 3},
+        }
+    }
+    server = ServerLayers(per_model=per_model, flags=SettingsOverrides(max_queue=7))
+
+    def batch(version: str, archive: str) -> int | None:
+        properties, flags = server.for_model("digits", version, archive)
+        assert flags == SettingsOverrides(max_queue=7)
+        return properties.batch_size
+
+    assert batch("9.9", "digits_v1.mar") == 1  # by marName, whatever the version
+    assert batch("2.0", "digits_v2.mar") == 2  # by version key
+    assert batch("4.0", "digits_v4.mar") == 3  # the defaultVersion entry
+    assert server.for_model("unknown", "1.0", "unknown.mar")[0] == SettingsOverrides()
+
+
+def test_bad_properties_entry_is_refused_when_the_layers_are_built() -> None:
+    with pytest.raises(
+        ServingError, match=r"^responseTimeout must be a number > 0, got -1 \(from config\.properties"
+    ):
+        ServerLayers(per_model={"digits": {"1.0": {"responseTimeout": -1}}})
+    with pytest.raises(ServingError, match="must map versions to settings"):
+        ServerLayers(per_model={"digits": 3})
+
+
+# -- through the DataPlane ---------------------------------------------------------------------
+class QuietMetrics(Metrics):
+    """Real metrics without the CUDA sampling, which would import torch into a unit test."""
+
+    def _sample_gpu(self) -> None:
+        pass
+
+
+def make_mar(path: Path, config: str) -> Path:
+    manifest = {
+        "model": {"modelName": "toy", "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"}
+    }
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
+        zf.writestr("h.py", "def handle(data, context):\n    return data\n")
+        zf.writestr("c.yaml", config)
+    return path
+
+
+def plane(tmp_path: Path, config: str, layers: ServerLayers) -> DataPlane:
+    store = tmp_path / "store"
+    store.mkdir(exist_ok=True)
+    make_mar(store / "toy.mar", config)
+    settings = PlaneSettings(
+        model_store=store, work_dir=tmp_path / "work", default_max_queue=64, model_layers=layers
+    )
+    return DataPlane(settings, QuietMetrics())
+
+
+# deviceType cpu keeps torch (asked whether CUDA exists) out of a unit test.
+ARCHIVE_YAML = "batchSize: 32\nmaxBatchDelay: 5\nresponseTimeout: 30\nmaxWorkers: 4\ndeviceType: cpu\n"
+
+
+def test_the_dataplane_resolves_every_layer_for_a_model_it_opens(tmp_path: Path) -> None:
+    properties = {"toy": {"1.0": {"marName": "toy.mar", "batchSize": 16, "maxBatchDelay": 3}}}
+    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(properties, SettingsOverrides(batch_size=8)))
+    dp.open_models([ModelSpec("toy.mar")])
+    (info,) = dp.describe("toy")
+    assert (info.batch_size, info.max_batch_delay_ms, info.response_timeout_s) == (8, 3.0, 30.0)
+    assert (info.min_workers, info.max_workers, info.queue_size, info.device_type) == (1, 4, 64, "cpu")
+    assert info.loaded_at_startup is True
+    endpoint = dp.resolve("toy")
+    assert endpoint.settings == ModelSettings(8, 3.0, 30.0, 1, 4, 64, "cpu")
+    policy = endpoint.policy
+    assert (policy.max_batch_size, policy.max_batch_delay_s, policy.max_queue) == (8, 0.003, 64)
+    assert len(endpoint.runners) == 1  # minWorkers
+
+
+def test_the_register_call_is_the_top_layer(tmp_path: Path) -> None:
+    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(flags=SettingsOverrides(batch_size=8, max_queue=64)))
+    call = register_call_overrides(batch_size="4", initial_workers="2")
+    dp.open_models([ModelSpec("toy.mar", overrides=call, loaded_at_startup=False)])
+    (info,) = dp.describe("toy")
+    assert (info.batch_size, info.min_workers, info.max_workers, info.loaded_at_startup) == (4, 2, 2, False)
+
+
+def test_an_archive_with_a_bad_setting_is_refused_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dp = plane(tmp_path, "batchSize: lots\n", ServerLayers())
+    dp.open_models([ModelSpec("toy.mar")])
+    assert dp.models() == []
+    assert (
+        "batchSize must be a positive integer, got 'lots' (from the model-config of toy.mar)" in caplog.text
+    )
+
+
+class HeldRunner:
+    """Takes one batch and holds it until released, so later requests stay queued."""
+
+    id = "held-0"
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        self.started.set()
+        await self.release.wait()
+        return [InferResult(body=b"ok") for _ in requests]
+
+
+def test_describe_reports_the_batchers_queue_depth(tmp_path: Path) -> None:
+    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers())
+    dp.open_models([ModelSpec("toy.mar")])
+    endpoint = dp.resolve("toy")
+
+    async def body() -> tuple[int, int]:
+        runner = HeldRunner()
+        endpoint.batcher = Batcher([runner], endpoint.policy)
+        endpoint.batcher.start()
+
+        def submit(i: int) -> asyncio.Task[InferResult]:
+            req = InferRequest("toy", None, {"body": b""}, WireProtocol.TS_HTTP, f"r{i}")
+            return asyncio.create_task(endpoint.batcher.submit(req))  # type: ignore[union-attr]
+
+        first = submit(0)
+        await runner.started.wait()  # r0 is running; the next three can only queue
+        queued = [submit(i) for i in (1, 2, 3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        (during,) = dp.describe("toy")
+        runner.release.set()
+        await asyncio.gather(first, *queued)
+        (after,) = dp.describe("toy")
+        await endpoint.batcher.close(None)
+        return during.pending_requests, after.pending_requests
+
+    assert asyncio.run(body()) == (3, 0)
