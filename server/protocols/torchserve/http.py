@@ -5,7 +5,9 @@ decides everything else. Wire shapes follow stock TorchServe 0.12 (checked again
 frontend), so clients written for it keep working: `/ping` answers `{"status": "Healthy"}` or
 500 `{"status": "Unhealthy"}`, the handler receives `{"body": ...}` decoded the way TorchServe's
 Python backend decodes it, handler statuses and bodies pass through untouched, and management
-answers TorchServe's list/describe/status JSON.
+answers TorchServe's list/describe/status JSON. Every prediction runs through
+`mariner.server.protocols.call`, which counts, times and maps it as it does every other entry
+point's (a handler's own error status is passed through on the wire and labelled by its code).
 
 Deliberate differences from TorchServe, each for a reason:
 - A malformed JSON body (or non-UTF-8 text) is rejected with 400 before it is queued; TorchServe
@@ -106,7 +108,7 @@ def routes(
         version: str | None = params.get("version")
         request_id = uuid.uuid4().hex
 
-        async def work(infer: Infer) -> InferResult:
+        async def work(infer: Infer) -> Response:
             body = await read_body(request, max_body_bytes)
             if not body:
                 raise ServingError(
@@ -122,7 +124,7 @@ def routes(
                 request_id=request_id,
                 headers=request_headers(request, max_headers),
             )
-            return await infer(req)
+            return _result_response(await infer(req), request_id)
 
         outcome = await run_call(
             dataplane,
@@ -134,7 +136,7 @@ def routes(
             what="answering a prediction",
         )
         if not isinstance(outcome, Failed):
-            return _result_response(outcome.value, request_id)
+            return outcome.value
         if outcome.answer is not None:  # the handler's own error status and body pass through
             return _result_response(outcome.answer, request_id)
         if outcome.cancelled:
