@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import requests
 
@@ -93,3 +96,75 @@ def test_management_is_refused_when_not_enabled(store: Path) -> None:
         assert "--enable-model-management" in r.json()["message"]
     finally:
         srv.stop()
+
+
+def grpc_management(server: InProcessMariner, call: str, **fields: Any) -> Any:
+    """One TorchServe gRPC management call; returns its `msg`, parsed when it is JSON."""
+    from mariner.server._proto.torchserve import management_pb2, management_pb2_grpc
+
+    request = getattr(management_pb2, f"{call}Request")(**fields)
+    with grpc.insecure_channel(server.grpc_management_target) as channel:
+        stub = management_pb2_grpc.ManagementAPIsServiceStub(channel)
+        msg = getattr(stub, call)(request, timeout=120).msg
+    try:
+        return json.loads(msg)
+    except json.JSONDecodeError:
+        return msg
+
+
+def without_memory(doc: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The document less each worker's memoryUsage (the process's RSS moves between two calls),
+    after checking it is a real, positive byte count and the pid is this (in-process) server's."""
+    for entry in doc:
+        for worker in entry["workers"]:
+            memory = worker.pop("memoryUsage")
+            assert isinstance(memory, int)
+            assert memory > 0
+            assert worker["pid"] == os.getpid()
+    return doc
+
+
+def test_rest_and_grpc_describe_and_list_the_same(server: InProcessMariner) -> None:
+    rest = requests.get(f"{server.management}/models/digits/all", timeout=30).json()
+    over_grpc = grpc_management(server, "DescribeModel", model_name="digits", model_version="all")
+    assert without_memory(rest) == without_memory(over_grpc)
+    assert [(e["modelVersion"], e["loadedAtStartup"]) for e in rest] == [("1.0", True), ("2.0", True)]
+    entry = rest[0]
+    # The archive's model-config (batchSize 32, maxBatchDelay 5, responseTimeout 30) is what serves.
+    assert (entry["batchSize"], entry["maxBatchDelay"], entry["responseTimeout"]) == (32, 5, 30)
+    assert entry["jobQueueStatus"] == {"remainingCapacity": 1024, "pendingRequests": 0}
+    assert entry["workers"][0]["status"] == "READY"
+    assert "startTime" in entry["workers"][0]
+    listed = requests.get(f"{server.management}/models", timeout=30).json()
+    assert listed == grpc_management(server, "ListModels")
+    assert listed == {"models": [{"modelName": "digits", "modelUrl": "digits_v1.mar"}]}
+
+
+def test_a_model_registered_over_grpc_is_described_as_registered_with_its_settings(
+    server: InProcessMariner,
+) -> None:
+    answer = grpc_management(
+        server, "RegisterModel", url="extra.mar", model_name="late", batch_size=4, response_timeout=9
+    )
+    assert answer == 'Model "late" Version: 1.0 registered with 1 initial workers'
+    try:
+        rest = requests.get(f"{server.management}/models/late", timeout=30).json()
+        assert without_memory(rest) == without_memory(
+            grpc_management(server, "DescribeModel", model_name="late")
+        )
+        (entry,) = rest
+        assert entry["loadedAtStartup"] is False
+        # the call's values over the archive's (batchSize 32, responseTimeout 30); the rest from it
+        assert (entry["batchSize"], entry["responseTimeout"], entry["maxBatchDelay"]) == (4, 9, 5)
+    finally:
+        requests.delete(f"{server.management}/models/late", timeout=60)
+
+
+def test_a_bad_register_setting_is_refused_naming_it(server: InProcessMariner) -> None:
+    mgmt = f"{server.management}/models"
+    bad = requests.post(mgmt, params={"url": "extra.mar", "batch_size": "lots"}, timeout=30)
+    assert bad.status_code == 400
+    assert (
+        bad.json()["message"] == "batch_size must be a positive integer, got 'lots' (from the register call)"
+    )
+    assert requests.get(f"{mgmt}/extra", timeout=30).status_code == 404
