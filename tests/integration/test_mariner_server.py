@@ -7,9 +7,12 @@ proto/. Answers are judged against the eager model; batching is read from /metri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -185,26 +188,77 @@ def test_grpc_errors(stub, pb) -> None:
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb, eager_reference) -> None:
-    pixels = eager_reference.test_pixels[:15]
-    expected = eager_reference.probabilities(pixels).argmax(1).tolist()
-    bodies = [_body(px) for px in pixels]
-    bodies.insert(7, b"[1, 2, 3]")
+@contextlib.contextmanager
+def first_batch_blocks(mariner: InProcessMariner, model: str) -> Iterator[SimpleNamespace]:
+    """Wrap the model's handler: the first batch waits for `release`, every batch's size is kept.
 
-    async def fire() -> list[object]:
+    While the first batch holds the only instance, whatever arrives queues and then runs as one
+    batch: the test decides which requests share a batch instead of hoping they happen to.
+    """
+    runner = mariner.server.dataplane.resolve(model).runners[0]
+    assert len(mariner.server.dataplane.resolve(model).runners) == 1
+    real = runner._handle
+    gate = SimpleNamespace(started=threading.Event(), release=threading.Event(), sizes=[])
+
+    def handle(data: list, context: object) -> list:
+        gate.sizes.append(len(data))
+        if len(gate.sizes) == 1:
+            gate.started.set()
+            assert gate.release.wait(120), "the test never released the first batch"
+        return real(data, context)
+
+    runner._handle = handle
+    try:
+        yield gate
+    finally:
+        gate.release.set()
+        runner._handle = real
+
+
+def wait_for_queue_depth(mariner: InProcessMariner, model: str, depth: int) -> None:
+    """Poll /metrics until `depth` items wait in the model's queue (an event, not a time)."""
+    for _ in range(6000):
+        text = requests.get(f"{mariner.metrics}/metrics", timeout=10).text
+        if _metric(text, "mariner_queue_depth", model) == depth:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{depth} requests never queued for {model}")
+
+
+def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb, eager_reference) -> None:
+    model = "digits_onnx"
+    pixels = eager_reference.test_pixels[:16]
+    expected = eager_reference.probabilities(pixels).argmax(1).tolist()
+    bodies = [_body(px) for px in pixels[1:]]
+    bodies.insert(7, b"[1, 2, 3]")  # decoded by the handler, inside the shared batch
+    bodies.insert(3, b"[1, 2,")
+
+    async def fire(gate: SimpleNamespace) -> tuple[object, list[object]]:
         async with grpc.aio.insecure_channel(mariner.grpc_target) as ch:
             s = pb.inference_grpc.InferenceAPIsServiceStub(ch)
-            calls = [
-                s.Predictions(pb.inference.PredictionsRequest(model_name="digits_onnx", input={"data": b}))
-                for b in bodies
-            ]
-            return await asyncio.gather(*calls, return_exceptions=True)
 
-    out = asyncio.run(fire())
-    bad = out.pop(7)
-    assert isinstance(bad, grpc.aio.AioRpcError)
-    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert [json.loads(r.prediction)["label"] for r in out] == expected
+            def call(body: bytes) -> object:
+                return s.Predictions(pb.inference.PredictionsRequest(model_name=model, input={"data": body}))
+
+            blocker = asyncio.ensure_future(call(_body(pixels[0])))
+            assert await asyncio.to_thread(gate.started.wait, 120), "the first request never ran"
+            calls = [asyncio.ensure_future(call(b)) for b in bodies]
+            await asyncio.to_thread(wait_for_queue_depth, mariner, model, len(bodies))
+            gate.release.set()
+            return await blocker, await asyncio.gather(*calls, return_exceptions=True)
+
+    with first_batch_blocks(mariner, model) as gate:
+        first, out = asyncio.run(fire(gate))
+    assert gate.sizes == [1, len(bodies)], "everything queued behind the first batch runs as one batch"
+    assert json.loads(first.prediction)["label"] == expected[0]
+    truncated, short = out.pop(3), out.pop(7)
+    for bad, what in ((truncated, "JSON"), (short, "64")):
+        assert isinstance(bad, grpc.aio.AioRpcError)
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert what in bad.details()
+    failed = [r.code() for r in out if isinstance(r, grpc.aio.AioRpcError)]
+    assert not failed, f"a bad request failed {len(failed)} of its batch-mates: {failed}"
+    assert [json.loads(r.prediction)["label"] for r in out] == expected[1:]
 
 
 # -- readiness -----------------------------------------------------------------------------------
