@@ -3,12 +3,15 @@
 Each request is JSON `{"op": ..., "value": ...}`:
   ok            -> {"echo": value}
   sleep         -> sleeps `value` seconds, then answers (keeps the instance busy so others queue)
+  block         -> `value` is a directory: creates `started` in it, then waits until the test
+                   creates `release` there (keeps the instance busy for exactly as long as needed)
   bad_item      -> a per-item 400 via set_response_status (its batch-mates are answered)
   raise_batch   -> the handler raises for the whole batch
   wrong_count   -> the handler returns one result too few
   oom_batched   -> MemoryError whenever the batch holds more than one request (split-and-retry works)
   oom_always    -> MemoryError even alone
-  hang          -> sleeps far past responseTimeout
+  hang          -> sleeps far past responseTimeout; with a path as `value`, waits until that path
+                   exists instead (so the test can prove the answer came before the handler ended)
   exit          -> raises SystemExit: the instance ends and must be replaced
 """
 
@@ -20,7 +23,14 @@ from pathlib import Path
 
 HANDLER = """
 import json
+import os
 import time
+
+
+def wait_for_path(path, cap_s=300.0):
+    end = time.monotonic() + cap_s  # a cap only so a forgotten gate cannot hang the test run
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.005)
 
 
 class FaultHandler:
@@ -41,12 +51,18 @@ class FaultHandler:
             raise MemoryError("injected out of memory")
         if "exit" in names:
             raise SystemExit(3)
-        if "hang" in names:
+        hangs = [value for op, value in ops if op == "hang"]
+        if hangs and isinstance(hangs[0], str):
+            wait_for_path(hangs[0])
+        elif hangs:
             time.sleep(8)
         out = []
         for i, (op, value) in enumerate(ops):
             if op == "sleep":
                 time.sleep(float(value))
+            if op == "block":
+                open(os.path.join(value, "started"), "w").close()
+                wait_for_path(os.path.join(value, "release"))
             if op == "bad_item":
                 context.set_response_status(400, "injected bad item", idx=i)
                 out.append({"error": "injected bad item"})
