@@ -348,7 +348,11 @@ def test_a_trailing_slash_is_not_redirected(
     request = http_request(method, path, headers=[(b"content-type", b"application/json")], body=b"[]")
     answer = http_exchange(port_of(server, port), request)
     assert answer is not None
-    assert answer.status != 307, answer.headers.get("location")
+    assert answer.status == 404, (answer.status, answer.headers.get("location"), answer.body)
+    assert "location" not in answer.headers
+    error = json.loads(answer.body)
+    assert (error["code"], error["type"]) == (404, "NOT_FOUND")
+    assert error["message"].startswith(f"no such endpoint: {method} "), error
 
 
 def test_a_torchserve_request_is_never_answered_as_a_tensor_request(server: InProcessMariner) -> None:
@@ -359,4 +363,10 @@ def test_a_torchserve_request_is_never_answered_as_a_tensor_request(server: InPr
                            headers=[(b"content-type", b"multipart/form-data; boundary=b")])  # fmt: skip
     answer = http_exchange(port_of(server, "inference"), request)
     assert answer is not None
-    assert answer.status == 400 or answer.body, "200 with an empty body"
+    # The form field is TorchServe data named "tensors": the handler sees a JSON object without
+    # "data" and refuses it; a tensor answer (or an empty 200) would mean the paths got mixed.
+    assert answer.status == 400, (answer.status, answer.body)
+    assert json.loads(answer.body) == {
+        "error": "a JSON object input must have a 'data' key holding the 64 pixels",
+        "code": 400,
+    }
