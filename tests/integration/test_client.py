@@ -215,6 +215,7 @@ class _Script:
         self.failures = failures
         self.stall_s = stall_s
         self.arrivals: list[float] = []
+        self.answered = 0  # answers the stub finished (a stalled one finishes only when released)
         self.lock = threading.Lock()
         self.release = threading.Event()
 
@@ -222,6 +223,10 @@ class _Script:
         with self.lock:
             self.arrivals.append(time.monotonic())
             return len(self.arrivals)
+
+    def finish(self) -> None:
+        with self.lock:
+            self.answered += 1
 
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
@@ -242,6 +247,7 @@ def grpc_stub() -> Iterator[Callable[[_Script, grpc.StatusCode], str]]:
                 n = script.arrive()
                 if script.stall_s:
                     script.release.wait(script.stall_s)
+                script.finish()
                 if n <= script.failures:
                     context.abort(failure, f"stub busy (attempt {n})")
                 return inference_pb2.PredictionResponse(prediction=OK_BODY)
@@ -274,6 +280,7 @@ def http_stub() -> Iterator[Callable[[_Script, int, dict[str, str]], str]]:
                 n = script.arrive()
                 if script.stall_s:
                     script.release.wait(script.stall_s)
+                script.finish()
                 if n <= script.failures:
                     kind = "RESOURCE_EXHAUSTED" if "Retry-After" in headers else "UNAVAILABLE"
                     body = json.dumps({"code": status, "type": kind, "message": f"stub busy ({n})"}).encode()
@@ -348,14 +355,13 @@ def test_grpc_does_not_retry_a_final_error(grpc_stub) -> None:
 
 
 def test_grpc_deadline_exceeded_is_a_clear_error(grpc_stub) -> None:
-    script = _Script(failures=0, stall_s=10.0)
-    t0 = time.monotonic()
+    script = _Script(failures=0, stall_s=300.0)  # stalls until the fixture releases it
     with (
         GrpcClient(grpc_stub(script, grpc.StatusCode.UNAVAILABLE), retry=FAST_RETRY, timeout_s=0.3) as c,
         pytest.raises(DeadlineExceededError) as info,
     ):
         c.predict("m", [0])
-    assert time.monotonic() - t0 < 3.0
+    assert script.answered == 0, "the client waited for the stalled answer instead of its deadline"
     assert info.value.status is Status.DEADLINE_EXCEEDED
     assert "0.3s" in info.value.message
     assert "predict m" in info.value.message
@@ -385,7 +391,41 @@ def test_http_retry_after_is_a_floor_capped_by_max_backoff(http_stub) -> None:
     with HttpClient(http_stub(script, 503, {"Retry-After": "1"}), retry=policy, timeout_s=10) as c:
         assert c.predict("m", [0]).body == OK_BODY
     (gap,) = script.gaps()
-    assert 0.29 <= gap < 0.9  # waited for the hint, but no longer than max_backoff_s
+    assert gap >= 0.29, "the retry came before the server's hint (capped at max_backoff_s)"
+    # How long it slept, exactly, without a clock: the hint from the answer, capped.
+    busy = ResourceExhaustedError(Status.RESOURCE_EXHAUSTED, "busy", transport="test")
+    busy.retry_after_s = 1.0
+    slept = _sleeps_for([busy], policy)
+    assert slept == [0.3], "Retry-After is a floor, but never beyond max_backoff_s"
+    policy_long = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=5.0, jitter=0.0)
+    assert _sleeps_for([busy], policy_long) == [1.0]
+
+
+def _sleeps_for(
+    errors: list[Exception], policy: RetryPolicy, deadline: Deadline | None = None
+) -> list[float]:
+    """The sleeps call_with_retry asks for when the attempts raise `errors`, then succeed."""
+    slept: list[float] = []
+    pending = list(errors)
+
+    def attempt(_left: float | None) -> str:
+        if pending:
+            raise pending.pop(0)
+        return "ok"
+
+    assert (
+        call_with_retry(
+            attempt,
+            policy,
+            Deadline(None),
+            transport="test",
+            what="x",
+            sleep=slept.append,
+            rand=lambda: 0.0,
+        )
+        == "ok"
+    )
+    return slept
 
 
 def test_http_gives_up_after_the_attempt_limit_with_the_servers_message(http_stub) -> None:
@@ -398,17 +438,18 @@ def test_http_gives_up_after_the_attempt_limit_with_the_servers_message(http_stu
     assert len(script.arrivals) == FAST_RETRY.max_attempts
     err = info.value
     assert (err.http_status, err.attempts, err.message) == (503, 3, "stub busy (3)")
+    assert err.retry_after_s == 0.0, "the Retry-After header reaches the error"
 
 
 def test_http_deadline_exceeded_is_a_clear_error(http_stub) -> None:
-    script = _Script(failures=0, stall_s=10.0)
-    t0 = time.monotonic()
+    script = _Script(failures=0, stall_s=300.0)  # stalls until the fixture releases it
     with (
         HttpClient(http_stub(script, 503, {}), retry=FAST_RETRY, timeout_s=0.3) as c,
         pytest.raises(DeadlineExceededError) as info,
     ):
         c.predict("m", [0])
-    assert time.monotonic() - t0 < 3.0
+    assert script.answered == 0, "the client waited for the stalled answer instead of its deadline"
+    assert info.value.status is Status.DEADLINE_EXCEEDED
     assert "no answer within 0.3s" in info.value.message
     assert len(script.arrivals) == 1
 
@@ -416,15 +457,59 @@ def test_http_deadline_exceeded_is_a_clear_error(http_stub) -> None:
 def test_retries_stop_at_the_deadline_not_the_attempt_limit(http_stub) -> None:
     policy = RetryPolicy(max_attempts=50, initial_backoff_s=0.2, max_backoff_s=0.2, jitter=0.0)
     script = _Script(failures=100)
-    t0 = time.monotonic()
     with (
-        HttpClient(http_stub(script, 503, {}), retry=policy, timeout_s=0.7) as c,
-        pytest.raises(UnavailableError) as info,
+        HttpClient(http_stub(script, 503, {}), retry=policy, timeout_s=2.0) as c,
+        pytest.raises(UnavailableError) as info,  # sleeping into the deadline would be DEADLINE_EXCEEDED
     ):
         c.predict("m", [0])
-    assert time.monotonic() - t0 < 0.7 + 0.5  # never sleeps past the deadline
-    assert 2 <= len(script.arrivals) <= 4
+    # Every attempt but the last is followed by a 0.2 s sleep inside 2 s: at most 10, however slow.
+    assert 2 <= len(script.arrivals) <= 10
     assert info.value.attempts == len(script.arrivals)
+
+
+class _FakeClock:
+    """Time that passes only when the code under test sleeps or an attempt says it took long."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _FakeDeadline(Deadline):
+    def __init__(self, timeout_s: float, clock: _FakeClock) -> None:
+        super().__init__(None)
+        self.timeout_s, self._clock = timeout_s, clock
+
+    def remaining(self) -> float | None:
+        return self.timeout_s - self._clock.now
+
+
+def test_retries_never_sleep_past_the_deadline_on_a_fake_clock() -> None:
+    policy = RetryPolicy(max_attempts=50, initial_backoff_s=0.2, max_backoff_s=0.2, jitter=0.0)
+    clock = _FakeClock()
+    slept: list[float] = []
+    started: list[float] = []
+
+    def busy(_left: float | None) -> None:
+        started.append(clock.now)
+        clock.now += 0.05  # each attempt takes 50 ms
+        raise UnavailableError(Status.UNAVAILABLE, "busy", transport="test")
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.sleep(seconds)
+
+    with pytest.raises(UnavailableError) as info:
+        call_with_retry(
+            busy, policy, _FakeDeadline(0.7, clock), transport="test", what="x", sleep=sleep, rand=lambda: 0.0
+        )
+    # 0.00 try, 0.05 sleep 0.2, 0.25 try, 0.30 sleep 0.2, 0.50 try, 0.55: 0.15 s left < 0.2 -> give up now
+    assert started == pytest.approx([0.0, 0.25, 0.5])
+    assert slept == pytest.approx([0.2, 0.2])
+    assert info.value.attempts == 3
+    assert clock.now <= 0.7
 
 
 def test_backoff_schedule_is_exponential_bounded_and_jittered() -> None:
