@@ -251,9 +251,11 @@ def test_grpc_infer_returns_every_declared_output_raw(pb: SimpleNamespace, raw: 
 
     async def body(stub: Any, channel: grpc.aio.Channel) -> None:
         params = {"timeout": pb.m.InferParameter(int64_param=5_000_000)}
+        sent = time.monotonic()
         response = await stub.ModelInfer(
             infer_request(pb, raw=raw, id="req-7", parameters=params), timeout=30
         )
+        answered = time.monotonic()
         assert (response.id, response.model_name, response.model_version) == ("req-7", "digits", "1")
         assert [o.datatype for o in response.outputs] == ["FP32", "FP32", "INT64"]
         got, want = outputs_of(response), digits_outputs(PIXELS)
@@ -264,7 +266,8 @@ def test_grpc_infer_returns_every_declared_output_raw(pb: SimpleNamespace, raw: 
         assert (req.model, req.version, req.items, req.request_id) == ("digits", "1", 3, "req-7")
         np.testing.assert_array_equal(req.tensors["pixels"], PIXELS)
         assert req.deadline is not None
-        assert req.deadline < time.monotonic() + 5.1
+        # 5 s (the request's timeout parameter, not the 30 s gRPC deadline) from its arrival
+        assert sent + 5.0 <= req.deadline <= answered + 5.0
         assert requests_total(plane, "oip-grpc", "200") == 1
 
     run_grpc(pb, plane, body)
@@ -462,6 +465,7 @@ def test_rest_health_and_metadata(url: str, plane: FakePlane) -> None:
 
 
 def test_rest_json_infer_with_requested_outputs_and_id(url: str, plane: FakePlane) -> None:
+    before = requests_total(plane, "oip-http", "200")
     doc = {
         "id": "json-1",
         "inputs": [{"name": "pixels", "datatype": "FP32", "shape": [3, 64], "data": PIXELS.tolist()}],
@@ -484,7 +488,7 @@ def test_rest_json_infer_with_requested_outputs_and_id(url: str, plane: FakePlan
         np.array(body["outputs"][1]["data"], np.float32).reshape(3, 10), want["logits"]
     )
     assert plane.seen[0].items == 3
-    assert requests_total(plane, "oip-http", "200") >= 1
+    assert requests_total(plane, "oip-http", "200") - before == 1
 
 
 def test_rest_binary_extension_round_trip_as_tritonclient_speaks_it(url: str, plane: FakePlane) -> None:
