@@ -2,8 +2,9 @@
 
 The gate is a `quitting` listener (installed by `loadtest/locustfile.py`) that judges locust's
 in-process statistics of the whole run: the process exits 1 when p99 is over `--p99-ms`, when
-the failure ratio is over `--max-fail-ratio`, when nothing completed, or when a user raised;
-0 otherwise. So any headless locust run of our locustfile is a CI check on its own.
+the failure ratio is over `--max-fail-ratio`, when nothing completed, when a request kind (one
+per user class) made fewer than `--min-requests` requests, or when a user raised; 0 otherwise.
+So any headless locust run of our locustfile is a CI check on its own.
 
 Locust keeps response times in buckets of 1 ms below 100 ms, which cannot tell a 0.4 ms
 answer from a 1.4 ms one; `install()` swaps in the finer bucketing locust allows
@@ -15,6 +16,11 @@ and time with CSV and HTML reports, stops the server, and prints p50/p95/p99 and
 With `--library` it drives locust in library mode in this process instead of the locust CLI in
 a subprocess (the integration tests use that; it keeps pytest itself free of gevent's
 monkey-patching, which importing locust would apply to the whole test session).
+
+The run's clock starts after setup: the users' payloads are prepared on locust's `init` event
+and, in library mode, the `--run-time` seconds count from the moment every user is spawned.
+In library mode the run then goes on until every request kind has made `--min-requests`
+requests (bounded by `--max-run-time`), so a slow machine makes a longer run, not an empty one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 # machine, and its own greenlet scheduling lands in every latency it measures.
 DEFAULT_P99_MS = 50.0
 DEFAULT_MAX_FAIL_RATIO = 0.01
+DEFAULT_MIN_REQUESTS = 1
 VERDICT_FILE = "verdict.json"
 
 
@@ -55,6 +63,8 @@ class StatsEntryLike(Protocol):
 class Slo:
     p99_ms: float = DEFAULT_P99_MS
     max_fail_ratio: float = DEFAULT_MAX_FAIL_RATIO
+    # Each request kind (one per user class) must make at least this many requests.
+    min_requests: int = DEFAULT_MIN_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -105,12 +115,24 @@ def judge(
     *,
     user_exceptions: int = 0,
     by_name: Mapping[str, StatsEntryLike] | None = None,
+    expected_kinds: int = 0,
 ) -> Verdict:
-    """The verdict on a run's aggregate statistics; percentiles in ms as locust reports them."""
+    """The verdict on a run's aggregate statistics; percentiles in ms as locust reports them.
+
+    `expected_kinds` is how many request kinds (user classes) ran: a kind with no entry in
+    `by_name` made no request at all, which `slo.min_requests` counts as too few.
+    """
     s = _summary(total)
     reasons = []
     if total.num_requests == 0:
         reasons.append("no request completed")
+    counts = {name: e.num_requests for name, e in (by_name or {}).items()}
+    short = {name: n for name, n in counts.items() if n < slo.min_requests}
+    if total.num_requests and (short or len(counts) < expected_kinds):
+        missing = max(0, expected_kinds - len(counts))
+        what = [f"{name}: {n}" for name, n in sorted(short.items())]
+        what += [f"{missing} kind(s) with none"] if missing else []
+        reasons.append(f"fewer than {slo.min_requests} requests per kind ({', '.join(what)})")
     if s["p99_ms"] > slo.p99_ms:
         reasons.append(f"p99 {s['p99_ms']:.2f} ms is over the SLO of {slo.p99_ms:g} ms")
     if total.fail_ratio > slo.max_fail_ratio:
@@ -143,6 +165,12 @@ def add_arguments(parser: Any) -> None:
         default=DEFAULT_MAX_FAIL_RATIO,
         help="fail the run when this fraction of requests (0..1) or more failed",
     )
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=DEFAULT_MIN_REQUESTS,
+        help="fail the run when a request kind (one per user class) made fewer requests than this",
+    )
     parser.add_argument("--verdict-file", default="", help="also write the verdict as JSON here")
 
 
@@ -165,6 +193,7 @@ def verdict_of(environment: Any) -> Verdict:
     slo = Slo(
         p99_ms=float(getattr(opts, "p99_ms", DEFAULT_P99_MS)),
         max_fail_ratio=float(getattr(opts, "max_fail_ratio", DEFAULT_MAX_FAIL_RATIO)),
+        min_requests=int(getattr(opts, "min_requests", DEFAULT_MIN_REQUESTS)),
     )
     runner = environment.runner
     stats = environment.stats
@@ -173,7 +202,16 @@ def verdict_of(environment: Any) -> Verdict:
         slo,
         user_exceptions=sum(e["count"] for e in runner.exceptions.values()) if runner else 0,
         by_name={f"{method} {name}": e for (name, method), e in stats.entries.items()},
+        expected_kinds=len(environment.user_classes or ()),
     )
+
+
+def enough_requests(environment: Any, min_requests: int) -> bool:
+    """Whether every user class's request kind has made `min_requests` requests (each of our
+    user classes makes one kind of request, so there is one stats entry per class)."""
+    entries = environment.stats.entries.values()
+    kinds = len(environment.user_classes or ())
+    return len(entries) >= kinds and all(e.num_requests >= min_requests for e in entries)
 
 
 def _on_quitting(environment: Any, **_kw: Any) -> None:
@@ -212,13 +250,22 @@ def run_library(
     run_time_s: float,
     slo: Slo,
     report_dir: Path | None = None,
+    max_run_time_s: float = 600.0,
 ) -> tuple[int, Verdict]:
     """Run the locustfile's users in this process (locust's library mode); (exit code, verdict).
+
+    The clock starts once setup is over: payloads are prepared on `init` (before `runner.start`)
+    and the `run_time_s` seconds count from the moment every user is spawned. After them the run
+    continues until each request kind has made `slo.min_requests` requests, so the verdict
+    rests on requests made, not on how fast this machine got through setup. `max_run_time_s`
+    (counted from the start) bounds a run against a server that never answers enough; such a
+    run fails on the request count.
 
     Imports locust, which monkey-patches this process for gevent: call it from a process of its
     own (`python -m mariner.loadtest.gate --library`), not from a test runner or a server.
     """
     import gevent
+    import gevent.event
     from locust import events
     from locust.argument_parser import parse_options
     from locust.env import Environment
@@ -230,13 +277,17 @@ def run_library(
     argv = [
         "-f", locustfile.__file__, "--headless", "--host", host, "--grpc-target", grpc_target,
         "--model", model, "--p99-ms", str(slo.p99_ms), "--max-fail-ratio", str(slo.max_fail_ratio),
+        "--min-requests", str(slo.min_requests),
     ]  # fmt: skip
     if report_dir is not None:
         argv += ["--verdict-file", str(report_dir / VERDICT_FILE)]
     options = parse_options(argv)
     env = Environment(user_classes=user_classes, events=events, host=host, parsed_options=options)
     runner = env.create_local_runner()
-    events.init.fire(environment=env, runner=runner, web_ui=None)
+    started = time.monotonic()
+    events.init.fire(environment=env, runner=runner, web_ui=None)  # the locustfile prepares payloads
+    spawned = gevent.event.Event()
+    events.spawning_complete.add_listener(lambda **_kw: spawned.set())
     csv_writer = None
     if report_dir is not None:
         report_dir.mkdir(parents=True, exist_ok=True)
@@ -244,8 +295,17 @@ def run_library(
         csv_writer = StatsCSVFileWriter(env, PERCENTILES_TO_REPORT, prefix, full_history=False)
         gevent.spawn(csv_writer.stats_writer)
         gevent.spawn(stats_history, runner)  # the HTML report's charts
+
+    def stop_when_measured() -> None:
+        left = max(0.0, max_run_time_s - (time.monotonic() - started))
+        if spawned.wait(timeout=left):
+            gevent.sleep(min(run_time_s, max(0.0, max_run_time_s - (time.monotonic() - started))))
+            while not enough_requests(env, slo.min_requests) and time.monotonic() - started < max_run_time_s:
+                gevent.sleep(0.05)
+        runner.quit()
+
     runner.start(users, spawn_rate=spawn_rate)
-    gevent.spawn_later(run_time_s, runner.quit)
+    gevent.spawn(stop_when_measured)
     runner.greenlet.join()
     events.quitting.fire(environment=env, reverse=True)
     if report_dir is not None and csv_writer is not None:
@@ -265,8 +325,14 @@ def _user_classes(protocols: Sequence[str]) -> list[Any]:
 
 
 # The locustfile's user class per protocol: the one registry, read without importing locust (so
-# the driver process is not monkey-patched). "oip" joins once the OIP user exists (issue 4).
-USER_CLASS_NAMES = {"grpc": "TorchServeGrpcUser", "http": "PredictionsHttpUser"}
+# the driver process is not monkey-patched). "grpc" and "http" speak TorchServe's API, "oip-*"
+# the Open Inference Protocol v2; the default drives all four.
+USER_CLASS_NAMES = {
+    "grpc": "TorchServeGrpcUser",
+    "http": "PredictionsHttpUser",
+    "oip-grpc": "OipGrpcUser",
+    "oip-http": "OipHttpUser",
+}
 
 
 # -- the `make loadtest` driver ---------------------------------------------------------------------
@@ -290,14 +356,28 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--grpc-target", default="", help="with --host: the server's gRPC host:port")
     p.add_argument(
         "--protocols",
-        default="grpc,http",
+        default=",".join(USER_CLASS_NAMES),
         help=f"comma-separated, from {sorted(USER_CLASS_NAMES)}; users are split evenly among them",
     )
     p.add_argument("--users", type=int, default=8, help="concurrent locust users (bounded load)")
     p.add_argument("--spawn-rate", type=float, default=0.0, help="users started per second (0: all at once)")
-    p.add_argument("--run-time", type=float, default=20.0, help="seconds of load (bounded time)")
+    p.add_argument(
+        "--run-time", type=float, default=20.0, help="seconds of load, counted once every user is spawned"
+    )
     p.add_argument("--p99-ms", type=float, default=DEFAULT_P99_MS)
     p.add_argument("--max-fail-ratio", type=float, default=DEFAULT_MAX_FAIL_RATIO)
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=DEFAULT_MIN_REQUESTS,
+        help="requests each protocol must make; with --library the run goes on until they are made",
+    )
+    p.add_argument(
+        "--max-run-time",
+        type=float,
+        default=600.0,
+        help="with --library: stop after this many seconds even when --min-requests is not reached",
+    )
     p.add_argument(
         "--report-dir", type=Path, default=REPO / "build" / "loadtest", help="CSV, HTML and verdict.json"
     )
@@ -325,6 +405,7 @@ def _run_cli(args: argparse.Namespace, host: str, grpc_target: str) -> int:
         "-t", f"{args.run_time:g}s", "--stop-timeout", "5",
         "--host", host, "--grpc-target", grpc_target, "--model", args.model,
         "--p99-ms", str(args.p99_ms), "--max-fail-ratio", str(args.max_fail_ratio),
+        "--min-requests", str(args.min_requests),
         "--csv", str(report / "stats"), "--html", str(report / "report.html"),
         "--verdict-file", str(report / VERDICT_FILE),
         *(USER_CLASS_NAMES[p] for p in args.protocols),
@@ -358,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 users=args.users,
                 spawn_rate=args.spawn_rate or args.users,
                 run_time_s=args.run_time,
-                slo=Slo(args.p99_ms, args.max_fail_ratio),
+                slo=Slo(args.p99_ms, args.max_fail_ratio, args.min_requests),
                 report_dir=args.report_dir,
+                max_run_time_s=args.max_run_time,
             )
         else:
             code = _run_cli(args, host, grpc_target)

@@ -12,15 +12,17 @@ command above against it and stops it again.
   channel exists) and a client interceptor fires locust's `request` event for every call, so
   gRPC calls land in the same statistics, CSV and HTML report as HTTP requests.
 - `PredictionsHttpUser`: `POST /predictions/{model}` over HTTP/1.1 keep-alive (FastHttpUser).
-- OIP `ModelInfer` over gRPC arrives with the Open Inference Protocol issue (issue 4). The hook:
-  add an `OipGrpcUser(GrpcUser)` here (OIP stub in `make_stub`, a `ModelInferRequest` built
-  from the same digits, `check_response` reading the output tensor) and register its name under
-  "oip" in `mariner.loadtest.gate.USER_CLASS_NAMES`. Until then `--protocols oip` is refused, rather
-  than measured by something that is not OIP.
+- `OipGrpcUser`: the Open Inference Protocol's gRPC `ModelInfer` (package `inference`), one
+  digit per call as a raw FP32 `pixels` tensor.
+- `OipHttpUser`: the Open Inference Protocol's REST `POST /v2/models/{model}/infer`, JSON tensors.
+
+`mariner.loadtest.gate.USER_CLASS_NAMES` maps `--protocols` names to these classes.
 
 Every request carries a real digit from the held-out test split (`mariner.loadtest.payloads`), picked
 at random per request, and an answer only counts as a success when it is a prediction (a
-`label` in 0..9): a server answering 200 with garbage fails the run.
+`label` in 0..9; for OIP, a `label` tensor that is the argmax of the `logits` tensor, see
+`mariner.loadtest.oip`): a server answering 200 with garbage fails the run. The payloads are
+prepared on locust's `init` event, before any run clock starts.
 
 The p99 gate (`mariner.loadtest.gate`) is installed on locust's `quitting` event: the process exits
 non-zero when p99 exceeds `--p99-ms` or the failure ratio exceeds `--max-fail-ratio`.
@@ -39,14 +41,16 @@ from typing import Any, ClassVar
 # Import order matters: importing locust monkey-patches the standard library for gevent, and
 # gRPC must then be switched to gevent before any channel is created, or a blocking call would
 # stall every user in the process.
+import gevent
 from locust import FastHttpUser, User, events, task
 from locust.env import Environment
 
 import grpc  # isort: skip
 import grpc.experimental.gevent as grpc_gevent  # isort: skip
 
-from mariner.loadtest import gate
-from mariner.loadtest.payloads import test_digit_bodies
+import numpy as np
+from mariner.loadtest import gate, oip
+from mariner.loadtest.payloads import test_digit_bodies, test_digits
 
 grpc_gevent.init_gevent()
 
@@ -76,11 +80,34 @@ def _bodies() -> tuple[bytes, ...]:
     return test_digit_bodies()
 
 
-@events.test_start.add_listener
-def _load_payloads(**_kw: Any) -> None:
-    # Loading imports torch and scikit-learn (seconds, blocking the gevent hub): do it before any
-    # user starts, not inside the first timed request.
+@cache
+def _pixels() -> np.ndarray:
+    return test_digits()[0]
+
+
+@cache
+def _oip_rest_bodies() -> tuple[bytes, ...]:
+    return tuple(oip.rest_body(row) for row in _pixels())
+
+
+def prepare_payloads() -> None:
+    """Build every user's payloads now (seconds: imports torch and scikit-learn, rebuilds the split).
+
+    Runs on locust's `init` event, which fires once per process before any run starts and before
+    the CLI's `--run-time` clock: done on `test_start` instead, the work would block the gevent
+    hub after the clock started, and a short run would complete nothing.
+    """
     _bodies()
+    _oip_rest_bodies()
+
+
+@events.init.add_listener
+def _load_payloads(**_kw: Any) -> None:
+    prepare_payloads()
+    # That work blocked the gevent hub for seconds, and libev only reads the clock when its loop
+    # runs: a timer set next (the CLI's --run-time) would count from before the work and fire at
+    # once, ending the run after a handful of requests. Read the clock now.
+    gevent.get_hub().loop.update_now()
 
 
 def check_prediction(body: bytes) -> None:
@@ -219,5 +246,54 @@ class PredictionsHttpUser(FastHttpUser):
                 return
             try:
                 check_prediction(resp.content or b"")
+            except ValueError as exc:
+                resp.failure(str(exc))
+
+
+class OipGrpcUser(GrpcUser):
+    """Open Inference Protocol gRPC `ModelInfer` with a random test-set digit per call."""
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
+        self._pb2 = oip.grpc_messages()[0]
+        self.model = environment.parsed_options.model if environment.parsed_options else DEFAULT_MODEL
+        # Requests are built once per user: the timed part is the call, not protobuf assembly.
+        self._requests = [oip.grpc_request(self._pb2, self.model, row) for row in _pixels()]
+
+    def make_stub(self, channel: grpc.Channel) -> Any:
+        return oip.grpc_messages()[1].GRPCInferenceServiceStub(channel)
+
+    def check_response(self, response: Any) -> None:
+        oip.label_from_grpc(response)
+
+    @task
+    def model_infer(self) -> None:
+        with contextlib.suppress(grpc.RpcError):  # already reported to locust by the interceptor
+            self.stub.ModelInfer(random.choice(self._requests), timeout=GRPC_TIMEOUT_S)
+
+
+class OipHttpUser(FastHttpUser):
+    """Open Inference Protocol REST `POST /v2/models/{model}/infer` with a random test-set digit."""
+
+    network_timeout = HTTP_TIMEOUT_S
+    connection_timeout = HTTP_TIMEOUT_S
+
+    def on_start(self) -> None:
+        model = self.environment.parsed_options.model if self.environment.parsed_options else DEFAULT_MODEL
+        self.path = oip.infer_path(model)
+
+    @task
+    def model_infer(self) -> None:
+        with self.client.post(
+            self.path,
+            data=random.choice(_oip_rest_bodies()),
+            headers={"Content-Type": "application/json"},
+            catch_response=True,
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:120]}")
+                return
+            try:
+                oip.label_from_rest(resp.content or b"")
             except ValueError as exc:
                 resp.failure(str(exc))
