@@ -24,10 +24,11 @@ What it measures, in this order (each server alone on the machine, started and s
   tree, and of the whole machine (the rest is other users of a shared machine), as cores.
 
 It writes `bench/results.md` (machine, versions and the exact command at the top; tables;
-ratios TorchServe/Mariner; Mariner as a fraction of raw; the issue's targets, each marked held
-or missed; `mariner.loadtest.bench_report`), `bench/results.json` (every figure) and
-`bench/latency.png`, `bench/throughput.png`. How to run it on a GPU machine:
-docs/benchmark.md.
+ratios TorchServe/Mariner; Mariner as a fraction of raw; the performance targets, each marked
+held or missed: latency against stock TorchServe at the lowest level, throughput against
+TorchServe and against the raw model and the tail p99/p50 at the highest;
+`mariner.loadtest.bench_report`), `bench/results.json` (every figure) and `bench/latency.png`,
+`bench/throughput.png`. How to run it on a GPU machine: docs/benchmark.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The benchmark's report: results.md (tables, ratios, the issue's targets) and the PNG plots."""
+"""The benchmark's report: results.md (tables, ratios, the performance targets) and the PNG plots."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ class Target:
 
 
 def targets(report: Report) -> list[Target]:
-    """The issue's targets, from the measured cells (the lowest and highest levels run)."""
+    """Mariner's performance targets, from the measured cells (the lowest and highest levels run):
+    latency against stock TorchServe at the lowest level; throughput against TorchServe and against
+    the raw model, and the tail (p99/p50), at the highest."""
     s = report.settings
     lo, hi = min(s.levels), max(s.levels)
     raw = report.raw.batched_rps if report.raw else math.nan
@@ -197,7 +199,11 @@ def render_markdown(report: Report) -> str:
             )
     lines += [
         "",
-        "## Targets (issue 5)",
+        "## Performance targets",
+        "",
+        f"Latency against stock TorchServe at c={min(report.settings.levels)}; throughput against "
+        f"TorchServe and against the raw batched model, and the tail (p99 / p50), at "
+        f"c={max(report.settings.levels)}.",
         "",
         "| target | measured | wanted | verdict |",
         "|---|---:|---:|---|",
