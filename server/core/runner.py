@@ -293,6 +293,9 @@ class Runner:
     def close(self) -> None:
         self.status = "STOPPED"
         self._executor.shutdown(wait=False, cancel_futures=True)
+        # Let the handler and its model go: what they hold is released with them (an AOTInductor
+        # package's extracted .so and its aotinductor_* temp dir are removed only then).
+        self._handle = None
 
     def abandon(self) -> None:
         """Give up on this instance (hung or failed). Python cannot kill a thread: a handler stuck

@@ -286,3 +286,30 @@ def test_health_is_serving_only_after_load(model_store: Path) -> None:
             assert requests.get(f"{srv.http}/readyz").status_code == 200
     finally:
         srv.stop()
+
+
+# -- resources ------------------------------------------------------------------------------------
+
+
+def _mapped_aoti_dirs() -> set[Path]:
+    """aotinductor_* temp dirs whose files this process has mapped (ours, not another process's)."""
+    found = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        for parent in Path(path).parents:
+            if parent.name.startswith("aotinductor_"):
+                found.add(parent)
+    return found
+
+
+def test_an_aoti_model_leaves_no_temp_dir_behind(model_store: Path) -> None:
+    """torch extracts an AOTInductor package into $TMPDIR/aotinductor_*; stopping must remove it."""
+    before = _mapped_aoti_dirs()
+    srv = InProcessMariner(model_store, "digits_aoti.mar").start()
+    try:
+        ours = _mapped_aoti_dirs() - before
+        assert ours, "the AOTI model should run from an extracted package"
+        assert all(d.is_dir() for d in ours)
+    finally:
+        srv.stop()
+    assert [d for d in ours if d.exists()] == [], "the extracted package outlived the server"
