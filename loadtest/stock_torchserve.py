@@ -237,6 +237,7 @@ class StockTorchServe:
         self.temp_root = temp_root
         self.extra_config = dict(extra_config or {})
         self.workdir: Path | None = None
+        self._short_tmp: Path | None = None  # TMPDIR/TEMP when the workdir's path is too long
         self._proc: subprocess.Popen[bytes] | None = None
         self._console: IO[bytes] | None = None
         self._guard: subprocess.Popen[bytes] | None = None
@@ -304,6 +305,8 @@ class StockTorchServe:
             )
         self.workdir = Path(tempfile.mkdtemp(prefix="stock-torchserve-", dir=self.temp_root)).resolve()
         atexit.register(self.stop)
+        if len(str(self.workdir / ".ts.sock.65535")) > SOCKET_PATH_MAX:
+            self._short_tmp = Path(tempfile.mkdtemp(prefix="ts-", dir=_short_temp_root())).resolve()
         try:
             self._launch()
             self._wait_ready(time.monotonic() + timeout)
@@ -336,7 +339,20 @@ class StockTorchServe:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+        if self._short_tmp is not None:
+            shutil.rmtree(self._short_tmp, ignore_errors=True)
+            self._short_tmp = None
         atexit.unregister(self.stop)
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """TorchServe's TMPDIR and java.io.tmpdir: the workdir, or a short private dir beside it.
+
+        The frontend reaches each worker over a Unix socket `<java.io.tmpdir>/.ts.sock.<port>`;
+        a socket path is limited to 107 bytes, so a long temp root (a test's tmp_path, a deep
+        TMPDIR) would make every worker fail to bind.
+        """
+        return self._short_tmp or self.workdir
 
     def log_tail(self, lines: int = 60) -> str:
         """Last lines of the launcher/frontend console and of the workers' model_log."""
@@ -414,8 +430,8 @@ class StockTorchServe:
         env.update(
             LOG_LOCATION=str(logs),
             METRICS_LOCATION=str(logs),
-            TMPDIR=str(self.workdir),  # the launcher's pid file: private per instance
-            TEMP=str(self.workdir),  # java.io.tmpdir: where archives are extracted
+            TMPDIR=str(self.temp_dir),  # the launcher's pid file: private per instance
+            TEMP=str(self.temp_dir),  # java.io.tmpdir: archives are extracted, worker sockets live here
             PATH=f"{self.python.parent}{os.pathsep}{env.get('PATH', '')}",
         )
         cmd = [
@@ -589,6 +605,15 @@ def _processes_mentioning(path: Path) -> list[psutil.Process]:
             ):
                 found.append(p)
     return found
+
+
+SOCKET_PATH_MAX = 100  # below sun_path's 107 usable bytes, with room for a longer port suffix
+
+
+def _short_temp_root() -> str:
+    """A temp root short enough for Unix socket paths: /tmp where it exists, else the default."""
+    short = Path("/tmp")
+    return str(short) if short.is_dir() and os.access(short, os.W_OK) else tempfile.gettempdir()
 
 
 _TORCHSERVE_MARKERS = ("ts.model_server", "org.pytorch.serve.ModelServer", "model_service_worker")
