@@ -48,8 +48,9 @@ TRAFFIC_THREADS = 16  # plus at most INJECTOR_THREADS: 32 in flight at most
 INJECTOR_THREADS = 16
 MAX_TRAFFIC = 20_000  # requests, all traffic threads together (about 5,000 are sent)
 SIGTERM_AFTER = 2200  # answers before the shutdown starts
-TRAFFIC_WINDOW_S = 40.0  # the shutdown starts after SIGTERM_AFTER answers or this long, whichever first
-HARD_STOP_S = 90.0  # no client thread sends after this, whatever happened
+# Every phase starts after a number of answers, never after a time: a slower machine only makes the
+# run longer. The cap turns a server that stopped answering into a failure instead of a hang.
+STALL_CAP_S = 600.0
 CLIENT_TIMEOUT_S = 60.0  # far beyond any server-side timeout: the client never gives up first
 DRAIN_LINE = re.compile(r"drained: accepted=(\d+) answered=(\d+) ok=(\d+)")
 
@@ -212,8 +213,8 @@ class Load:
         self.lock = threading.Lock()
         self.tickets = itertools.count()
         self.sigterm_at: float | None = None
-        self.deadline = time.monotonic() + TRAFFIC_WINDOW_S
-        self.hard_stop = time.monotonic() + HARD_STOP_S
+        self.give_up = time.monotonic() + STALL_CAP_S
+        self.stalled = threading.Event()  # set when the cap passed: every client thread stops
 
     @property
     def answered(self) -> int:
@@ -239,7 +240,7 @@ class Load:
         return Job(transport, "ts", FAULTY, "sleep", 0.02)
 
     def traffic(self) -> None:
-        while time.monotonic() < self.hard_stop:
+        while not self.stalled.is_set():
             i = next(self.tickets)
             if i >= MAX_TRAFFIC:
                 return
@@ -259,7 +260,11 @@ class Load:
         raise AssertionError(f"the server never took {job}: {refusals}")
 
     def wait_for(self, answered: int) -> None:
-        while self.answered < answered and time.monotonic() < self.deadline:
+        """Until `answered` answers came back (an event), however long a slow machine takes."""
+        while self.answered < answered:
+            if time.monotonic() > self.give_up:
+                self.stalled.set()
+                raise AssertionError(f"{self.answered} of {answered} answers after {STALL_CAP_S:.0f} s")
             time.sleep(0.01)
 
     def injector(self, pool: ThreadPoolExecutor) -> dict[str, list[Outcome]]:
@@ -353,7 +358,7 @@ def test_load_faults_and_sigterm_lose_nothing(store: Path, tmp_path: Path) -> No
     assert not violations, "\n".join(violations[:20]) + "\n" + report
     assert {code for _, code in codes} <= {*DOCUMENTED, NOT_SENT}, report
     assert {o.status for o in outcomes if o.status is not None} <= DOCUMENTED_HTTP, report
-    assert sum(o.code != NOT_SENT for o in outcomes) >= 2000, report
+    assert sum(o.code != NOT_SENT for o in outcomes) >= SIGTERM_AFTER, report
 
     # Exact accounting, both ways. DataPlane.infer counts `accepted` once the model resolved and
     # no drain had begun, `answered` when an accepted request's answer (whatever it is) comes
