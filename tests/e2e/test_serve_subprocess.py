@@ -60,7 +60,9 @@ def test_sigterm_under_traffic_answers_every_accepted_request(model_store: Path,
         threads = [threading.Thread(target=client) for _ in range(8)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
+        # SIGTERM after 300 answers, however long a slow machine takes; the cap only turns a
+        # stalled server into a failure (the OK >= 300 check below) instead of a hang.
+        deadline = time.monotonic() + 600
         while sum(outcomes.values()) < 300 and time.monotonic() < deadline:
             time.sleep(0.01)
         srv.proc.send_signal(signal.SIGTERM)
