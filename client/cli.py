@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from mariner.client import tensors
 from mariner.client.errors import MarinerError
 from mariner.client.grpc_client import GrpcClient

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+
 from mariner.client import tensors
 from mariner.client.errors import MarinerError, Status, make_error, status_from_grpc_name
 from mariner.client.retry import Deadline, RetryPolicy, call_with_retry

@@ -18,6 +18,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import numpy as np
 import requests
+
 from mariner.client import tensors
 from mariner.client.errors import MarinerError, Status, make_error, status_from_http
 from mariner.client.retry import Deadline, RetryPolicy, call_with_retry

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from mariner.loadtest.bench_report import fmt, other_cores, plot, render_markdown, targets
 from mariner.loadtest.closedloop import LevelResult, LoadSpec, Percentiles, run_level
 from mariner.loadtest.servers import MarinerProcess
@@ -141,6 +142,7 @@ def _timed_loop(fn: Any, seconds: float, *, min_iters: int = 50) -> list[float]:
 def _measure_raw(settings: Settings, bodies: tuple[bytes, ...]) -> RawResult:
     import numpy as np
     import torch
+
     from mariner.handlers.digits_handler import decode_item
     from mariner.server.core.archive import open_archive
     from mariner.server.core.context import Context

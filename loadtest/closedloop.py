@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
+
 from mariner.loadtest.servers import process_tree_cpu_seconds
 
 REQUEST_TIMEOUT_S = 30.0
@@ -168,6 +169,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
 
     if job.protocol == "grpc":
         import grpc
+
         from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
         channel = grpc.aio.insecure_channel(f"{job.host}:{job.port}")

@@ -271,6 +271,7 @@ def run_library(
     from locust.env import Environment
     from locust.html import get_html_report
     from locust.stats import PERCENTILES_TO_REPORT, StatsCSVFileWriter, stats_history
+
     from mariner.loadtest import locustfile
 
     user_classes = _user_classes(protocols)

@@ -49,6 +49,7 @@ import grpc  # isort: skip
 import grpc.experimental.gevent as grpc_gevent  # isort: skip
 
 import numpy as np
+
 from mariner.loadtest import gate, oip
 from mariner.loadtest.payloads import test_digit_bodies, test_digits
 

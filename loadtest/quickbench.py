@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import requests
+
 from mariner.loadtest.payloads import test_digit_bodies
 from mariner.loadtest.servers import FloorProcess, MarinerProcess, ServerProcess
 from mariner.loadtest.stock_torchserve import StockTorchServe

@@ -29,6 +29,7 @@ from typing import Self
 
 import psutil
 import requests
+
 from mariner.loadtest.stock_torchserve import LOCALHOST, TorchServePorts, pick_free_ports
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+
 from mariner.server.config import ServerConfig, model_specs, pinned_digests, server_layers
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig

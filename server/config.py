@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import yaml
+
 from mariner.server.core.archive import UNLISTED
 from mariner.server.core.dataplane import ModelSpec
 from mariner.server.core.model_settings import ServerLayers, SettingsOverrides

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from mariner.server.core.errors import STATUS, Code
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"

@@ -43,6 +43,7 @@ class EagerReference:
     def probabilities(self, pixels: np.ndarray) -> np.ndarray:
         """(N, 64) or (64,) raw pixels -> (N, 10) float32 softmax, computed as the handler does."""
         import torch
+
         from mariner.training.data import to_model_input
 
         with torch.inference_mode():

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mariner.training.model import DigitsCNN
-from mariner.training.train import load_checkpoint
 from torch import nn
 from torch.export import Dim
+
+from mariner.training.model import DigitsCNN
+from mariner.training.train import load_checkpoint
 
 MAX_BATCH = 1024  # upper bound of the dynamic batch dim in exported graphs
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from mariner.server.core.archive import sha256_file
 from mariner.training import package, report
 from mariner.training.data import load_splits, to_model_input

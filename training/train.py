@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from mariner.training.data import DigitsDataset, load_splits, make_loader
-from mariner.training.model import DigitsCNN
 from torch import nn
 from tqdm import tqdm
+
+from mariner.training.data import DigitsDataset, load_splits, make_loader
+from mariner.training.model import DigitsCNN
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from mariner.server.core.context import Context
 
 FP32_MAX_ABS_DIFF = 1e-4  # fp32 variants: same math, only op order and fusion may differ

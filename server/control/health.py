@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mariner.server.protocols.http_common import NOT_READY_STATUS, json_response
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from mariner.server.protocols.http_common import NOT_READY_STATUS, json_response
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
+
 from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
 from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
 from mariner.server.core.model_settings import register_call_overrides

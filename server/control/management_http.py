@@ -13,6 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import register_call_overrides
@@ -26,10 +31,6 @@ from mariner.server.protocols.http_common import (
     read_body,
 )
 from mariner.server.protocols.torchserve.forms import decode_value, mime_type
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mariner.server.control import metrics as metrics_mod
-from mariner.server.protocols.http_common import make_app
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from mariner.server.control import metrics as metrics_mod
+from mariner.server.protocols.http_common import make_app
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane

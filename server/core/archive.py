@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
+
 from mariner.server.core.errors import Code, ServingError
 
 MANIFEST = "MAR-INF/MANIFEST.json"

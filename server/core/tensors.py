@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from mariner.server.core.errors import Code, ServingError
 
 try:  # bfloat16 for numpy; ships with onnx's dependencies

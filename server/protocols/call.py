@@ -34,6 +34,7 @@ from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 
 if TYPE_CHECKING:
     import grpc
+
     from mariner.server.control.metrics import Metrics
 
 log = logging.getLogger("mariner.call")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+
 from mariner.server.core.errors import STATUS, Code
 
 _INVALID = STATUS[Code.INVALID_ARGUMENT].grpc

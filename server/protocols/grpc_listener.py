@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
 from mariner.server.control import management_grpc as grpc_management
 from mariner.server.core.types import ModelInfo
 from mariner.server.protocols.grpc_decoding import SafeDecoding

@@ -16,14 +16,15 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
-from mariner.server.core.types import InferRequest, InferResult
-from mariner.server.protocols.call import CallerGone, CallPlane, Refused
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
+from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.protocols.call import CallerGone, CallPlane, Refused
 
 T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from starlette.applications import Starlette
+
 from mariner.server.control import health
 from mariner.server.protocols.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADERS, make_app
 from mariner.server.protocols.oip import http as oip_http
 from mariner.server.protocols.torchserve import http as torchserve_http
-from starlette.applications import Starlette
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane

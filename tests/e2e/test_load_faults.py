@@ -35,8 +35,8 @@ from typing import Any
 import grpc
 import pytest
 import requests
-from mariner.server import protogen
 
+from mariner.server import protogen
 from tests.e2e.serve_process import ServeProcess
 from tests.integration.fault_archive import build_fault_archive
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from mariner.server import protogen
 
+from mariner.server import protogen
 from tests.e2e.serve_process import ServeProcess
 
 pytestmark = pytest.mark.e2e

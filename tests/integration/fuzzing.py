@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 import grpc
 from hypothesis import strategies as st
+
 from mariner.server import protogen
 
 MAX_REQUEST_BYTES = 64 * 1024  # the fuzzed server's limit: low, so crossing it is cheap
@@ -193,6 +194,7 @@ def stubs() -> SimpleNamespace:
     protogen.generate()
     from grpc_health.v1 import health_pb2  # noqa: F401  (registers its messages in the pool)
     from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401
+
     from mariner.server._proto.inference import grpc_service_pb2
     from mariner.server._proto.torchserve import inference_pb2, management_pb2
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+
 from mariner.server.core.context import Context
 from mariner.training.data import DigitsSplits, load_splits
 from mariner.training.model import DigitsCNN

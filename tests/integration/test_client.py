@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
+from PIL import Image
+
 from mariner.client import (
     DeadlineExceededError,
     GrpcClient,
@@ -37,8 +39,6 @@ from mariner.client import (
 )
 from mariner.client.retry import Deadline, call_with_retry
 from mariner.server import protogen
-from PIL import Image
-
 from tests.integration.mariner_inproc import InProcessMariner
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ def client(request: pytest.FixtureRequest, mariner: InProcessMariner) -> Iterato
 
 def _eager_logits(ref: EagerReference, pixels: np.ndarray) -> np.ndarray:
     import torch
+
     from mariner.training.data import to_model_input
 
     with torch.inference_mode():

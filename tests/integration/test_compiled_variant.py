@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from mariner.server.core.context import Context
 from mariner.training.verify import load_handler_class
 

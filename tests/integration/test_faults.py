@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import pytest
 import requests
-from mariner.server import protogen
 
+from mariner.server import protogen
 from tests.integration.fault_archive import build_fault_archive
 from tests.integration.mariner_inproc import InProcessMariner
 
@@ -146,6 +146,7 @@ def test_a_hung_handler_times_out_and_its_instance_is_replaced(
 def test_an_instance_that_ends_is_restarted_and_health_recovers(server: InProcessMariner) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
     before = counter(server, "mariner_instance_restarts_total", reason="failed")

@@ -30,12 +30,12 @@ import pytest
 import requests
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
 from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig, build_parser, load_config, read_properties
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration

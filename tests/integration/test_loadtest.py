@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 import requests
+
 from mariner.loadtest import oip, payloads
 from mariner.loadtest.gate import USER_CLASS_NAMES, Slo, fine_bucket_response_time, judge
 from mariner.loadtest.servers import MarinerProcess

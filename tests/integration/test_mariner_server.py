@@ -21,8 +21,8 @@ import grpc
 import numpy as np
 import pytest
 import requests
-from mariner.server import protogen
 
+from mariner.server import protogen
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ import grpc
 import numpy as np
 import pytest
 import requests
-from mariner.server import protogen
 from prometheus_client.parser import text_string_to_metric_families
 
+from mariner.server import protogen
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -60,6 +60,7 @@ def stub(mariner: InProcessMariner, pb: SimpleNamespace) -> Iterator[object]:
 
 def eager_logits(reference, pixels: np.ndarray) -> np.ndarray:
     import torch
+
     from mariner.training.data import to_model_input
 
     with torch.inference_mode():

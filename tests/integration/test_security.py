@@ -15,11 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 import requests
+
 from mariner.server import protogen
 from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
-
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -79,6 +79,7 @@ def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: In
 def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from mariner.server._proto.torchserve import (
         inference_pb2,
         inference_pb2_grpc,

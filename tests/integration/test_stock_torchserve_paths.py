@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import requests
+
 from mariner.loadtest.stock_torchserve import SOCKET_PATH_MAX, StockTorchServe, leftover_processes
 
 pytestmark = pytest.mark.integration

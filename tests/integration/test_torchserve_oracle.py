@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import requests
-from mariner.loadtest.stock_torchserve import StockTorchServe, TorchServeError, leftover_processes
 from PIL import Image
+
+from mariner.loadtest.stock_torchserve import StockTorchServe, TorchServeError, leftover_processes
 
 if TYPE_CHECKING:  # conftest is pytest's to import; the class is only needed for annotations
     from tests.conftest import EagerReference
@@ -211,6 +212,7 @@ def mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
 
 def _grpc_predict(target: str, model: str, data: bytes) -> bytes:
     import grpc
+
     from mariner.server import protogen
 
     protogen.generate()

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
-from mariner.server import protogen
 
+from mariner.server import protogen
 from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.triton_conformance import CHECKS
 
@@ -54,6 +54,7 @@ def report(
             f".venv-triton is not at the pinned tritonclient: run `bash {ENSURE_SCRIPT.relative_to(REPO)}`"
         )
     import torch
+
     from mariner.training.data import to_model_input
 
     pixels = eager_reference.test_pixels[:N_ROWS].astype(np.float32)

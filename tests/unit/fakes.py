@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 import uvicorn
+
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import ModelSignature, TensorSpec

@@ -8,6 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
 from mariner.server.core.errors import Code, ServingError
 

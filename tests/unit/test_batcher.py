@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from mariner.server.core.batcher import Batcher, BatchPolicy
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol

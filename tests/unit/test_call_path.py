@@ -18,12 +18,12 @@ import grpc
 import numpy as np
 import pytest
 import requests
+
 from mariner.server import protogen
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferResult
 from mariner.server.protocols import call as call_path
 from mariner.server.protocols.call import Failed, Ok, handler_error, run_call
-
 from tests.unit.fakes import FakePlane, QuietMetrics, serve
 
 pytestmark = pytest.mark.unit

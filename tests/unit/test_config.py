@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from mariner.server.config import ServerConfig, load_config, model_specs, read_properties, server_layers
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings

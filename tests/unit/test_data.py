@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import load_digits
+
 from mariner.training.data import (
     DigitsDataset,
     DigitsSplits,
@@ -15,7 +17,6 @@ from mariner.training.data import (
     make_loader,
     to_model_input,
 )
-from sklearn.datasets import load_digits
 
 pytestmark = pytest.mark.unit
 

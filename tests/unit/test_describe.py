@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from mariner.server import protogen
 from mariner.server.control.describe import describe_model, list_models
 from mariner.server.control.management_http import management_app

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig, load_config
 from mariner.server.core.errors import Code, ServingError

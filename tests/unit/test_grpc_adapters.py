@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+
 from mariner.server import protogen
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError

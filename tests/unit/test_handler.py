@@ -18,15 +18,16 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import mariner.handlers.digits_handler as dh
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+from sklearn.datasets import load_digits
+
+import mariner.handlers.digits_handler as dh
 from mariner.handlers.digits_handler import DigitsHandler, decode_item
 from mariner.server.core.context import Context
 from mariner.training.model import DigitsCNN
-from PIL import Image
-from sklearn.datasets import load_digits
 
 pytestmark = pytest.mark.unit
 

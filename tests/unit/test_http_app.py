@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import requests
+
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
@@ -30,7 +31,6 @@ from mariner.server.core.types import (
     WorkerInfo,
 )
 from mariner.server.protocols.http_listener import inference_app
-
 from tests.unit.fakes import QuietMetrics, serve
 
 pytestmark = pytest.mark.unit

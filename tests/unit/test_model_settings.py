@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.batcher import Batcher
 from mariner.server.core.dataplane import DataPlane, ModelSpec, PlaneSettings

@@ -23,12 +23,12 @@ import grpc
 import numpy as np
 import pytest
 import requests
+
 from mariner.server import protogen
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
-
 from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, serve
 
 pytestmark = pytest.mark.unit
@@ -152,6 +152,7 @@ PIXELS = np.arange(3 * 64, dtype=np.float32).reshape(3, 64) % 17
 def pb() -> SimpleNamespace:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
     from mariner.server.protocols import grpc_listener as grpc_server
     from mariner.server.protocols.oip import grpc as grpc_oip

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import (
     DTYPES,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from mariner.server.app import check_exposure
 from mariner.server.config import load_config
 from mariner.server.security import Tokens, load_tokens

@@ -8,9 +8,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import mariner.training.train as train_mod
 import pytest
 import torch
+
+import mariner.training.train as train_mod
 from mariner.training.data import load_splits
 from mariner.training.model import NUM_CLASSES, DigitsCNN
 from mariner.training.train import TrainConfig, load_checkpoint, set_seed, train

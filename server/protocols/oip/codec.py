@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import (
     DTYPES,

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from mariner.server.core.errors import Code, as_serving_error
 from mariner.server.core.tensors import CONTENTS_FIELD, bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol

@@ -28,6 +28,10 @@ import zlib
 from typing import Any
 
 import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
 from mariner.server.core.tensors import bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
@@ -44,9 +48,6 @@ from mariner.server.protocols.http_common import (
     request_headers,
 )
 from mariner.server.protocols.oip import codec as oip
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 log = logging.getLogger("mariner.http.oip")
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+
 from mariner.server.core.errors import STATUS, Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, abort, answer_text, run_call
@@ -23,6 +24,7 @@ from mariner.server.protogen import stubs_missing
 
 try:
     from google.protobuf import empty_pb2
+
     from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
     raise stubs_missing(exc) from exc

@@ -26,6 +26,10 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
 from mariner.server.core.errors import STATUS, Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
@@ -40,9 +44,6 @@ from mariner.server.protocols.http_common import (
     request_headers,
 )
 from mariner.server.protocols.torchserve.forms import decode_data
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane
