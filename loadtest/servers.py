@@ -203,7 +203,7 @@ class MarinerProcess(ServerProcess):
         ports = ports or pick_free_ports()
         cmd = [
             python, "-m", "mariner.server.cli", "serve",
-            "--model-store", str(model_store), "--models", models,
+            "--model-store", str(Path(model_store).resolve()), "--models", models,
             "--inference-address", f"{LOCALHOST}:{ports.inference}",
             "--management-address", f"{LOCALHOST}:{ports.management}",
             "--metrics-address", f"{LOCALHOST}:{ports.metrics}",
