@@ -8,6 +8,7 @@ chooses what its handler does. Any other model name is not served (NOT_FOUND).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -41,14 +42,17 @@ class QuietMetrics(Metrics):
         pass
 
 
-def make_info(name: str, version: str, signature: ModelSignature | None = None) -> ModelInfo:
-    return ModelInfo(
+def make_info(
+    name: str, version: str, signature: ModelSignature | None = None, *, default: bool = True, **changes: Any
+) -> ModelInfo:
+    """A READY model version with one CPU worker; `changes` override any ModelInfo field."""
+    info = ModelInfo(
         name=name,
         version=version,
         archive=f"{name}.mar",
         sha256="ab" * 32,
         handler="handler.py",
-        is_default=True,
+        is_default=default,
         state=ModelState.READY,
         batch_size=8,
         max_batch_delay_ms=0.0,
@@ -60,6 +64,7 @@ def make_info(name: str, version: str, signature: ModelSignature | None = None) 
         load_seconds=0.1,
         signature=signature,
     )
+    return dataclasses.replace(info, **changes)
 
 
 def digits_outputs(pixels: np.ndarray) -> dict[str, np.ndarray]:

@@ -19,7 +19,8 @@ from mariner.server import protogen
 from mariner.server.control.describe import describe_model, list_models
 from mariner.server.control.management_http import management_app
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
+from mariner.server.core.types import ModelInfo, WorkerInfo
+from tests.unit.fakes import make_info
 
 pytestmark = pytest.mark.unit
 
@@ -87,19 +88,13 @@ def info(
         memory_bytes=123_456_789,
         started_at=1_790_000_000.25,
     )
-    return ModelInfo(
-        name=name,
-        version=version,
+    return make_info(
+        name,
+        version,
+        default=default,
         archive=f"/srv/store/{name}-{version}.mar",
-        sha256="ab" * 32,
-        handler="handler.py",
-        is_default=default,
-        state=ModelState.READY,
-        batch_size=8,
         max_batch_delay_ms=4.6,
-        response_timeout_s=30.0,
         queue_size=100,
-        min_workers=1,
         max_workers=2,
         workers=(worker,),
         load_seconds=1.5,

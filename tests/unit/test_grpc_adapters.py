@@ -34,10 +34,10 @@ from mariner.server.core.types import (
     InferRequest,
     InferResult,
     ModelInfo,
-    ModelState,
     WireProtocol,
     WorkerInfo,
 )
+from tests.unit.fakes import make_info
 
 pytestmark = pytest.mark.unit
 
@@ -67,19 +67,14 @@ def pb() -> SimpleNamespace:
 
 
 def _info(name: str, version: str, *, default: bool = True, device: str = "cpu") -> ModelInfo:
-    return ModelInfo(
-        name=name,
-        version=version,
+    return make_info(
+        name,
+        version,
+        default=default,
         archive=f"/srv/store/{name}.mar",
-        sha256="ab" * 32,
         handler="handlers/digits_handler.py",
-        is_default=default,
-        state=ModelState.READY,
-        batch_size=8,
         max_batch_delay_ms=5.0,
-        response_timeout_s=30.0,
         queue_size=128,
-        min_workers=1,
         max_workers=2,
         workers=(WorkerInfo(id="w0", device=device, status="READY", batches=3),),
         load_seconds=1.5,

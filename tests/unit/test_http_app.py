@@ -26,11 +26,11 @@ from mariner.server.core.types import (
     InferRequest,
     InferResult,
     ModelInfo,
-    ModelState,
     WireProtocol,
     WorkerInfo,
 )
 from mariner.server.protocols.http_listener import inference_app
+from tests.unit import fakes
 from tests.unit.fakes import QuietMetrics, serve
 
 pytestmark = pytest.mark.unit
@@ -40,21 +40,15 @@ TIMEOUT = 10
 
 
 def make_info(name: str, version: str, *, default: bool = True, device: str = "cpu") -> ModelInfo:
-    return ModelInfo(
-        name=name,
-        version=version,
-        archive=f"{name}.mar",
-        sha256="ab" * 32,
-        handler="handler.py",
-        is_default=default,
-        state=ModelState.READY,
-        batch_size=8,
+    worker = WorkerInfo(id=f"{name}-{version}-0", device=device, status="READY", batches=3, pid=4242)
+    return fakes.make_info(
+        name,
+        version,
+        default=default,
         max_batch_delay_ms=5.0,
         response_timeout_s=120.0,
         queue_size=1024,
-        min_workers=1,
-        max_workers=1,
-        workers=(WorkerInfo(id=f"{name}-{version}-0", device=device, status="READY", batches=3, pid=4242),),
+        workers=(worker,),
         load_seconds=0.5,
     )
 

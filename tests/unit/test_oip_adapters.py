@@ -28,8 +28,8 @@ from mariner.server import protogen
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
-from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, serve
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo
+from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, make_info, serve
 
 pytestmark = pytest.mark.unit
 
@@ -48,24 +48,7 @@ SIGNATURES: dict[str, ModelSignature | None] = {
 
 
 def _info(name: str, version: str, default: bool) -> ModelInfo:
-    return ModelInfo(
-        name=name,
-        version=version,
-        archive=f"{name}.mar",
-        sha256="ab" * 32,
-        handler="handler.py",
-        is_default=default,
-        state=ModelState.READY,
-        batch_size=8,
-        max_batch_delay_ms=0.0,
-        response_timeout_s=30.0,
-        queue_size=64,
-        min_workers=1,
-        max_workers=1,
-        workers=(WorkerInfo(id="w0", device="cpu", status="READY", batches=0),),
-        load_seconds=0.1,
-        signature=SIGNATURES[name],
-    )
+    return make_info(name, version, SIGNATURES[name], default=default)
 
 
 @dataclass
