@@ -72,7 +72,13 @@ class BatchPolicy:
 
 
 class InstanceFailed(Exception):
-    """Raised by a runner that can no longer be used (its handler ended the instance)."""
+    """Raised by a runner that can no longer be used (its handler ended the instance, or its
+    worker process died). `error` is what the batch's callers get; by default UNAVAILABLE
+    ("restarting")."""
+
+    def __init__(self, message: str, *, error: ServingError | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 # Called with a failed or hung runner and the reason; returns its replacement (or None to
@@ -296,7 +302,10 @@ class Batcher:
             log.error("runner %s failed: %s; replacing it", runner.id, exc)
             self._fail(
                 batch,
-                ServingError(Code.UNAVAILABLE, "the model instance failed on this batch and is restarting"),
+                exc.error
+                or ServingError(
+                    Code.UNAVAILABLE, "the model instance failed on this batch and is restarting"
+                ),
             )
         except asyncio.CancelledError:
             # The instance (or this task) stopped mid-batch: answer the callers, then stop.

@@ -1,8 +1,10 @@
-"""A model instance: a dedicated thread that owns one handler, its device and its CUDA stream.
+"""A model instance: `ModelHost` loads one handler and runs its batches (synchronously), and
+`Runner` drives a host on a dedicated thread of this process.
 
-Inference never runs on the event loop: each runner has a single-thread executor, so the
-handler is initialised and called on the same OS thread for its whole life (CUDA context,
-stream and thread-local torch state stay put), and the event loop only awaits futures.
+By default each instance is a worker process (`mariner.server.workers`) that runs a `ModelHost`
+of its own; `Runner` is the in-process option. Either way inference never runs on the event
+loop: the handler is initialised and called on the same OS thread for its whole life (CUDA
+context, stream and thread-local torch state stay put), and the event loop only awaits.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -143,44 +146,38 @@ def load_entry_point(archive: ModelArchive) -> tuple[Any, Any]:
     return instance.handle, getattr(instance, "initialize", lambda _ctx: None)
 
 
-class Runner:
-    """One instance of one model version on one device."""
+class ModelHost:
+    """The synchronous half of a model instance: loads the handler and runs batches on the calling
+    thread. The thread `Runner` and the worker process (`mariner.server.workers.main`) both use
+    it, so the handler contract, the out-of-memory split and the result encoding live here once.
+
+    Call `load()` and `run_batch()` from one thread for the instance's whole life (its CUDA
+    stream and thread-local torch state stay put). `on_oom` is called once per split.
+    """
 
     def __init__(
         self,
         archive: ModelArchive,
         *,
-        instance: int,
+        id: str,
         placement: Placement,
         batch_size: int,
-        generation: int = 0,
         on_oom: Callable[[], None] | None = None,
     ) -> None:
         self.archive = archive
-        self.instance = instance
-        self.generation = generation
-        self.id = f"{archive.name}-{archive.version}-{instance}" + (f".{generation}" if generation else "")
-        self._on_oom = on_oom
+        self.id = id
         self.placement = placement
         self.batch_size = batch_size
-        self.status = "LOADING"
+        self.on_oom = on_oom
         self.batches = 0
+        self.failed = False
         self.load_seconds: float | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{self.id}")
         self._handle: Any = None
         self._context: Context | None = None
         self._stream: Any = None
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._executor, self._load)
-        except BaseException:
-            self.status = "FAILED"
-            raise
-        self.status = "READY"
-
-    def _load(self) -> None:
+    def load(self) -> float:
+        """Set threads and device, import the handler and initialise it; returns the seconds taken."""
         t0 = time.perf_counter()
         import torch
 
@@ -202,6 +199,12 @@ class Runner:
         self._handle = handle
         self.load_seconds = time.perf_counter() - t0
         log.info("instance %s ready on %s in %.2f s", self.id, self.placement.device, self.load_seconds)
+        return self.load_seconds
+
+    def unload(self) -> None:
+        # Let the handler and its model go: what they hold is released with them (an AOTInductor
+        # package's extracted .so and its aotinductor_* temp dir are removed only then).
+        self._handle = None
 
     def _run_on_stream(self, fn: Any, *args: Any) -> Any:
         if self._stream is None:
@@ -213,17 +216,12 @@ class Runner:
         self._stream.synchronize()
         return out
 
-    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
-        """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
-        loop = asyncio.get_running_loop()
-        try:
-            fut = loop.run_in_executor(self._executor, self._run_batch, list(requests))
-        except RuntimeError as exc:  # executor shut down: this instance is gone
-            raise InstanceFailed(f"instance {self.id} is stopped") from exc
-        return await fut
+    def run_batch(self, requests: list[InferRequest]) -> list[InferResult]:
+        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request).
 
-    def _run_batch(self, requests: list[InferRequest]) -> list[InferResult]:
-        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request)."""
+        Raises ServingError for a whole-batch failure, InstanceFailed when the handler ended
+        the instance (SystemExit & co).
+        """
         try:
             return self._handle_batch(requests)
         except _OutOfMemory:
@@ -232,13 +230,13 @@ class Runner:
                     Code.RESOURCE_EXHAUSTED,
                     "the model ran out of memory on this request alone; send a smaller input",
                 ) from None
-            if self._on_oom is not None:
-                self._on_oom()
+            if self.on_oom is not None:
+                self.on_oom()
             _release_cached_memory(self.placement)
             mid = len(requests) // 2
             log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
                         len(requests), mid, len(requests) - mid)  # fmt: skip
-            return self._run_batch(requests[:mid]) + self._run_batch(requests[mid:])
+            return self.run_batch(requests[:mid]) + self.run_batch(requests[mid:])
 
     def _handle_batch(self, requests: list[InferRequest]) -> list[InferResult]:
         ctx = self._context
@@ -263,7 +261,7 @@ class Runner:
             log.error(
                 "handler of %s ended its instance (%s); it will be replaced", self.id, type(exc).__name__
             )
-            self.status = "FAILED"
+            self.failed = True
             raise InstanceFailed(f"handler raised {type(exc).__name__}") from None
         finally:
             self.batches += 1
@@ -290,12 +288,77 @@ class Runner:
             )
         return results
 
+
+def instance_id(name: str, version: str, instance: int, generation: int) -> str:
+    return f"{name}-{version}-{instance}" + (f".{generation}" if generation else "")
+
+
+class Runner:
+    """One instance of one model version on a dedicated thread of this process.
+
+    Kept as an explicit option (`PlaneSettings.worker_mode = "thread"`): a hung handler cannot
+    be killed here, and every model shares this process's `sys.path`.
+    """
+
+    def __init__(
+        self,
+        archive: ModelArchive,
+        *,
+        instance: int,
+        placement: Placement,
+        batch_size: int,
+        generation: int = 0,
+        on_oom: Callable[[], None] | None = None,
+    ) -> None:
+        self.archive = archive
+        self.instance = instance
+        self.generation = generation
+        self.id = instance_id(archive.name, archive.version, instance, generation)
+        self.placement = placement
+        self.batch_size = batch_size
+        self.status = "LOADING"
+        self.load_seconds: float | None = None
+        self.host = ModelHost(archive, id=self.id, placement=placement, batch_size=batch_size, on_oom=on_oom)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{self.id}")
+
+    @property
+    def batches(self) -> int:
+        return self.host.batches
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self.load_seconds = await loop.run_in_executor(self._executor, self.host.load)
+        except BaseException:
+            self.status = "FAILED"
+            raise
+        self.status = "READY"
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
+        loop = asyncio.get_running_loop()
+        try:
+            fut = loop.run_in_executor(self._executor, self.host.run_batch, list(requests))
+        except RuntimeError as exc:  # executor shut down: this instance is gone
+            raise InstanceFailed(f"instance {self.id} is stopped") from exc
+        try:
+            return await fut
+        except InstanceFailed:
+            self.status = "FAILED"
+            raise
+
     def close(self) -> None:
         self.status = "STOPPED"
         self._executor.shutdown(wait=False, cancel_futures=True)
-        # Let the handler and its model go: what they hold is released with them (an AOTInductor
-        # package's extracted .so and its aotinductor_* temp dir are removed only then).
-        self._handle = None
+        self.host.unload()
+
+    async def stop(self, grace: float) -> None:
+        """Same as close(): a thread has nothing to wait for once its batcher is closed."""
+        self.close()
 
     def abandon(self) -> None:
         """Give up on this instance (hung or failed). Python cannot kill a thread: a handler stuck

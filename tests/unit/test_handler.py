@@ -522,16 +522,17 @@ def test_handler_imports_and_runs_with_ts_blocked(model_dir: Path) -> None:
 
 
 def _runner_with(handle: Any) -> Any:
-    """A Runner whose handler is `handle`, without loading an archive."""
+    """A ModelHost (what both the thread runner and a worker process run) whose handler is
+    `handle`, without loading an archive."""
     from types import SimpleNamespace
 
-    from mariner.server.core.runner import Placement, Runner
+    from mariner.server.core.runner import ModelHost, Placement
 
     archive = SimpleNamespace(name="digits", version="1.0")
-    runner = Runner(archive, instance=0, placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]
-    runner._context = Context("digits", ".", {}, batch_size=4, gpu_id=None)
-    runner._handle = handle
-    return runner
+    host = ModelHost(archive, id="digits-1.0-0", placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]
+    host._context = Context("digits", ".", {}, batch_size=4, gpu_id=None)
+    host._handle = handle
+    return host
 
 
 def test_runner_takes_the_tensor_path_only_for_typed_tensor_requests() -> None:
@@ -548,11 +549,11 @@ def test_runner_takes_the_tensor_path_only_for_typed_tensor_requests() -> None:
         seen.extend(data)
         return [{"tensors": {"label": [7, 7]}} for _ in data]
 
-    runner = _runner_with(handle)
+    host = _runner_with(handle)
     try:
-        ts_result, oip_result = runner._handle_batch([spoof, typed])
+        ts_result, oip_result = host.run_batch([spoof, typed])
     finally:
-        runner.close()
+        host.unload()
     assert seen[0] is spoof.data
     assert seen[1] == {"tensors": arrays}
     assert ts_result.tensors is None

@@ -1,0 +1,173 @@
+"""A frontend's connection to one model worker, usable by the batcher as a `BatchRunner`.
+
+Several batches may be in flight on one connection (the worker merges what waits); each is
+matched to its `Result` by id. When the connection drops (the worker died: segfault, abort,
+killed for memory or by us) every batch in flight fails with `InstanceFailed`, which the batcher
+answers with INTERNAL and a message that says the worker died, and replaces the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+
+from mariner.server.core.batcher import InstanceFailed
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.workers import protocol
+from mariner.server.workers.api import WorkerEndpoint
+
+log = logging.getLogger("mariner.worker_connection")
+
+# How long start() waits for the socket file of a worker that said it is ready (it binds before
+# saying so, so this only covers a slow file system or a supervisor that forwarded it early).
+CONNECT_WAIT_S = 10.0
+
+
+def worker_died(pid: int) -> ServingError:
+    return ServingError(
+        Code.INTERNAL,
+        f"the model's worker process (pid {pid}) died while running this batch; it is being restarted",
+    )
+
+
+def kill_worker(pid: int) -> None:
+    """SIGKILL a worker and whatever it started (it leads its own session and process group)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
+class WorkerConnection:
+    """One worker as a `BatchRunner`: `run()` sends a batch on the worker's socket and awaits it.
+
+    `on_oom(n)` is called with the out-of-memory splits the worker reports, so the frontend
+    counts them (`mariner_oom_batch_splits_total`).
+    """
+
+    def __init__(
+        self,
+        endpoint: WorkerEndpoint,
+        *,
+        batch_size: int,
+        on_oom: Callable[[int], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.id = endpoint.id
+        self.instance = endpoint.instance
+        self.generation = endpoint.generation
+        self.pid = endpoint.pid
+        self.batch_size = batch_size
+        self.status = "LOADING"
+        self.batches = 0
+        self.load_seconds = endpoint.load_seconds
+        self._on_oom = on_oom
+        self._ids = itertools.count()
+        self._pending: dict[int, asyncio.Future[protocol.Result]] = {}
+        self._segments: dict[int, list[protocol.ShmRef]] = {}
+        self._sent = protocol.SentSegments()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._read_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Connect, retrying briefly while the socket file appears."""
+        deadline = time.monotonic() + CONNECT_WAIT_S
+        while True:
+            try:
+                self._reader, self._writer = await asyncio.open_unix_connection(self.endpoint.socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if time.monotonic() >= deadline:
+                    self.status = "FAILED"
+                    raise ServingError(
+                        Code.UNAVAILABLE, f"cannot reach the worker of {self.id} (pid {self.pid}): {exc}"
+                    ) from exc
+                await asyncio.sleep(0.02)
+        self._read_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"worker-{self.id}")
+        self.status = "READY"
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        """Run one batch on the worker; raises ServingError for a whole-batch failure and
+        InstanceFailed when the worker is gone."""
+        if self.status != "READY" or self._writer is None:
+            raise InstanceFailed(
+                f"worker {self.id} (pid {self.pid}) is {self.status}", error=worker_died(self.pid)
+            )
+        batch_id = next(self._ids)
+        fut: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
+        self._pending[batch_id] = fut
+        try:
+            refs = await protocol.write_message(
+                self._writer, protocol.Batch(batch_id, tuple(requests)), sent=self._sent
+            )
+            self._segments[batch_id] = refs
+            result = await fut
+        except (ConnectionError, OSError) as exc:
+            self._lost(f"writing failed: {exc!r}")
+            raise InstanceFailed(f"worker {self.id} connection lost", error=worker_died(self.pid)) from None
+        finally:
+            self._pending.pop(batch_id, None)
+            self._sent.discard(self._segments.pop(batch_id, ()))
+        self.batches += 1
+        if result.oom_splits and self._on_oom is not None:
+            self._on_oom(result.oom_splits)
+        if result.error is not None:
+            if result.error.code == protocol.INSTANCE_FAILED:
+                self.status = "FAILED"
+                raise InstanceFailed(f"worker {self.id}: {result.error.message}")
+            raise ServingError(Code(result.error.code), result.error.message)
+        return list(result.results)
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        why = "the worker closed the connection"
+        try:
+            while True:
+                msg = await protocol.read_message(self._reader)
+                if not isinstance(msg, protocol.Result):
+                    raise protocol.FrameError(f"unexpected message {type(msg).__name__}")
+                fut = self._pending.get(msg.id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except asyncio.CancelledError:
+            why = "closed"
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception as exc:  # a bad frame or an undecodable result: this worker is unusable
+            why = f"bad message: {exc!r}"
+            log.exception("worker %s sent a bad message", self.id)
+        finally:
+            self._lost(why)
+
+    def _lost(self, why: str) -> None:
+        if self.status == "READY":
+            log.error("worker %s (pid %d): %s", self.id, self.pid, why)
+            self.status = "FAILED"
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(
+                    InstanceFailed(f"worker {self.id} (pid {self.pid}): {why}", error=worker_died(self.pid))
+                )
+        self._pending.clear()
+        self._sent.release()  # batches the worker will never read
+        if self._writer is not None:
+            self._writer.close()
+
+    def abandon(self) -> None:
+        """The hung-batch path: SIGKILL the worker now (no thread, no CPU left behind) and close."""
+        kill_worker(self.pid)
+        self.close(status="FAILED")
+
+    def close(self, status: str = "STOPPED") -> None:
+        self.status = status
+        if self._read_task is not None:
+            self._read_task.cancel()
+        self._lost("closed")

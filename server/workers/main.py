@@ -1,0 +1,313 @@
+"""A model worker process: `python -m mariner.server.workers.main [SPEC.json]` (spec on stdin
+when no path is given).
+
+It puts only its archive's directory on `sys.path`, loads the handler (a `ModelHost`, the same
+code the in-process runner uses), listens on the spec's Unix socket, and writes one JSON line to
+its stdout: `{"ready": true, "pid", "device", "load_seconds"}`, or `{"ready": false, "error"}`
+followed by exit code 3 when loading failed. Anything else the handler prints goes to stderr:
+stdout carries only that line.
+
+Threads: the asyncio loop (main thread) only does IO; the handler is loaded and called on one
+dedicated thread for the worker's whole life, so its CUDA stream and thread-local torch state
+stay put. Batches from every connection wait in one queue; when the handler is free the worker
+takes what waits, merges batches up to `batch_size` items into one handler call and splits the
+results back per batch. SIGTERM: finish the batch in hand, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from mariner.server.workers.api import WorkerSpec
+
+log = logging.getLogger("mariner.worker")
+
+EXIT_LOAD_FAILED = 3
+EXIT_INSTANCE_ENDED = 4  # the handler ended the instance (SystemExit & co)
+_PARENT_POLL_S = 1.0
+
+
+def spec_to_json(spec: WorkerSpec) -> str:
+    from dataclasses import asdict
+
+    return json.dumps(asdict(spec))
+
+
+def spec_from_json(text: str) -> WorkerSpec:
+    return WorkerSpec(**json.loads(text))
+
+
+def isolate_sys_path(model_dir: str) -> None:
+    """Make `model_dir` the only place model code imports from: drop the current directory and the
+    script's directory (which `-m` and `-c` put first) and put the archive's directory first."""
+    cwd = os.getcwd()
+    kept = [p for p in sys.path if p not in ("", ".", cwd, model_dir)]
+    sys.path[:] = [model_dir, *kept]
+
+
+@dataclass(eq=False)
+class _Conn:
+    writer: asyncio.StreamWriter
+    sent: Any  # protocol.SentSegments
+    open: bool = True
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Job:
+    conn: _Conn
+    batch: Any  # protocol.Batch
+    items: int = field(default=0)
+
+
+class Worker:
+    """Serves one loaded `ModelHost` on a Unix socket to every frontend that connects."""
+
+    def __init__(self, spec: WorkerSpec, host: Any, executor: ThreadPoolExecutor) -> None:
+        self.spec = spec
+        self.host = host
+        self._executor = executor
+        self._jobs: deque[_Job] = deque()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._conns: set[_Conn] = set()
+        self._oom_splits = 0
+        self.exit_code = 0
+
+    def count_oom(self) -> None:  # called on the handler thread; read after the call returns
+        self._oom_splits += 1
+
+    async def serve(self, ready_out: IO[str], load_seconds: float) -> int:
+        loop = asyncio.get_running_loop()
+        path = self.spec.socket_path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket of an earlier worker
+        server = await asyncio.start_unix_server(self._serve_conn, path=path)
+        os.chmod(path, 0o600)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        parent = os.getppid()
+        watchdog = loop.create_task(self._watch_parent(parent))
+        ready_out.write(
+            json.dumps(
+                {"ready": True, "pid": os.getpid(), "device": self.spec.device, "load_seconds": load_seconds}
+            )
+            + "\n"
+        )
+        ready_out.flush()
+        ready_out.close()
+        try:
+            await self._dispatch()
+        finally:
+            watchdog.cancel()
+            server.close()
+            await self._finish_conns()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        return self.exit_code
+
+    async def _finish_conns(self) -> None:
+        """Send what is buffered, then end each connection from this side and wait (briefly) for
+        the frontend to read to the end and close: only then are unread segments its loss."""
+        conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.writer.drain(), 5.0)
+                conn.writer.write_eof()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(c.closed.wait() for c in conns)), 5.0)
+        for conn in conns:
+            self._close_conn(conn)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def _watch_parent(self, parent: int) -> None:
+        # A worker whose parent died (killed, crashed) would serve nobody and hold its device:
+        # it ends itself. start_new_session keeps it out of the parent's process group, so no
+        # signal to that group reaches it.
+        while True:
+            await asyncio.sleep(_PARENT_POLL_S)
+            if os.getppid() != parent:
+                log.error("worker %s: parent %d is gone; exiting", self.spec.id, parent)
+                os._exit(1)
+
+    async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from mariner.server.workers import protocol
+
+        conn = _Conn(writer, protocol.SentSegments())
+        self._conns.add(conn)
+        try:
+            while True:  # until the frontend closes, also while stopping (see _finish_conns)
+                msg = await protocol.read_message(reader)
+                if not isinstance(msg, protocol.Batch):
+                    raise protocol.FrameError(f"unexpected message {type(msg).__name__}")
+                self._jobs.append(_Job(conn, msg, sum(r.items for r in msg.requests)))
+                self._wake.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the frontend went away
+        except protocol.FrameError as exc:
+            log.error("worker %s: dropping a connection that sent a bad frame: %s", self.spec.id, exc)
+        finally:
+            self._close_conn(conn)
+
+    def _close_conn(self, conn: _Conn) -> None:
+        if not conn.open:
+            return
+        conn.open = False
+        conn.closed.set()
+        self._conns.discard(conn)
+        conn.writer.close()
+        conn.sent.release()  # results the frontend will never read
+
+    def _take(self) -> list[_Job]:
+        """What waits, merged up to batch_size items (always at least one batch)."""
+        jobs: list[_Job] = []
+        items = 0
+        while self._jobs:
+            job = self._jobs[0]
+            if not job.conn.open:
+                self._jobs.popleft()
+                continue
+            if jobs and items + job.items > self.spec.batch_size:
+                break
+            jobs.append(self._jobs.popleft())
+            items += job.items
+        return jobs
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            jobs = self._take()
+            if not jobs:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            requests = [r for job in jobs for r in job.batch.requests]
+            self._oom_splits = 0
+            outcome: Any
+            try:
+                outcome = await loop.run_in_executor(self._executor, self.host.run_batch, requests)
+            except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
+                outcome = exc
+            self._answer(jobs, outcome)
+            if self.exit_code:
+                return
+
+    def _answer(self, jobs: Sequence[_Job], outcome: Any) -> None:
+        from mariner.server.core.batcher import InstanceFailed
+        from mariner.server.core.errors import ServingError
+        from mariner.server.workers import protocol
+
+        error: protocol.BatchError | None = None
+        if isinstance(outcome, ServingError):
+            error = protocol.BatchError(outcome.code.value, outcome.message)
+        elif isinstance(outcome, InstanceFailed):
+            error = protocol.BatchError(protocol.INSTANCE_FAILED, str(outcome))
+            self.exit_code = EXIT_INSTANCE_ENDED
+        elif isinstance(outcome, BaseException):
+            log.error("worker %s: batch failed: %r", self.spec.id, outcome)
+            error = protocol.BatchError(
+                "internal", "internal error while running the batch; see the server log"
+            )
+        start = 0
+        for n, job in enumerate(jobs):
+            if error is None:
+                count = len(job.batch.requests)
+                msg = protocol.Result(job.batch.id, tuple(outcome[start : start + count]))
+                start += count
+            else:
+                msg = protocol.Result(job.batch.id, error=error)
+            if n == 0 and self._oom_splits:
+                msg = protocol.Result(msg.id, msg.results, msg.error, oom_splits=self._oom_splits)
+            if not job.conn.open:
+                continue
+            try:
+                frame, refs = protocol.encode(msg)
+            except Exception:
+                log.exception("worker %s: cannot encode the results of a batch", self.spec.id)
+                frame, refs = protocol.encode(
+                    protocol.Result(
+                        msg.id,
+                        error=protocol.BatchError("internal", "internal error while returning results"),
+                    )
+                )
+            job.conn.sent.add(refs)
+            job.conn.writer.write(frame)  # asyncio buffers it; the frontend always reads
+
+
+def _ready_stream() -> IO[str]:
+    """Keep the real stdout for the ready line only; fd 1 then points at stderr, so whatever the
+    handler prints lands in the log, not in the parent's ready-line reader."""
+    ready = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return ready
+
+
+def _load(spec: WorkerSpec) -> tuple[Any, float]:
+    from mariner.server.core.archive import ModelArchive
+    from mariner.server.core.runner import ModelHost, Placement
+
+    archive = ModelArchive(
+        name=spec.model,
+        version=spec.version,
+        path=Path(spec.archive_file),
+        sha256=spec.sha256,
+        model_dir=Path(spec.model_dir),
+        manifest=spec.manifest,
+        model_config=spec.model_config,
+    )
+    host = ModelHost(
+        archive,
+        id=spec.id,
+        placement=Placement(gpu_id=spec.gpu_id, torch_threads=spec.torch_threads),
+        batch_size=spec.batch_size,
+    )
+    return host, host.load()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    spec = spec_from_json(Path(args[0]).read_text() if args else sys.stdin.read())
+    ready_out = _ready_stream()
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s worker {spec.id} pid {os.getpid()}: %(message)s",
+    )
+    isolate_sys_path(spec.model_dir)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"handler-{spec.id}")
+    try:
+        host, load_seconds = executor.submit(_load, spec).result()
+    except BaseException as exc:  # noqa: BLE001 - any failure to load is reported, then exit 3
+        from mariner.server.core.errors import ServingError
+
+        reason = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+        log.error("loading failed: %s", reason, exc_info=not isinstance(exc, ServingError))
+        ready_out.write(json.dumps({"ready": False, "error": reason[:2000]}) + "\n")
+        ready_out.flush()
+        return EXIT_LOAD_FAILED
+    worker = Worker(spec, host, executor)
+    host.on_oom = worker.count_oom
+    code = asyncio.run(worker.serve(ready_out, load_seconds))
+    # Do not wait on a handler thread that is stuck: the batch in hand is finished or abandoned.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The supervisor's handle on one model worker process, and `ProcessRunner`, a worker plus its
+connection behind the batcher's runner interface (what a single-process server uses).
+
+A worker is a fresh interpreter (`python -m mariner.server.workers.main`, never a fork: a forked
+CUDA context is unusable), in a session of its own (a signal to the parent's process group does
+not reach it; we stop it ourselves, and SIGKILL its whole group). Its stdout carries exactly one
+line, the ready line; its stderr is the parent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from mariner.server.core.archive import ModelArchive
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.runner import Placement, instance_id
+from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.workers.api import WorkerEndpoint, WorkerSpec
+from mariner.server.workers.connection import WorkerConnection, kill_worker
+from mariner.server.workers.main import EXIT_LOAD_FAILED, spec_to_json
+
+log = logging.getLogger("mariner.worker_process")
+
+# Unix socket paths must fit sun_path (108 bytes with the terminating NUL).
+MAX_SOCKET_PATH = 100
+
+
+class WorkerProcess:
+    """Starts, watches and stops one worker process."""
+
+    def __init__(self, spec: WorkerSpec, *, env: Mapping[str, str] | None = None) -> None:
+        self._spec = spec
+        self._env = dict(os.environ if env is None else env)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._endpoint: WorkerEndpoint | None = None
+        self._exited: asyncio.Event | None = None
+
+    @property
+    def spec(self) -> WorkerSpec:
+        return self._spec
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def endpoint(self) -> WorkerEndpoint | None:
+        return self._endpoint
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    async def start(self, timeout: float) -> WorkerEndpoint:
+        """Spawn the worker and wait for its ready line. Raises ServingError with the worker's
+        reason if it exits (or `timeout` passes) first; the process is gone then."""
+        if len(self._spec.socket_path.encode()) > MAX_SOCKET_PATH:
+            raise ServingError(Code.INTERNAL, f"worker socket path too long: {self._spec.socket_path}")
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        # Popen on the loop's own thread: the child must not be tied to a thread that ends.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "mariner.server.workers.main"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=self._env,
+            start_new_session=True,
+            close_fds=True,
+        )
+        proc = self._proc
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        try:
+            proc.stdin.write(spec_to_json(self._spec).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: the ready line says nothing and wait() tells why
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(proc.stdout.fileno()), "rb")
+        )
+        proc.stdout.close()
+        try:
+            async with asyncio.timeout(timeout):
+                line = await reader.readline()
+                ready = _parse_ready(line)
+                if ready is None or not ready.get("ready"):
+                    code = await self.wait()
+                    exited = f"exited with {_describe_exit(code)} before it was ready"
+                    reason = (ready or {}).get("error") or exited
+                    raise ServingError(
+                        Code.INVALID_ARGUMENT if code == EXIT_LOAD_FAILED else Code.INTERNAL,
+                        f"model {self._spec.model} version {self._spec.version} failed to load: {reason}",
+                    )
+        except TimeoutError:
+            self.kill()
+            await self.wait()
+            raise ServingError(
+                Code.INTERNAL,
+                f"model {self._spec.model} version {self._spec.version}: its worker was not ready "
+                f"within {timeout:g} s and was killed",
+            ) from None
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            transport.close()
+        self._endpoint = WorkerEndpoint(
+            id=self._spec.id,
+            instance=self._spec.instance,
+            generation=self._spec.generation,
+            socket_path=self._spec.socket_path,
+            pid=proc.pid,
+            device=str(ready.get("device", self._spec.device)),
+            status="READY",
+            start_time=time.time(),
+            load_seconds=float(ready.get("load_seconds") or (time.monotonic() - t0)),
+        )
+        return self._endpoint
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its process group now."""
+        if self._proc is not None:
+            kill_worker(self._proc.pid)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM (the worker finishes the batch in hand), then SIGKILL after `grace` seconds."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.wait(), grace)
+            except TimeoutError:
+                log.warning("worker %s (pid %d) did not stop within %g s; killing it", self._spec.id,
+                            self._proc.pid, grace)  # fmt: skip
+        self.kill()  # also whatever it left in its group
+        await self.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._spec.socket_path)
+
+    async def wait(self) -> int:
+        """The exit code once the worker has exited (negative: killed by that signal)."""
+        assert self._proc is not None, "not started"
+        proc = self._proc
+        if proc.poll() is not None:
+            return proc.returncode
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except (OSError, AttributeError):
+            fd = None
+        if fd is not None:
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+            try:
+                if proc.poll() is None:
+                    await done
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        while proc.poll() is None:  # no pidfd (or a race with its readiness): poll
+            await asyncio.sleep(0.02)
+        return proc.returncode
+
+
+def _parse_ready(line: bytes) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def socket_dir_for(work_dir: Path) -> tuple[Path, bool]:
+    """Where worker sockets go: under the work dir when the path stays short, else a private dir
+    under /tmp (Unix socket paths must be < 108 bytes). Returns (dir, whether it is a temp dir)."""
+    candidate = work_dir / "sockets"
+    if len(str(candidate)) + 40 <= MAX_SOCKET_PATH:
+        candidate.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return candidate, False
+    return Path(tempfile.mkdtemp(prefix="mrnr-")), True
+
+
+def socket_path_for(socket_dir: Path, model: str, version: str, instance: int, generation: int) -> str:
+    tag = hashlib.sha256(f"{model}\0{version}".encode()).hexdigest()[:10]
+    return str(socket_dir / f"{tag}-{instance}.{generation}.sock")
+
+
+class ProcessRunner:
+    """One model instance as a worker process, with the thread `Runner`'s interface: a
+    replacement is a new process (generation + 1); `abandon()` SIGKILLs it."""
+
+    def __init__(
+        self,
+        archive: ModelArchive,
+        *,
+        instance: int,
+        placement: Placement,
+        batch_size: int,
+        socket_dir: Path,
+        generation: int = 0,
+        on_oom: Callable[[], None] | None = None,
+        start_timeout_s: float = 600.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.archive = archive
+        self.instance = instance
+        self.generation = generation
+        self.id = instance_id(archive.name, archive.version, instance, generation)
+        self.placement = placement
+        self.batch_size = batch_size
+        self.status = "LOADING"
+        self.load_seconds: float | None = None
+        self._on_oom = on_oom
+        self._start_timeout_s = start_timeout_s
+        self.spec = WorkerSpec(
+            model=archive.name,
+            version=archive.version,
+            instance=instance,
+            generation=generation,
+            model_dir=str(archive.model_dir),
+            archive_file=str(archive.path),
+            sha256=archive.sha256,
+            manifest=archive.manifest,
+            model_config=archive.model_config,
+            batch_size=batch_size,
+            gpu_id=placement.gpu_id,
+            torch_threads=placement.torch_threads,
+            socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
+        )
+        self.process = WorkerProcess(self.spec, env=env)
+        self.connection: WorkerConnection | None = None
+        self._reaper: asyncio.Task[int] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def batches(self) -> int:
+        return 0 if self.connection is None else self.connection.batches
+
+    def _count_oom(self, splits: int) -> None:
+        if self._on_oom is not None:
+            for _ in range(splits):
+                self._on_oom()
+
+    async def start(self) -> None:
+        try:
+            endpoint = await self.process.start(self._start_timeout_s)
+            self.connection = WorkerConnection(endpoint, batch_size=self.batch_size, on_oom=self._count_oom)
+            await self.connection.start()
+        except BaseException:
+            self.status = "FAILED"
+            self.process.kill()
+            raise
+        self.load_seconds = endpoint.load_seconds
+        self.status = "READY"
+        # Notice a worker that dies while idle: the model must not claim a live worker it lacks.
+        self._reaper = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> int:
+        code = await self.process.wait()
+        if self.status == "READY":
+            log.error("worker %s (pid %s) exited with %s", self.id, self.pid, _describe_exit(code))
+            self.status = "FAILED"
+        return code
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        from mariner.server.core.batcher import InstanceFailed
+        from mariner.server.workers.connection import worker_died
+
+        if self.connection is None:
+            raise InstanceFailed(f"instance {self.id} is not started", error=worker_died(self.pid or 0))
+        try:
+            return await self.connection.run(requests)
+        except InstanceFailed:
+            self.status = "FAILED"
+            raise
+
+    def abandon(self) -> None:
+        """Give up on this instance (hung or failed): SIGKILL its process now."""
+        self.status = "FAILED"
+        if self.connection is not None:
+            self.connection.abandon()
+        self.process.kill()
+        self._reap()
+
+    def close(self) -> None:
+        """Stop without waiting (a sync caller): SIGTERM now, SIGKILL after a grace, reaped later."""
+        self.status = "STOPPED"
+        if self.connection is not None:
+            self.connection.close()
+        if self.process.pid is not None:
+            with contextlib.suppress(RuntimeError):
+                asyncio.get_running_loop().create_task(self.process.stop(5.0))
+
+    async def stop(self, grace: float) -> None:
+        """Close the connection, stop the worker (SIGTERM, SIGKILL after `grace`), reap it."""
+        self.status = "STOPPED"
+        if self.connection is not None:
+            self.connection.close()
+        if self.process.pid is not None:
+            await self.process.stop(grace)
+        if self._reaper is not None:
+            self._reaper.cancel()
+
+    def _reap(self) -> None:
+        if self.process.pid is None:
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: Popen reaps it later
+            asyncio.get_running_loop().create_task(self.process.wait())

@@ -1,0 +1,238 @@
+"""The wire between a frontend and a model worker: framed pickle-5 messages on a Unix socket.
+
+A frame is `u32 length | u32 header length | header | body`, big-endian lengths. The body is
+a pickle (protocol 5) of one message dataclass. Buffers of at least `SHM_THRESHOLD` bytes
+(numpy tensors, large request or response bodies) do not travel in the body: each goes into its
+own `multiprocessing.shared_memory` segment, and the header (a pickle of `ShmRef`s, empty when
+there are none) names them in order. The receiver copies each segment out and unlinks it, so a
+segment lives only between send and receive; a sender unlinks what it sent on a connection that
+closed (the peer will never read it), so no segment outlives a dead connection.
+
+Pickle is safe here because both ends are processes of the same server started by it, on a
+socket in a private directory: no untrusted peer can connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+from mariner.server.core.types import InferRequest, InferResult
+
+# Buffers this large or larger travel through shared memory instead of the socket.
+SHM_THRESHOLD = 256 * 1024
+# The largest frame either side accepts (header + body; shared-memory buffers do not count).
+MAX_FRAME = 64 * 1024 * 1024
+SHM_PREFIX = "mrnr"
+
+_LEN = struct.Struct(">II")
+
+INSTANCE_FAILED = "instance_failed"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch a frontend sends; `id` is unique among the batches in flight on one connection."""
+
+    id: int
+    requests: tuple[InferRequest, ...]
+
+
+@dataclass(frozen=True)
+class BatchError:
+    """A whole-batch failure: `code` is a `Code` value, or INSTANCE_FAILED when the handler ended
+    the worker (it exits after sending this)."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Result:
+    """A worker's answer to `Batch(id)`: one result per request, or a whole-batch error.
+
+    `oom_splits` counts the out-of-memory splits it took, so the frontend counts them.
+    """
+
+    id: int
+    results: tuple[InferResult, ...] = ()
+    error: BatchError | None = None
+    oom_splits: int = 0
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    name: str
+    size: int
+
+
+class FrameError(Exception):
+    """The peer sent something that is not a frame of this protocol (or one too large)."""
+
+
+class _Big:
+    """Marks a large bytes value so it leaves the pickle as an out-of-band buffer (pickle cannot
+    take a plain `bytes` out of band); it loads back as plain bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return bytes, (pickle.PickleBuffer(self.data),)
+
+
+def _mark_big(values: Any) -> Any:
+    if not isinstance(values, dict):
+        return values
+    if not any(isinstance(v, bytes) and len(v) >= SHM_THRESHOLD for v in values.values()):
+        return values
+    return {k: _Big(v) if isinstance(v, bytes) and len(v) >= SHM_THRESHOLD else v for k, v in values.items()}
+
+
+def _prepare(msg: Any) -> Any:
+    """Wrap the large bytes a message carries (request data fields, result bodies) in `_Big`."""
+    if isinstance(msg, Batch):
+        reqs = tuple(
+            replace(r, data=marked) if (marked := _mark_big(r.data)) is not r.data else r
+            for r in msg.requests
+        )
+        return replace(msg, requests=reqs)
+    if isinstance(msg, Result) and any(len(r.body) >= SHM_THRESHOLD for r in msg.results):
+        return replace(
+            msg,
+            results=tuple(
+                replace(r, body=_Big(r.body)) if len(r.body) >= SHM_THRESHOLD else r  # type: ignore[arg-type]
+                for r in msg.results
+            ),
+        )
+    return msg
+
+
+def _untrack(name: str) -> None:  # `name` as SharedMemory keeps it: with its leading "/"
+    # The creator hands the segment to the peer, which unlinks it: this process's resource
+    # tracker must not unlink it (or warn about it) when this process exits.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(name, "shared_memory")
+
+
+def _to_shm(buf: pickle.PickleBuffer) -> ShmRef:
+    view = buf.raw()
+    name = f"{SHM_PREFIX}{os.getpid()}_{os.urandom(6).hex()}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, view.nbytes))
+    try:
+        _untrack(shm._name)  # type: ignore[attr-defined]
+        shm.buf[: view.nbytes] = view
+    finally:
+        shm.close()
+    return ShmRef(name, view.nbytes)
+
+
+def _from_shm(ref: ShmRef) -> bytearray:
+    shm = shared_memory.SharedMemory(name=ref.name)
+    try:
+        return bytearray(shm.buf[: ref.size])
+    finally:
+        shm.close()
+        shm.unlink()  # also drops the tracker registration the attach made
+
+
+def unlink_segments(names: Iterable[str]) -> int:
+    """Unlink segments this process sent but the peer may never read; returns how many existed."""
+    gone = 0
+    for name in names:
+        try:
+            shm = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            continue
+        shm.close()
+        shm.unlink()
+        gone += 1
+    return gone
+
+
+def encode(msg: Any) -> tuple[bytes, list[ShmRef]]:
+    """One frame for `msg`, and the shared-memory segments it created (for cleanup on failure)."""
+    refs: list[ShmRef] = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < SHM_THRESHOLD:
+            return True  # small: stays inside the pickle
+        refs.append(_to_shm(buf))
+        return False
+
+    try:
+        body = pickle.dumps(_prepare(msg), protocol=5, buffer_callback=out_of_band)
+    except BaseException:
+        unlink_segments(r.name for r in refs)
+        raise
+    header = pickle.dumps(tuple(refs), protocol=5) if refs else b""
+    return _LEN.pack(len(header) + len(body), len(header)) + header + body, refs
+
+
+def decode(header: bytes, body: bytes) -> Any:
+    refs: Sequence[ShmRef] = pickle.loads(header) if header else ()
+    buffers = []
+    try:
+        for ref in refs:
+            buffers.append(_from_shm(ref))
+    finally:
+        # A segment that could not be read must still not outlive this frame.
+        unlink_segments(r.name for r in refs[len(buffers) + 1 :])
+    return pickle.loads(body, buffers=buffers)
+
+
+async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_FRAME) -> Any:
+    """Read one message. Raises asyncio.IncompleteReadError at EOF, FrameError on a bad frame."""
+    size, header_size = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > max_frame or header_size > size:
+        raise FrameError(f"frame of {size} bytes is larger than the limit of {max_frame}")
+    data = await reader.readexactly(size)
+    return decode(data[:header_size], data[header_size:])
+
+
+class SentSegments:
+    """The shared-memory segments one side sent on one connection and the peer may not have read
+    yet. Pruned as the peer unlinks them; what is left when the connection ends is unlinked."""
+
+    def __init__(self) -> None:
+        self._names: set[str] = set()
+
+    def add(self, refs: Sequence[ShmRef]) -> None:
+        if not refs:
+            return
+        self._names.update(r.name for r in refs)
+        if len(self._names) > 64:
+            self._names = {n for n in self._names if os.path.exists(f"/dev/shm/{n}")}
+
+    def discard(self, refs: Sequence[ShmRef]) -> None:
+        self._names.difference_update(r.name for r in refs)
+
+    def release(self) -> int:
+        names, self._names = self._names, set()
+        return unlink_segments(names)
+
+
+async def write_message(
+    writer: asyncio.StreamWriter, msg: Any, *, sent: SentSegments | None = None
+) -> list[ShmRef]:
+    """Write one message and drain; returns the segments it created (also recorded in `sent`)."""
+    frame, refs = encode(msg)
+    if sent is not None:
+        sent.add(refs)
+    try:
+        writer.write(frame)
+        await writer.drain()
+    except BaseException:
+        if sent is None:
+            unlink_segments(r.name for r in refs)
+        raise
+    return refs
