@@ -5,20 +5,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
-import threading
-import time
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def _private_metrics_dir(argv: Sequence[str]) -> Path:
+    """A private, empty dir for prometheus_client's multiprocess mode, set in the environment
+    before prometheus_client is imported here or in any child (they inherit it).
+
+    Under `--work-dir` / MARINER_WORK_DIR when one is given on the command line or in the
+    environment, else in the system temp dir; removed at exit. A PROMETHEUS_MULTIPROC_DIR set
+    by the caller is not used: stale files there would be counted as ours.
+    """
+    work_dir = os.environ.get("MARINER_WORK_DIR")
+    for i, arg in enumerate(argv):
+        if arg == "--work-dir" and i + 1 < len(argv):
+            work_dir = argv[i + 1]
+        elif arg.startswith("--work-dir="):
+            work_dir = arg.partition("=")[2]
+    parent = None
+    if work_dir:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        parent = work_dir
+    path = Path(tempfile.mkdtemp(prefix="mariner-metrics-", dir=parent))  # mode 0700
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
 
 
 def _serve(argv: Sequence[str]) -> int:
-    from mariner.server.app import run
-    from mariner.server.config import load_config
+    """`mariner serve`: the supervisor, which starts the frontends and the model workers."""
+    if "-h" in argv or "--help" in argv:
+        from mariner.server.config import build_parser
+
+        build_parser().parse_args(["--help"])
+    metrics_dir = _private_metrics_dir(argv)
+    try:
+        return _supervise(argv)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _supervise(argv: Sequence[str]) -> int:
+    from mariner.server.config import frontend_count, load_config
     from mariner.server.core.errors import ServingError
     from mariner.server.logs import setup_logging
+    from mariner.server.supervisor import run
 
     try:
         cfg = load_config(argv)
+        frontend_count(cfg)
     except (ValueError, OSError) as exc:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2
@@ -30,22 +68,11 @@ def _serve(argv: Sequence[str]) -> int:
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         runner = asyncio.run
     try:
-        rc = runner(run(cfg))
-    except (ServingError, OSError) as exc:
+        return runner(run(cfg))
+    except (ServingError, OSError, RuntimeError) as exc:
         # Start-up failures (missing archive, port in use) are the user's to fix: say what, no traceback.
         logging.getLogger("mariner").error("cannot start: %s", getattr(exc, "message", exc))
         return 2
-    deadline = time.monotonic() + 1.0  # idle runner threads exit at once; give them a moment
-    for t in threading.enumerate():
-        if t.name.startswith("runner-"):
-            t.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t.name for t in threading.enumerate() if t.name.startswith("runner-") and t.is_alive()]
-    if stuck:
-        # A hung handler's thread cannot be killed, and the interpreter would wait for it at exit.
-        logging.getLogger("mariner").warning("exiting with hung handler threads: %s", ", ".join(stuck))
-        logging.shutdown()
-        os._exit(rc)
-    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,7 @@ class ServerConfig:
     response_timeout_s: float | None = None
     max_queue: int = 1024
     torch_threads: int | None = None
+    frontends: int | None = None
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
     grace_seconds: float = 30.0
@@ -83,6 +84,8 @@ _HELP = {
     "response_timeout_s": "override every model's responseTimeout (seconds)",
     "max_queue": "queued items per model version before requests are rejected (RESOURCE_EXHAUSTED)",
     "torch_threads": "torch intra-op threads for CPU inference (default: all cores but one)",
+    "frontends": "inference frontend processes sharing the inference ports (default: 1 on up to 7 cores, "
+    "else cores // 4, at most 8; provisional until the benchmark settles it)",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
@@ -223,6 +226,28 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
             merged[f.name] = env[key]
     merged.update({k: v for k, v in args.items() if v is not None})
     return replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
+
+
+def default_frontends(cores: int | None = None) -> int:
+    """How many frontend processes `mariner serve` starts when `--frontends` is not given.
+
+    One on small machines: on <= 2 cores a second frontend only competes with the model workers
+    for the same cores. Above that, a quarter of the cores (at most 8), leaving the rest to the
+    workers' torch threads. Provisional: the benchmark's frontends x workers table settles it.
+    """
+    cores = cores or os.cpu_count() or 1
+    if cores <= 2:
+        return 1
+    return max(1, min(8, cores // 4))
+
+
+def frontend_count(cfg: ServerConfig) -> int:
+    """`cfg.frontends`, checked, or the default for this machine."""
+    if cfg.frontends is None:
+        return default_frontends()
+    if cfg.frontends < 1:
+        raise ValueError(f"frontends must be a positive integer, got {cfg.frontends}")
+    return cfg.frontends
 
 
 def server_layers(cfg: ServerConfig) -> ServerLayers:

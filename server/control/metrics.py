@@ -7,10 +7,15 @@ from the store, protocols and codes are enums; a client never mints a label valu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# prometheus_client's multiprocess mode: every process writes its samples to files in this dir,
+# and the supervisor's /metrics merges them. It must be set before prometheus_client is imported.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -70,6 +75,7 @@ class Metrics:
             "mariner_queue_depth",
             "Items waiting in the batcher queue.",
             labels,
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.requests = Counter(
@@ -82,12 +88,14 @@ class Metrics:
             "mariner_model_load_seconds",
             "Seconds the last load of this model version took (unpack + initialize + warm-up).",
             labels,
+            multiprocess_mode="mostrecent",
             registry=self.registry,
         )
         self.model_ready = Gauge(
             "mariner_model_ready",
             "1 when the model version has at least one ready instance.",
             labels,
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.instance_restarts = Counter(
@@ -106,10 +114,12 @@ class Metrics:
             "mariner_gpu_memory_allocated_bytes",
             "torch.cuda.memory_allocated per device (only when CUDA is in use).",
             ("device",),
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
 
     def render(self) -> bytes:
+        """This process's samples (the single-process server; a frontend's own view)."""
         self._sample_gpu()
         return generate_latest(self.registry)
 
@@ -121,3 +131,25 @@ class Metrics:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             for i in range(torch.cuda.device_count()):
                 self.gpu_memory_bytes.labels(f"cuda:{i}").set(torch.cuda.memory_allocated(i))
+
+
+def multiprocess_enabled() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def render_multiprocess() -> bytes:
+    """Every process's samples merged (the supervisor's /metrics): counters and histograms are
+    summed over processes, gauges as their `multiprocess_mode` says (queue depth summed over the
+    live frontends, model readiness the max over live frontends)."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return generate_latest(registry)
+
+
+class MultiprocessMetrics:
+    """What the /metrics app needs (`render`) over every process's samples."""
+
+    def render(self) -> bytes:
+        return render_multiprocess()

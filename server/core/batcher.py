@@ -123,6 +123,7 @@ class Batcher:
         self._closed = False
         self._replace_runner = replace_runner
         self._replacing: set[asyncio.Task[None]] = set()
+        self._retired: set[BatchRunner] = set()
 
     # -- public ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,6 +137,16 @@ class Batcher:
     @property
     def inflight_batches(self) -> int:
         return len(self._inflight)
+
+    def add_runner(self, runner: BatchRunner) -> None:
+        """Serve with one more instance (the model was scaled up)."""
+        self._runners.append(runner)
+        self._idle.put_nowait(runner)
+        self._arrival.set()
+
+    def retire_runner(self, runner: BatchRunner) -> None:
+        """Give `runner` no more batches (the model was scaled down); a batch it runs now finishes."""
+        self._retired.add(runner)
 
     async def submit(self, req: InferRequest) -> InferResult:
         """Queue `req` and wait for its result. Raises ServingError."""
@@ -241,6 +252,10 @@ class Batcher:
             while not self._queue:
                 await self._wait_arrival(None)
             runner = await self._idle.get()
+            if runner in self._retired:
+                self._retired.discard(runner)
+                self._runners.remove(runner)
+                continue
             # Wait to fill only while another instance is computing: then the model is busy and
             # requests keep arriving. With every instance idle, waiting would only add latency
             # (requests that arrive during compute are batched anyway): no idle wait. Waiting

@@ -356,6 +356,23 @@ class DataPlane:
         self.metrics.model_ready.labels(ep.name, ep.version).set(0)
         return ep
 
+    def install_endpoint(self, ep: ModelEndpoint) -> None:
+        """Serve an endpoint built elsewhere (a frontend's, from the supervisor's model table)."""
+        versions = self._endpoints.setdefault(ep.name, {})
+        versions[ep.version] = ep
+        self._defaults.setdefault(ep.name, ep.version)
+        self.metrics.model_ready.labels(ep.name, ep.version).set(0)
+
+    def remove_endpoint(self, model: str, version: str) -> ModelEndpoint:
+        """Stop serving one version (the caller closes it); the default moves to another version."""
+        ep = self._endpoints[model].pop(version)
+        if not self._endpoints[model]:
+            del self._endpoints[model]
+            self._defaults.pop(model, None)
+        elif self._defaults.get(model) == version:
+            self._defaults[model] = next(iter(self._endpoints[model]))
+        return ep
+
     # -- lookups --------------------------------------------------------------------------
     def resolve(self, model: str, version: str | None = None) -> ModelEndpoint:
         versions = self._endpoints.get(model)

@@ -7,7 +7,9 @@ load balancer can route per model. Server reflection lets grpcurl and friends li
 
 Message size limits are set explicitly on both directions (grpc's defaults are asymmetric:
 4 MiB in, unlimited out), and SO_REUSEPORT is off, so a second server on the same port (say a
-stock TorchServe still running) fails to start instead of silently sharing the traffic.
+stock TorchServe still running) fails to start instead of silently sharing the traffic. The
+frontends of `mariner serve` turn it on for the inference port only: they share it on purpose,
+and the supervisor holds a SO_REUSEPORT socket on it so that no foreign server can join.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -51,11 +53,11 @@ class GrpcPlane(grpc_inference.InferencePlane, grpc_management.ManagementPlane, 
     def models(self) -> list[ModelInfo]: ...
 
 
-def _server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def _server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
 
 
@@ -86,9 +88,9 @@ class GrpcServers:
         dataplane: GrpcPlane,
         *,
         inference: grpc.aio.Server,
-        management: grpc.aio.Server,
+        management: grpc.aio.Server | None,
         inference_port: int,
-        management_port: int,
+        management_port: int | None,
         health: health_aio.HealthServicer,
         health_poll_s: float | None,
     ) -> None:
@@ -107,12 +109,13 @@ class GrpcServers:
         """Publish health first (grpc's HealthServicer starts out SERVING), then listen."""
         await self.refresh_health()
         await self.inference.start()
-        await self.management.start()
+        if self.management is not None:
+            await self.management.start()
         if self._health_poll_s and self._poller is None:
             self._poller = asyncio.create_task(
                 self._poll_health(self._health_poll_s), name="grpc-health-poll"
             )
-        log.info("gRPC listening: inference %d, management %d", self.inference_port, self.management_port)
+        log.info("gRPC listening: inference %s, management %s", self.inference_port, self.management_port)
 
     async def refresh_health(self) -> None:
         """Set every health status from the DataPlane: overall, inference service, one per model."""
@@ -139,7 +142,8 @@ class GrpcServers:
     async def stop(self, grace: float) -> None:
         """Stop both listeners; calls in flight get up to `grace` seconds to finish."""
         await self.set_not_serving()
-        await asyncio.gather(self.inference.stop(grace), self.management.stop(grace))
+        servers = [s for s in (self.inference, self.management) if s is not None]
+        await asyncio.gather(*(s.stop(grace) for s in servers))
 
     async def _stop_poller(self) -> None:
         poller, self._poller = self._poller, None
@@ -157,29 +161,64 @@ class GrpcServers:
                 log.exception("gRPC health refresh failed")
 
 
+def build_management_server(
+    plane: grpc_management.ManagementPlane,
+    *,
+    max_message_bytes: int,
+    health: health_aio.HealthServicer,
+    on_change: Callable[[], Awaitable[None]] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> grpc.aio.Server:
+    """The gRPC management server (7071), not yet bound: management, health and reflection.
+
+    The single-process server and the supervisor of `mariner serve` both serve it.
+    """
+    management = grpc.aio.server(
+        options=_server_options(max_message_bytes), interceptors=[SafeDecoding(), *interceptors]
+    )
+    grpc_management.add_to_server(plane, management, on_change)
+    health_pb2_grpc.add_HealthServicer_to_server(health, management)
+    reflection.enable_server_reflection(
+        (grpc_management.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), management
+    )
+    return management
+
+
+def bind_port(
+    server: grpc.aio.Server, address: str, what: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Bind `server` to `address` ("host:port"); a clear RuntimeError when that fails."""
+    return _bind(server, address, what, credentials)
+
+
 def build_grpc_servers(
     dataplane: GrpcPlane,
     *,
     inference_address: str,
-    management_address: str,
+    management_address: str | None,
     max_message_bytes: int,
     health_poll_s: float | None = DEFAULT_HEALTH_POLL_S,
     inference_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     management_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
+    reuse_port: bool = False,
 ) -> GrpcServers:
     """Create and bind (not start) the inference and management servers.
 
     Addresses are "host:port"; port 0 picks a free port, reported in `inference_port` /
     `management_port`. Must run inside the event loop that will serve the calls.
-    `health_poll_s` None disables the background health refresh.
+    `health_poll_s` None disables the background health refresh. `management_address` None
+    builds the inference server only (a frontend); `reuse_port` shares the inference port with
+    the other frontends (SO_REUSEPORT; the management server never shares its port).
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
-    options = _server_options(max_message_bytes)
     health = health_aio.HealthServicer()
 
-    inference = grpc.aio.server(options=options, interceptors=[SafeDecoding(), *inference_interceptors])
+    inference = grpc.aio.server(
+        options=_server_options(max_message_bytes, reuse_port),
+        interceptors=[SafeDecoding(), *inference_interceptors],
+    )
     grpc_inference.add_to_server(dataplane, inference)
     # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
     grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
@@ -189,21 +228,24 @@ def build_grpc_servers(
         inference,
     )
 
-    management = grpc.aio.server(options=options, interceptors=[SafeDecoding(), *management_interceptors])
+    inference_port = _bind(inference, inference_address, "inference", credentials)
+    management: grpc.aio.Server | None = None
+    management_port: int | None = None
     servers: GrpcServers | None = None
 
     async def on_change() -> None:
         if servers is not None:
             await servers.refresh_health()
 
-    grpc_management.add_to_server(dataplane, management, on_change)
-    health_pb2_grpc.add_HealthServicer_to_server(health, management)
-    reflection.enable_server_reflection(
-        (grpc_management.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), management
-    )
-
-    inference_port = _bind(inference, inference_address, "inference", credentials)
-    management_port = _bind(management, management_address, "management", credentials)
+    if management_address is not None:
+        management = build_management_server(
+            dataplane,
+            max_message_bytes=max_message_bytes,
+            health=health,
+            on_change=on_change,
+            interceptors=management_interceptors,
+        )
+        management_port = _bind(management, management_address, "management", credentials)
     servers = GrpcServers(
         dataplane,
         inference=inference,

@@ -1,0 +1,99 @@
+"""The control channel between the supervisor and one frontend: pickled messages, length-prefixed,
+over a Unix socketpair the frontend inherits (its fd number is on the command line).
+
+Pickle is safe here because both ends are our own processes on a private socketpair: nothing
+else can connect to it. The supervisor sends `FrontendInit` once, then a `ModelTable` at start
+and after every change; the frontend answers `Listening` once its listeners are bound,
+`TableApplied` after each table, and `Drained` with its accounting before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from mariner.server.workers.api import ModelEntry
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FrontendInit:
+    """What a frontend needs to start: the server's config and the concrete inference ports."""
+
+    cfg: Any  # mariner.server.config.ServerConfig (frozen)
+    index: int
+    http_port: int
+    grpc_port: int
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    """Every model version served and its live workers; `version` counts the tables sent."""
+
+    version: int
+    entries: tuple[ModelEntry, ...]
+
+
+@dataclass(frozen=True)
+class Listening:
+    pid: int
+
+
+@dataclass(frozen=True)
+class TableApplied:
+    version: int
+
+
+@dataclass(frozen=True)
+class Drained:
+    accepted: int
+    answered: int
+    ok: int
+
+
+def encode(message: object) -> bytes:
+    body = pickle.dumps(message, protocol=5)
+    return _HEADER.pack(len(body)) + body
+
+
+async def send(writer: asyncio.StreamWriter, message: object) -> None:
+    writer.write(encode(message))
+    await writer.drain()
+
+
+async def receive(reader: asyncio.StreamReader) -> Any | None:
+    """The next message, or None when the other end has gone (EOF)."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+        (size,) = _HEADER.unpack(header)
+        if size > MAX_MESSAGE_BYTES:
+            raise ValueError(f"control message of {size} bytes is over the limit")
+        return pickle.loads(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def receive_blocking(sock: socket.socket) -> Any | None:
+    """The next message on a blocking socket (the frontend reads its init before its loop runs)."""
+
+    def exactly(n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    header = exactly(_HEADER.size)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    body = exactly(size)
+    return None if body is None else pickle.loads(body)
