@@ -7,6 +7,7 @@ children too) and logs to a file the tests read afterwards (the drain accounting
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,19 @@ from mariner.loadtest.servers import ServerError, wait_http_ok
 from mariner.loadtest.stock_torchserve import pick_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
+# Each frontend logs its own accounting when it has drained; the server's is their sum.
+DRAIN_LINE = re.compile(r"drained: accepted=(\d+) answered=(\d+) ok=(\d+)")
+
+
+def drain_totals(log: str) -> tuple[int, int, int, int]:
+    """(accepted, answered, ok, frontends) summed over every frontend's "drained:" line."""
+    lines = [tuple(map(int, m.groups())) for m in DRAIN_LINE.finditer(log)]
+    return (
+        sum(x[0] for x in lines),
+        sum(x[1] for x in lines),
+        sum(x[2] for x in lines),
+        len(lines),
+    )
 
 
 class ServeProcess:
@@ -52,8 +66,11 @@ class ServeProcess:
         return f"127.0.0.1:{self.ports[which]}"
 
     def wait_ready(self, timeout: float = 120.0) -> float:
+        """Seconds until the whole server is ready: the supervisor's /ping (every frontend up,
+        every model with a live worker), then a frontend's /readyz."""
         try:
-            return wait_http_ok(f"{self.url()}/readyz", self.proc, timeout)
+            took = wait_http_ok(f"{self.url('mgmt')}/ping", self.proc, timeout)
+            return took + wait_http_ok(f"{self.url()}/readyz", self.proc, timeout)
         except ServerError as exc:
             raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-3000:]}") from None
 
