@@ -31,6 +31,7 @@ from mariner.server.core.model_settings import (
 from mariner.server.core.runner import Placement, Runner, place_instances
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server.workers.process import ProcessRunner, socket_dir_for
 
 log = logging.getLogger("mariner.dataplane")
 
@@ -60,6 +61,15 @@ class PlaneSettings:
     management_enabled: bool = False
     limits: ArchiveLimits = ArchiveLimits()
     model_layers: ServerLayers = ServerLayers()
+    # "process": every model instance is a worker process (the default); "thread": a thread of
+    # this process (no isolation: a hung handler cannot be killed, archives share sys.path).
+    worker_mode: str = "process"
+    # How long a worker may take to load its model before it is killed and counted as failed.
+    worker_start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.worker_mode not in ("process", "thread"):
+            raise ValueError(f"worker_mode must be 'process' or 'thread', not {self.worker_mode!r}")
 
 
 class _ObserverAdapter:
@@ -83,10 +93,11 @@ class _ObserverAdapter:
         self._compute.observe(seconds)
 
 
-def _resident_bytes() -> int | None:
-    """This process's resident set size (Linux /proc); None where it cannot be read."""
+def _resident_bytes(pid: int | None = None) -> int | None:
+    """A process's resident set size (Linux /proc; this process by default); None where it
+    cannot be read (e.g. the process is gone)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
+        with open(f"/proc/{pid or 'self'}/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
@@ -124,9 +135,16 @@ class ModelEndpoint:
         except (ValueError, KeyError, TypeError) as exc:
             msg = f"archive {archive.path.name}: bad signature: {exc}"
             raise ServingError(Code.INVALID_ARGUMENT, msg) from exc
+        torch_threads = settings.torch_threads
+        if settings.worker_mode == "process" and torch_threads:
+            # The thread budget is the cores: each worker process takes its share of it.
+            torch_threads = max(1, torch_threads // self.min_workers)
         placements = place_instances(
-            self.min_workers, device_type=self.settings.device_type, torch_threads=settings.torch_threads
+            self.min_workers, device_type=self.settings.device_type, torch_threads=torch_threads
         )
+        self._plane = settings
+        self._socket_dir: Path | None = None
+        self._socket_dir_is_temp = False
         self._metrics = metrics
         self._oom = metrics.oom_splits.labels(self.name, self.version)
         self.runners = [self._new_runner(i, p) for i, p in enumerate(placements)]
@@ -139,7 +157,20 @@ class ModelEndpoint:
             batch_timeout_s=self.response_timeout_s,
         )
 
-    def _new_runner(self, instance: int, placement: Placement, generation: int = 0) -> Runner:
+    def _new_runner(self, instance: int, placement: Placement, generation: int = 0) -> Runner | ProcessRunner:
+        if self._plane.worker_mode == "process":
+            if self._socket_dir is None:
+                self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self._plane.work_dir)
+            return ProcessRunner(
+                self.archive,
+                instance=instance,
+                placement=placement,
+                batch_size=self.batch_size,
+                socket_dir=self._socket_dir,
+                generation=generation,
+                on_oom=self._oom.inc,
+                start_timeout_s=self._plane.worker_start_timeout_s,
+            )
         return Runner(
             self.archive,
             instance=instance,
@@ -157,9 +188,13 @@ class ModelEndpoint:
         self.state = ModelState.READY if ready else ModelState.RESTARTING
         self._metrics.model_ready.labels(self.name, self.version).set(1 if ready else 0)
 
-    async def replace_runner(self, old: BatchRunner, reason: str) -> Runner | None:
-        """Replace a hung or failed instance on the same device, retrying with backoff."""
-        assert isinstance(old, Runner)
+    async def replace_runner(self, old: BatchRunner, reason: str) -> Runner | ProcessRunner | None:
+        """Replace a hung or failed instance on the same device, retrying with backoff.
+
+        A worker process is SIGKILLed first (a hung one holds a core until then); its
+        replacement is a new process, generation + 1.
+        """
+        assert isinstance(old, Runner | ProcessRunner)
         old.abandon()
         self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
         self._refresh_state()
@@ -190,6 +225,9 @@ class ModelEndpoint:
             await asyncio.gather(*(r.start() for r in self.runners))
             self._ready_since.update(dict.fromkeys((r.id for r in self.runners), time.time()))
         except BaseException:
+            # Workers that did load must not outlive a model that failed to.
+            for r in self.runners:
+                r.abandon()
             self.state = ModelState.FAILED
             self._metrics.model_ready.labels(self.name, self.version).set(0)
             raise
@@ -229,17 +267,18 @@ class ModelEndpoint:
         self._metrics.model_ready.labels(self.name, self.version).set(0)
         if self.batcher is not None:
             await self.batcher.close(timeout)
-        for r in self.runners:
-            r.close()
+        # Workers finish the batch in hand (none: the batcher is closed) and exit; a worker that
+        # does not is killed after a short grace, so no process outlives the server.
+        await asyncio.gather(*(r.stop(5.0) for r in self.runners))
+        if self._socket_dir is not None and self._socket_dir_is_temp:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         shutil.rmtree(self.archive.model_dir, ignore_errors=True)
 
     def info(self, is_default: bool) -> ModelInfo:
         """This version's facts for management: settings, live queue depth and its workers.
 
-        Runners are threads of this process today, so each worker's pid and memory are the
-        process's own (true, and what a client sees on the machine).
+        Each worker's pid and memory are its process's (this process's own in thread mode).
         """
-        pid, rss = os.getpid(), _resident_bytes()
         return ModelInfo(
             name=self.name,
             version=self.version,
@@ -260,8 +299,8 @@ class ModelEndpoint:
                     r.placement.device,
                     r.status,
                     r.batches,
-                    pid=pid,
-                    memory_bytes=rss,
+                    pid=r.pid,
+                    memory_bytes=_resident_bytes(r.pid) if r.pid is not None else None,
                     started_at=self._ready_since.get(r.id),
                 )
                 for r in self.runners

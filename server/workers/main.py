@@ -303,6 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = Worker(spec, host, executor)
     host.on_oom = worker.count_oom
     code = asyncio.run(worker.serve(ready_out, load_seconds))
+    if not code:
+        # A clean stop lets the handler and its model go first: what they hold is released with
+        # them (an AOTInductor package's extracted files are removed only then).
+        import gc
+
+        host.unload()
+        gc.collect()
     # Do not wait on a handler thread that is stuck: the batch in hand is finished or abandoned.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -190,29 +190,32 @@ def test_grpc_errors(stub, pb) -> None:
 
 @contextlib.contextmanager
 def first_batch_blocks(mariner: InProcessMariner, model: str) -> Iterator[SimpleNamespace]:
-    """Wrap the model's handler: the first batch waits for `release`, every batch's size is kept.
+    """Hold the model's only instance on its first batch until `release`; keep every batch's size.
 
-    While the first batch holds the only instance, whatever arrives queues and then runs as one
-    batch: the test decides which requests share a batch instead of hoping they happen to.
+    The wrap sits where the batcher hands a batch to the instance (the instance is a worker
+    process: its handler is out of reach), so the batcher sees the instance busy for exactly as
+    long as the test wants. While the first batch holds it, whatever arrives queues and then runs
+    as one batch: the test decides which requests share a batch instead of hoping they happen to.
     """
     runner = mariner.server.dataplane.resolve(model).runners[0]
     assert len(mariner.server.dataplane.resolve(model).runners) == 1
-    real = runner._handle
+    real = runner.run
     gate = SimpleNamespace(started=threading.Event(), release=threading.Event(), sizes=[])
 
-    def handle(data: list, context: object) -> list:
-        gate.sizes.append(len(data))
+    async def run(requests: list) -> list:
+        gate.sizes.append(len(requests))
         if len(gate.sizes) == 1:
             gate.started.set()
-            assert gate.release.wait(120), "the test never released the first batch"
-        return real(data, context)
+            released = await asyncio.to_thread(gate.release.wait, 120)
+            assert released, "the test never released the first batch"
+        return await real(requests)
 
-    runner._handle = handle
+    runner.run = run  # type: ignore[method-assign]
     try:
         yield gate
     finally:
         gate.release.set()
-        runner._handle = real
+        del runner.run
 
 
 def wait_for_queue_depth(mariner: InProcessMariner, model: str, depth: int) -> None:
@@ -291,10 +294,10 @@ def test_health_is_serving_only_after_load(model_store: Path) -> None:
 # -- resources ------------------------------------------------------------------------------------
 
 
-def _mapped_aoti_dirs() -> set[Path]:
-    """aotinductor_* temp dirs whose files this process has mapped (ours, not another process's)."""
+def _mapped_aoti_dirs(pid: int | str = "self") -> set[Path]:
+    """aotinductor_* temp dirs whose files process `pid` has mapped (ours, not another process's)."""
     found = set()
-    for line in Path("/proc/self/maps").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
         for parent in Path(path).parents:
             if parent.name.startswith("aotinductor_"):
@@ -304,10 +307,10 @@ def _mapped_aoti_dirs() -> set[Path]:
 
 def test_an_aoti_model_leaves_no_temp_dir_behind(model_store: Path) -> None:
     """torch extracts an AOTInductor package into $TMPDIR/aotinductor_*; stopping must remove it."""
-    before = _mapped_aoti_dirs()
     srv = InProcessMariner(model_store, "digits_aoti.mar").start()
     try:
-        ours = _mapped_aoti_dirs() - before
+        (runner,) = srv.server.dataplane.resolve("digits_aoti").runners  # type: ignore[union-attr]
+        ours = _mapped_aoti_dirs(runner.pid)  # the model runs in its worker process
         assert ours, "the AOTI model should run from an extracted package"
         assert all(d.is_dir() for d in ours)
     finally:

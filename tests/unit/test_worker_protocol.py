@@ -1,0 +1,127 @@
+"""The frontend ⇄ worker wire: frames round-trip every value a batch carries, large buffers go
+through shared memory and no segment outlives its frame, oversized frames are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.workers import protocol
+from mariner.server.workers.api import WorkerSpec
+from mariner.server.workers.main import isolate_sys_path, spec_from_json, spec_to_json
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"{protocol.SHM_PREFIX}{os.getpid()}_")}
+
+
+def _batch(blob: bytes, tensor: np.ndarray) -> protocol.Batch:
+    return protocol.Batch(
+        7,
+        (
+            InferRequest("m", "1", {"body": blob, "n": 3}, WireProtocol.TS_GRPC, "r1", headers={"a": "b"}),
+            InferRequest("m", None, {}, WireProtocol.OIP_HTTP, "r2", tensors={"x": tensor}, items=2),
+        ),
+    )
+
+
+async def _pipe(msg: object, *, max_frame: int = protocol.MAX_FRAME) -> object:
+    """Write `msg` into a real stream and read it back."""
+    reader = asyncio.StreamReader()
+    frame, refs = protocol.encode(msg)
+    reader.feed_data(frame)
+    reader.feed_eof()
+    try:
+        return await protocol.read_message(reader, max_frame=max_frame)
+    except BaseException:
+        protocol.unlink_segments(r.name for r in refs)
+        raise
+
+
+def test_small_messages_stay_in_the_frame() -> None:
+    msg = _batch(b"small", np.arange(6, dtype=np.float32).reshape(2, 3))
+    frame, refs = protocol.encode(msg)
+    assert refs == []
+    out = asyncio.run(_pipe(msg))
+    assert isinstance(out, protocol.Batch)
+    assert out.id == 7
+    assert out.requests[0] == msg.requests[0]
+    np.testing.assert_array_equal(out.requests[1].tensors["x"], msg.requests[1].tensors["x"])
+    assert out.requests[1].protocol is WireProtocol.OIP_HTTP
+
+
+def test_large_buffers_travel_through_shared_memory_and_are_unlinked_on_receipt() -> None:
+    before = _segments()
+    blob = os.urandom(protocol.SHM_THRESHOLD + 1)
+    tensor = np.random.default_rng(0).random((2, protocol.SHM_THRESHOLD // 8 + 1))
+    msg = _batch(blob, tensor)
+    frame, refs = protocol.encode(msg)
+    assert len(refs) == 2, "the bytes body and the tensor each went to a segment"
+    assert len(frame) < protocol.SHM_THRESHOLD, "and not into the frame"
+    assert _segments() - before == {r.name for r in refs}
+    out = protocol.decode(*_split(frame))
+    assert _segments() == before, "the receiver unlinked every segment it read"
+    assert out.requests[0].data["body"] == blob
+    assert type(out.requests[0].data["body"]) is bytes
+    np.testing.assert_array_equal(out.requests[1].tensors["x"], tensor)
+
+
+def test_result_bodies_and_errors_round_trip() -> None:
+    body = b"r" * (protocol.SHM_THRESHOLD * 2)
+    ok = protocol.Result(
+        3, (InferResult(body, status=200, content_type="text/plain"), InferResult(b"x")), oom_splits=2
+    )
+    out = asyncio.run(_pipe(ok))
+    assert out == ok
+    err = protocol.Result(4, error=protocol.BatchError("internal", "boom"))
+    assert asyncio.run(_pipe(err)) == err
+
+
+def test_segments_a_peer_never_read_are_released_with_the_connection() -> None:
+    before = _segments()
+    sent = protocol.SentSegments()
+    _, refs = protocol.encode(_batch(os.urandom(protocol.SHM_THRESHOLD), np.zeros(1)))
+    sent.add(refs)
+    assert _segments() - before == {r.name for r in refs}
+    assert sent.release() == 1
+    assert _segments() == before
+    assert sent.release() == 0, "releasing twice finds nothing"
+
+
+def test_an_oversized_frame_is_refused_and_leaks_nothing() -> None:
+    before = _segments()
+    msg = _batch(b"y" * 1000, np.zeros(1))
+    with pytest.raises(protocol.FrameError, match="larger than the limit"):
+        asyncio.run(_pipe(msg, max_frame=100))
+    assert _segments() == before
+
+
+def test_a_spec_survives_its_json_trip() -> None:
+    spec = WorkerSpec(
+        model="m", version="1", instance=0, generation=2, model_dir="/x", archive_file="/m.mar", sha256="0",
+        manifest={"model": {"handler": "h.py"}}, model_config={"batchSize": 4}, batch_size=4, gpu_id=None,
+        torch_threads=1, socket_path="/tmp/s.sock",
+    )  # fmt: skip
+    assert spec_from_json(spec_to_json(spec)) == spec
+    assert spec.id == "m-1-0.2"
+
+
+def test_the_archive_dir_is_the_only_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path), "/usr/lib/python3.11", "/other/archive"])
+    isolate_sys_path("/other/archive")
+    assert sys.path == ["/other/archive", "/usr/lib/python3.11"]
+
+
+def _split(frame: bytes) -> tuple[bytes, bytes]:
+    size, header = protocol._LEN.unpack(frame[: protocol._LEN.size])
+    data = frame[protocol._LEN.size :]
+    assert len(data) == size
+    return data[:header], data[header:]
