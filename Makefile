@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench quickbench fuzz
+.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz
 
 venv: $(STAMP)
 
@@ -53,9 +53,16 @@ LOADTEST_P99_MS ?= 50
 loadtest: models protos
 	$(PY) -m mariner.loadtest.gate --store $(STORE) --users $(LOADTEST_USERS) --run-time $(LOADTEST_SECONDS) --p99-ms $(LOADTEST_P99_MS)
 
-# Raw model vs Mariner vs stock TorchServe side by side (about 4 min here): bench/results.md + PNGs.
+# Raw model vs Mariner vs stock TorchServe side by side, the busiest level 3 times interleaved
+# (about 10 min here): bench/results.md + PNGs. BENCH_ARGS adds options, e.g.
+# BENCH_ARGS='--mariner-args "--frontends 2"'.
+BENCH_ARGS ?=
 bench: models protos java
-	$(PY) -m mariner.loadtest.bench
+	$(PY) -m mariner.loadtest.bench $(BENCH_ARGS)
+
+# Mariner alone at 64 clients: frontends 1/2 x workers 1/2 (bench/scaling.md).
+bench-scaling: models protos
+	$(PY) -m mariner.loadtest.bench --scaling $(BENCH_ARGS)
 
 # One sequential client: Mariner vs stock TorchServe vs the bare transport floor.
 quickbench: models protos java

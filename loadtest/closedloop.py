@@ -2,7 +2,9 @@
 
 Each level runs in fresh spawned processes, separate from the server under test, each running
 `concurrency / processes` coroutines on uvloop: grpc.aio for TorchServe gRPC `Predictions`
-(one channel per process, calls multiplexed on it as real gRPC clients do), and HTTP/1.1
+(`grpc_channels` channels spread over the processes, each its own HTTP/2 connection, the
+coroutines of a process spread over its channels and their calls multiplexed on them as real gRPC
+clients do; one channel means one client process), and HTTP/1.1
 keep-alive over raw asyncio streams for `POST /predictions/{model}` (one connection per
 coroutine). Closed loop: every coroutine sends its next request when the previous answer
 arrives, so concurrency is exact and throughput is what the server sustains at it.
@@ -72,6 +74,13 @@ class LevelResult:
     server_cores: float
     machine_cores: float  # every process on the machine (clients + server + anyone else)
     first_error: str = ""
+    connections: int = 0  # gRPC channels (one HTTP/2 connection each) or HTTP/1.1 connections
+    repeat: int = 0  # which repeat of this cell (the benchmark runs the busiest level several times)
+
+    @property
+    def cpu_us_per_request(self) -> float:
+        """Server CPU per answered request: server cores / req/s, in microseconds."""
+        return self.server_cores / self.throughput_rps * 1e6 if self.throughput_rps > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,7 @@ class ClientJob:
     duration_s: float | None
     bodies: tuple[bytes, ...]
     offset: int  # where in the bodies this process starts, so processes send different digits
+    channels: int = 1  # gRPC channels this process opens (coroutines are spread over them)
 
 
 @dataclass(frozen=True)
@@ -165,18 +175,27 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
     errors = 0
     first_error = ""
     latencies: array[float] = array("d")
-    channel: Any = None
+    channels: list[Any] = []
 
     if job.protocol == "grpc":
         import grpc
 
         from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
-        channel = grpc.aio.insecure_channel(f"{job.host}:{job.port}")
-        stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+        # A local subchannel pool per channel: with the (default) global pool, channels to the
+        # same target with the same arguments share one TCP connection, and N channels would be
+        # one HTTP/2 connection to the server (and one SO_REUSEPORT choice of frontend).
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        channels = [
+            grpc.aio.insecure_channel(f"{job.host}:{job.port}", options=options)
+            for _ in range(max(1, job.channels))
+        ]
+        stubs = [inference_pb2_grpc.InferenceAPIsServiceStub(ch) for ch in channels]
         requests = [inference_pb2.PredictionsRequest(model_name=job.model, input={"data": b}) for b in bodies]
 
-        def make_caller() -> Any:
+        def make_caller(k: int) -> Any:
+            stub = stubs[k % len(stubs)]
+
             async def call(i: int) -> bytes:
                 response = await stub.Predictions(requests[i], timeout=REQUEST_TIMEOUT_S)
                 return bytes(response.prediction)
@@ -185,7 +204,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
     else:
         conns: list[HttpConnection] = []
 
-        def make_caller() -> Any:
+        def make_caller(k: int) -> Any:
             conn = HttpConnection(job.host, job.port, f"/predictions/{job.model}")
             conns.append(conn)
 
@@ -201,7 +220,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
 
             return call
 
-    callers = [make_caller() for _ in range(job.coroutines)]
+    callers = [make_caller(k) for k in range(job.coroutines)]
     state = {"left": 0, "next": job.offset, "deadline": math.inf, "record": False}
 
     async def worker(call: Any) -> None:
@@ -236,7 +255,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
     cpu0, t0 = time.process_time(), time.monotonic()
     await phase(job.requests, job.duration_s)
     t1, cpu1 = time.monotonic(), time.process_time()
-    if channel is not None:
+    for channel in channels:
         await channel.close()
     if job.protocol == "http":
         for conn in conns:
@@ -270,6 +289,7 @@ class LoadSpec:
     warmup: int  # untimed requests first (at least 4 per coroutine)
     duration_s: float | None = None  # if set: run the timed phase this long instead of `requests`
     client_procs: int = 2  # at most this many client processes (never more than the concurrency)
+    grpc_channels: int | None = None  # gRPC channels in all (None: one per client process)
 
 
 def run_level(
@@ -283,9 +303,17 @@ def run_level(
     load: LoadSpec,
     bodies: tuple[bytes, ...],
     server_pid: int | None,
+    label: str | None = None,
+    repeat: int = 0,
 ) -> LevelResult:
-    """One closed-loop level against a running server, in fresh client processes."""
-    procs = max(1, min(load.client_procs, concurrency))
+    """One closed-loop level against a running server, in fresh client processes.
+
+    `protocol` is the wire protocol ("grpc" or "http"); `label` names the cell in the result
+    (e.g. "grpc-1ch"), default the protocol.
+    """
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
+    procs, channels = client_layout(protocol, concurrency, load.client_procs, load.grpc_channels)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(procs + 1)
     coroutines = _split(concurrency, procs)
@@ -295,7 +323,7 @@ def run_level(
     for k in range(procs):
         job = ClientJob(
             protocol, host, port, model, coroutines[k], warmups[k], counts[k], load.duration_s,
-            bodies, offset=k * len(bodies) // procs,
+            bodies, offset=k * len(bodies) // procs, channels=channels[k],
         )  # fmt: skip
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_client_main, args=(job, barrier, child_end), daemon=True)
@@ -334,7 +362,7 @@ def run_level(
     samples = [x for r in results for x in r.latencies_ms]
     return LevelResult(
         server=server,
-        protocol=protocol,
+        protocol=label or protocol,
         concurrency=concurrency,
         latency=Percentiles.of(samples),
         errors=sum(r.errors for r in results),
@@ -344,7 +372,26 @@ def run_level(
         server_cores=(server1 - server0) / sampled if sampled > 0 else 0.0,
         machine_cores=(machine1 - machine0) / sampled if sampled > 0 else 0.0,
         first_error=next((r.first_error for r in results if r.first_error), ""),
+        connections=sum(channels) if protocol == "grpc" else concurrency,
+        repeat=repeat,
     )
+
+
+def client_layout(
+    protocol: str, concurrency: int, client_procs: int, grpc_channels: int | None
+) -> tuple[int, list[int]]:
+    """How many client processes a level uses and how many gRPC channels each opens.
+
+    Never more processes than coroutines; for gRPC never more channels than coroutines (a channel
+    with no caller would be idle), and never more processes than channels (a channel cannot be
+    shared between processes), so one channel means one process carrying every call.
+    """
+    procs = max(1, min(client_procs, concurrency))
+    if protocol != "grpc":
+        return procs, [1] * procs
+    total = procs if grpc_channels is None else max(1, min(grpc_channels, concurrency))
+    procs = min(procs, total)
+    return procs, _split(total, procs)
 
 
 def _errors(pipes: list[Any]) -> str:
