@@ -34,7 +34,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any, ClassVar
 
@@ -224,21 +224,32 @@ class TorchServeGrpcUser(GrpcUser):
             self.stub.Predictions(request, timeout=GRPC_TIMEOUT_S)
 
 
-class PredictionsHttpUser(FastHttpUser):
-    """TorchServe REST `POST /predictions/{model}` with a random test-set digit per request."""
+class _JsonPostUser(FastHttpUser):
+    """POSTs a random prepared JSON body to one path per user and checks every answer's content."""
 
+    abstract = True
     network_timeout = HTTP_TIMEOUT_S
     connection_timeout = HTTP_TIMEOUT_S
 
+    def path_for(self, model: str) -> str:
+        raise NotImplementedError
+
+    def bodies(self) -> Sequence[bytes]:
+        raise NotImplementedError
+
+    def check(self, content: bytes) -> None:
+        """Raise ValueError when the answer is not a correct prediction."""
+        raise NotImplementedError
+
     def on_start(self) -> None:
         model = self.environment.parsed_options.model if self.environment.parsed_options else DEFAULT_MODEL
-        self.path = f"/predictions/{model}"
+        self.path = self.path_for(model)
 
     @task
-    def predictions(self) -> None:
+    def post(self) -> None:
         with self.client.post(
             self.path,
-            data=random.choice(_bodies()),
+            data=random.choice(self.bodies()),
             headers={"Content-Type": "application/json"},
             catch_response=True,
         ) as resp:
@@ -246,9 +257,22 @@ class PredictionsHttpUser(FastHttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:120]}")
                 return
             try:
-                check_prediction(resp.content or b"")
+                self.check(resp.content or b"")
             except ValueError as exc:
                 resp.failure(str(exc))
+
+
+class PredictionsHttpUser(_JsonPostUser):
+    """TorchServe REST `POST /predictions/{model}` with a random test-set digit per request."""
+
+    def path_for(self, model: str) -> str:
+        return f"/predictions/{model}"
+
+    def bodies(self) -> Sequence[bytes]:
+        return _bodies()
+
+    def check(self, content: bytes) -> None:
+        check_prediction(content)
 
 
 class OipGrpcUser(GrpcUser):
@@ -273,28 +297,14 @@ class OipGrpcUser(GrpcUser):
             self.stub.ModelInfer(random.choice(self._requests), timeout=GRPC_TIMEOUT_S)
 
 
-class OipHttpUser(FastHttpUser):
+class OipHttpUser(_JsonPostUser):
     """Open Inference Protocol REST `POST /v2/models/{model}/infer` with a random test-set digit."""
 
-    network_timeout = HTTP_TIMEOUT_S
-    connection_timeout = HTTP_TIMEOUT_S
+    def path_for(self, model: str) -> str:
+        return oip.infer_path(model)
 
-    def on_start(self) -> None:
-        model = self.environment.parsed_options.model if self.environment.parsed_options else DEFAULT_MODEL
-        self.path = oip.infer_path(model)
+    def bodies(self) -> Sequence[bytes]:
+        return _oip_rest_bodies()
 
-    @task
-    def model_infer(self) -> None:
-        with self.client.post(
-            self.path,
-            data=random.choice(_oip_rest_bodies()),
-            headers={"Content-Type": "application/json"},
-            catch_response=True,
-        ) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:120]}")
-                return
-            try:
-                oip.label_from_rest(resp.content or b"")
-            except ValueError as exc:
-                resp.failure(str(exc))
+    def check(self, content: bytes) -> None:
+        oip.label_from_rest(content)
