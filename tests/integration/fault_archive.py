@@ -13,6 +13,15 @@ Each request is JSON `{"op": ..., "value": ...}`:
   hang          -> sleeps far past responseTimeout; with a path as `value`, waits until that path
                    exists instead (so the test can prove the answer came before the handler ended)
   exit          -> raises SystemExit: the instance ends and must be replaced
+  segfault      -> reads address 0 through ctypes: the worker process dies of SIGSEGV
+  abort         -> os.abort(): the worker dies of SIGABRT
+  os_exit       -> os._exit(3): the worker exits at once, no cleanup
+  spin          -> `while True: pass`, burning a core until the worker is killed; with a path as
+                   `value`, writes its pid there first (the test then checks that pid is gone)
+  memory_hog    -> caps its own address space (RLIMIT_AS) at `value` MiB above what it maps now,
+                   then allocates far past it: MemoryError, answered like any out-of-memory
+  pid           -> {"pid": the process running the handler}
+  helper        -> {"helper": what the archive's own helper.py says} (sys.path isolation)
 """
 
 from __future__ import annotations
@@ -51,6 +60,41 @@ class FaultHandler:
             raise MemoryError("injected out of memory")
         if "exit" in names:
             raise SystemExit(3)
+        if "segfault" in names:
+            import ctypes
+
+            ctypes.string_at(0)
+        if "abort" in names:
+            os.abort()
+        if "os_exit" in names:
+            os._exit(3)
+        spins = [value for op, value in ops if op == "spin"]
+        if spins:
+            if isinstance(spins[0], str):
+                with open(spins[0] + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(spins[0] + ".tmp", spins[0])
+            while True:
+                pass
+        hogs = [value for op, value in ops if op == "memory_hog"]
+        if hogs:
+            import resource
+
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            limit = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (mapped + int(hogs[0]) * 2**20, limit[1]))
+            try:
+                hog = bytearray(4 * 2**30)  # far past the cap
+                del hog
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, limit)
+        if "pid" in names:
+            return [{"pid": os.getpid()} for _ in ops]
+        if "helper" in names:
+            import helper
+
+            return [{"helper": helper.WHO} for _ in ops]
         hangs = [value for op, value in ops if op == "hang"]
         if hangs and isinstance(hangs[0], str):
             wait_for_path(hangs[0])
@@ -82,7 +126,10 @@ responseTimeout: {timeout}
 """
 
 
-def build_fault_archive(store: Path, *, name: str = "faulty", response_timeout_s: int = 2) -> Path:
+def build_fault_archive(
+    store: Path, *, name: str = "faulty", response_timeout_s: int = 2, helper: str | None = None
+) -> Path:
+    """`helper`, when given, ships a helper.py beside the handler whose WHO is that string."""
     store.mkdir(parents=True, exist_ok=True)
     path = store / f"{name}.mar"
     manifest = {
@@ -100,4 +147,6 @@ def build_fault_archive(store: Path, *, name: str = "faulty", response_timeout_s
         zf.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
         zf.writestr("fault_handler.py", HANDLER)
         zf.writestr("model-config.yaml", CONFIG.format(timeout=response_timeout_s))
+        if helper is not None:
+            zf.writestr("helper.py", f"WHO = {helper!r}\n")
     return path

@@ -1,0 +1,220 @@
+"""Model code that kills its own process fails only its batch; the server and other models go on.
+
+Every model instance is a worker process. A handler that segfaults, aborts, calls os._exit,
+spins forever or runs out of memory under an rlimit fails the batch it held with a clear error,
+its worker is replaced, the model answers correctly again, and another model served at the same
+time keeps answering throughout (its p50/p99 before and during each fault are printed, not
+judged: no verdict here depends on the machine's speed). A spinning worker is SIGKILLed: no
+process is left burning a core. Archives never share `sys.path`. Stopping the server leaves no
+worker process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import requests
+
+from tests.integration.fault_archive import build_fault_archive
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = pytest.mark.integration
+
+WORKER_MODULE = "mariner.server.workers.main"
+
+
+def _workers() -> list[psutil.Process]:
+    """This test process's worker processes still alive."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if WORKER_MODULE in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                out.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+    store = tmp_path_factory.mktemp("store")
+    build_fault_archive(store, name="faulty", response_timeout_s=5, helper="faulty's helper")
+    build_fault_archive(store, name="steady", response_timeout_s=30, helper="steady's helper")
+    srv = InProcessMariner(store, "faulty.mar,steady.mar").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def post(srv: InProcessMariner, model: str, op: str, value: Any = None) -> requests.Response:
+    return requests.post(f"{srv.http}/predictions/{model}", json={"op": op, "value": value}, timeout=60)
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (a zombie runs nothing: it only waits to be reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_for(condition: Callable[[], bool], what: str, cap_s: float = 120.0) -> None:
+    """Poll for an event; the cap only turns a lost event into a failure instead of a hang."""
+    deadline = time.monotonic() + cap_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def worker_pid(srv: InProcessMariner, model: str) -> int:
+    return int(post(srv, model, "pid").json()["pid"])
+
+
+class Steady:
+    """Sends requests to the other model without pause and keeps each answer and its latency."""
+
+    def __init__(self, srv: InProcessMariner) -> None:
+        self.srv = srv
+        self.samples: list[tuple[float, float, bool]] = []  # (sent at, seconds, correct)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        i = 0
+        with requests.Session() as s:
+            while not self._stop.is_set():
+                i += 1
+                t0 = time.monotonic()
+                r = s.post(f"{self.srv.http}/predictions/steady", json={"op": "ok", "value": i}, timeout=60)
+                ok = r.status_code == 200 and r.json()["echo"] == i
+                self.samples.append((t0, time.monotonic() - t0, ok))
+
+    def __enter__(self) -> Steady:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def count(self) -> int:
+        return len(self.samples)
+
+    def report(self, label: str, since: float, until: float) -> list[tuple[float, float, bool]]:
+        window = [s for s in self.samples if since <= s[0] < until]
+        lat = sorted(s[1] * 1e3 for s in window)
+        if lat:
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+            print(f"steady {label}: n={len(lat)} p50={statistics.median(lat):.2f} ms p99={p99:.2f} ms")
+        return window
+
+
+def wait_until_ok(srv: InProcessMariner) -> None:
+    def ok() -> bool:
+        r = post(srv, "faulty", "ok", "again")
+        assert r.status_code in (200, 503), r.text  # 503 only while restarting
+        return r.status_code == 200 and r.json()["echo"] == "again"
+
+    wait_for(ok, "the faulty model did not come back")
+
+
+@pytest.mark.parametrize(
+    ("op", "status", "words"),
+    [
+        ("segfault", 500, "worker process"),
+        ("abort", 500, "worker process"),
+        ("os_exit", 500, "worker process"),
+        ("memory_hog", 503, "out of memory"),
+    ],
+)
+def test_a_fault_fails_only_its_batch_and_the_other_model_keeps_answering(
+    server: InProcessMariner, op: str, status: int, words: str
+) -> None:
+    pid_before = worker_pid(server, "faulty")
+    with Steady(server) as steady:
+        wait_for(lambda: steady.count() >= 50, "the other model never answered")
+        t_fault = time.monotonic()
+        r = post(server, "faulty", op, 64)
+        assert r.status_code == status, r.text
+        assert words in r.json()["message"], r.json()
+        if status == 500:
+            assert f"pid {pid_before}" in r.json()["message"]
+            assert "died" in r.json()["message"]
+        wait_until_ok(server)
+        n = steady.count()
+        wait_for(lambda: steady.count() >= n + 20, "the other model stopped answering")
+        t_end = time.monotonic()
+    before = steady.report(f"before {op}", 0, t_fault)
+    during = steady.report(f"during {op}", t_fault, t_end)
+    assert during, "the other model answered while the fault happened"
+    assert all(ok for _, _, ok in before + during), "every answer of the other model was right"
+    pid_after = worker_pid(server, "faulty")
+    if status == 500:
+        assert pid_after != pid_before, "the dead worker was replaced by a new process"
+        assert (
+            not psutil.pid_exists(pid_before) or psutil.Process(pid_before).status() == psutil.STATUS_ZOMBIE
+        )
+    else:
+        assert pid_after == pid_before, "running out of memory is answered, not fatal"
+    assert requests.get(f"{server.http}/ping", timeout=10).status_code == 200
+
+
+def test_an_endless_loop_is_killed_and_leaves_no_process_burning(
+    server: InProcessMariner, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "spinner.pid"
+    with Steady(server) as steady:
+        wait_for(lambda: steady.count() >= 50, "the other model never answered")
+        t_fault = time.monotonic()
+        r = post(server, "faulty", "spin", str(pid_file))
+        assert r.status_code == 504, r.text
+        assert "responseTimeout" in r.json()["message"]
+        spinner = int(pid_file.read_text())
+        wait_for(
+            lambda: (
+                not psutil.pid_exists(spinner) or psutil.Process(spinner).status() == psutil.STATUS_ZOMBIE
+            ),
+            "the spinning worker is still alive",
+        )
+        wait_until_ok(server)
+        n = steady.count()
+        wait_for(lambda: steady.count() >= n + 20, "the other model stopped answering")
+        t_end = time.monotonic()
+    steady.report("before spin", 0, t_fault)
+    during = steady.report("during spin", t_fault, t_end)
+    assert during
+    assert all(ok for _, _, ok in steady.samples)
+    assert worker_pid(server, "faulty") != spinner
+
+
+def test_each_archive_imports_its_own_helper(server: InProcessMariner) -> None:
+    assert post(server, "faulty", "helper").json() == {"helper": "faulty's helper"}
+    assert post(server, "steady", "helper").json() == {"helper": "steady's helper"}
+
+
+def test_describe_names_each_worker_process(server: InProcessMariner) -> None:
+    desc = requests.get(f"{server.management}/models/faulty", timeout=10).json()
+    pids = {w["pid"] for d in desc for w in d["workers"]}
+    assert pids == {worker_pid(server, "faulty")}, json.dumps(desc)
+
+
+def test_stopping_the_server_leaves_no_worker_process(tmp_path: Path) -> None:
+    build_fault_archive(tmp_path, name="faulty")
+    before = {p.pid for p in _workers()}
+    srv = InProcessMariner(tmp_path, "faulty.mar", min_workers=2).start()
+    try:
+        ours = {p.pid for p in _workers()} - before
+        assert len(ours) == 2, "one process per worker"
+        assert post(srv, "faulty", "ok", 1).status_code == 200
+    finally:
+        srv.stop()
+    assert not ({p.pid for p in _workers()} & ours), "a worker outlived the server"
