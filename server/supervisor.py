@@ -895,14 +895,25 @@ class Supervisor:
             (HttpTokenAuth(metrics_app(self.registry), metrics_tokens), cfg.metrics_address),  # type: ignore[arg-type]
         ):
             host, port = _split(address)
-            self._http.append(_EmbeddedUvicorn(_uvicorn_config(app, host, port, cfg)))
-        for srv in self._http:
-            self._http_tasks.append(asyncio.create_task(srv.serve()))
+            # Bound here, so a port in use is an OSError naming it (uvicorn would sys.exit).
+            try:
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                sock = socket.create_server((host, port), family=family, backlog=512)
+            except OSError as exc:
+                raise OSError(f"cannot listen on {address!r}: {exc.strerror or exc}") from exc
+            self._reserved.append(sock)
+            srv = _EmbeddedUvicorn(_uvicorn_config(app, host, sock.getsockname()[1], cfg))
+            self._http.append(srv)
+            self._http_tasks.append(asyncio.create_task(srv.serve(sockets=[sock])))
         while not all(s.started for s in self._http):
-            for t in self._http_tasks:
+            for t, address in zip(
+                self._http_tasks, (cfg.management_address, cfg.metrics_address), strict=True
+            ):
                 if t.done():
-                    t.result()
-                    raise OSError("an HTTP listener stopped during start-up (is its port in use?)")
+                    # uvicorn reports a failed bind by logging it and exiting (SystemExit).
+                    with contextlib.suppress(Exception, SystemExit):
+                        t.result()
+                    raise OSError(f"cannot listen on {address!r}: address in use or not available")
             await asyncio.sleep(0.005)
         mgmt_port, metrics_port = (s.servers[0].sockets[0].getsockname()[1] for s in self._http)
         self.ports = {

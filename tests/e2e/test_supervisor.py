@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -171,3 +172,39 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
     finally:
         session.close()
         srv.kill()
+
+
+def test_whole_store_starts_its_workers_in_parallel(model_store: Path, tmp_path: Path) -> None:
+    """Every archive of the digits store: one worker each, all loading at once. Prints the
+    start-up time (no verdict on it: the machine's load decides it)."""
+    archives = sorted(p.name for p in model_store.glob("*.mar"))
+    srv = ServeProcess(model_store, "all", tmp_path / "serve.log")
+    try:
+        took = srv.wait_ready()
+        print(f"\nstart-up to ready, {len(archives)} archives, one worker each: {took:.2f} s")
+        models = requests.get(f"{srv.url('mgmt')}/models", timeout=30).json()["models"]
+        assert len(models) == len(archives)
+        assert len(worker_pids(srv.proc.pid)) == len(archives)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(CAP_S) == 0
+    finally:
+        srv.kill()
+
+
+def test_a_port_in_use_fails_start_up_with_its_address_and_leaves_nothing(
+    model_store: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        srv = ServeProcess(
+            model_store, f"{MODEL}.mar", tmp_path / "serve.log", ["--management-address", address]
+        )
+        try:
+            assert srv.proc.wait(CAP_S) == 2
+            log = srv.log_path.read_text()
+            assert f"cannot start: cannot listen on '{address}'" in log, log[-2000:]
+            assert "started (pid" not in log, "the ports are checked before any child starts"
+        finally:
+            srv.kill()
