@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
-from mariner.server.core.errors import STATUS, Code, ServingError, as_serving_error
+from mariner.server.core.errors import STATUS, Code, ServingError, abort, as_serving_error
 from mariner.server.core.model_settings import register_call_overrides
 from mariner.server.core.types import ModelInfo
 from mariner.server.protogen import stubs_missing
@@ -232,8 +232,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         except Exception as exc:
             log.exception("management call failed while %s", what)
             error = as_serving_error(exc, what)
-        await context.abort(STATUS[error.code].grpc, error.message)
-        raise AssertionError("unreachable: context.abort always raises")
+        return await abort(context, error)
 
 
 def add_to_server(

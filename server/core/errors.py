@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 
@@ -91,3 +92,11 @@ def internal(what: str) -> ServingError:
 
 def as_serving_error(exc: BaseException, what: str) -> ServingError:
     return exc if isinstance(exc, ServingError) else internal(what)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ServingError, details: str = "") -> NoReturn:
+    """End a gRPC call with `error`'s status (`details` replaces its message when given).
+
+    Typed NoReturn: grpc.aio's `context.abort` always raises, so callers need no dead code after it.
+    """
+    await context.abort(error.grpc_status, details or error.message)

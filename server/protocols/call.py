@@ -27,14 +27,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from mariner.server.core.errors import STATUS, Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 
 if TYPE_CHECKING:
-    import grpc
-
     from mariner.server.control.metrics import Metrics
 
 log = logging.getLogger("mariner.call")
@@ -227,8 +225,3 @@ async def run_call(
         outcome = Failed(error, error.http_status)
     _record(plane, protocol, model, version, code_label(outcome), start)
     return outcome
-
-
-async def abort(context: grpc.aio.ServicerContext, error: ServingError, details: str = "") -> NoReturn:
-    """End a gRPC call with `error`'s status; `details` replaces its message when given."""
-    await context.abort(error.grpc_status, details or error.message)

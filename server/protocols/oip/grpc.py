@@ -27,10 +27,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mariner.server.core.errors import Code, as_serving_error
+from mariner.server.core.errors import Code, abort, as_serving_error
 from mariner.server.core.tensors import CONTENTS_FIELD, bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
-from mariner.server.protocols.call import Failed, Infer, Ok, abort, run_call
+from mariner.server.protocols.call import Failed, Infer, Ok, run_call
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.torchserve.grpc import request_headers
 from mariner.server.protogen import stubs_missing

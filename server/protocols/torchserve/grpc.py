@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from mariner.server.core.errors import STATUS, Code, ServingError
+from mariner.server.core.errors import STATUS, Code, ServingError, abort
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
-from mariner.server.protocols.call import Failed, Infer, abort, answer_text, run_call
+from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protogen import stubs_missing
 
 try:
