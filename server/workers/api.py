@@ -1,0 +1,76 @@
+"""Values that cross process boundaries between the supervisor, frontends and model workers.
+
+The supervisor opens and checks each archive (workers unpack nothing), resolves the model's
+settings and starts `WorkerSpec.min_workers` worker processes per model version; each worker
+serves batches on a Unix socket (`WorkerSpec.socket_path`) to every frontend that connects.
+Frontends learn where the workers are from `ModelEntry`s the supervisor sends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker process needs to load its model instance; nothing else is shared.
+
+    `model_dir` is the archive's unpacked directory (the supervisor unpacked and checked it);
+    the worker puts only that directory on its `sys.path`. `gpu_id` None means CPU.
+    """
+
+    model: str
+    version: str
+    instance: int
+    generation: int
+    model_dir: str
+    archive_file: str
+    sha256: str
+    manifest: dict[str, Any]
+    model_config: dict[str, Any]
+    batch_size: int
+    gpu_id: int | None
+    torch_threads: int | None
+    socket_path: str
+
+    @property
+    def id(self) -> str:
+        base = f"{self.model}-{self.version}-{self.instance}"
+        return base + (f".{self.generation}" if self.generation else "")
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    """How a frontend reaches one live worker: its socket, and its pid (to SIGKILL a hung batch)."""
+
+    id: str
+    instance: int
+    generation: int
+    socket_path: str
+    pid: int
+    device: str
+    status: str  # LOADING | READY | FAILED | STOPPED
+    start_time: float | None = None  # time.time() when it became ready
+    load_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model version as the supervisor serves it; frontends build their endpoints from it."""
+
+    name: str
+    version: str
+    archive_file: str
+    sha256: str
+    model_dir: str
+    manifest: dict[str, Any]
+    model_config: dict[str, Any]
+    settings: Any  # mariner.server.core.model_settings.ModelSettings (frozen)
+    is_default: bool
+    loaded_at_startup: bool
+    workers: tuple[WorkerEndpoint, ...] = field(default_factory=tuple)
