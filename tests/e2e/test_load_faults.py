@@ -265,6 +265,15 @@ class Load:
                 raise AssertionError(f"{self.answered} of {answered} answers after {STALL_CAP_S:.0f} s")
             time.sleep(0.01)
 
+    def wait_model_ready(self, model: str) -> None:
+        """Until the model reports ready (OIP model ready, an event), capped like wait_for."""
+        url = f"{self.client.srv.url('http')}/v2/models/{model}/ready"
+        while requests.get(url, timeout=CLIENT_TIMEOUT_S).status_code != 200:
+            if time.monotonic() > self.give_up:
+                self.stalled.set()
+                raise AssertionError(f"model {model} not ready again after {STALL_CAP_S:.0f} s")
+            time.sleep(0.05)
+
     def injector(self, pool: ThreadPoolExecutor) -> dict[str, list[Outcome]]:
         """The fault schedule, over both transports, each fault after some traffic."""
 
@@ -286,6 +295,9 @@ class Load:
         self.wait_for(1200)
         faults["exit"] = together([Job("grpc", "ts", FAULTY, "exit")])
         self.wait_for(1500)
+        # The burst is about the queue: it waits until the exited worker is back (a new process,
+        # which takes a while), or it would only be refused as restarting.
+        self.wait_model_ready(FAULTY)
         burst = [
             Job("grpc" if i % 2 else "http", "ts", FAULTY, "sleep", 0.2) for i in range(INJECTOR_THREADS)
         ]
