@@ -50,12 +50,24 @@ def children(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _running(pid: int, module: str) -> set[int]:
+    """Live children of `pid` running `python -m module` (a zombie not yet reaped is not live)."""
+    found = set()
+    for p in children(pid):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and module in " ".join(p.cmdline()):
+                found.add(p.pid)
+        except psutil.Error:
+            continue  # it exited meanwhile
+    return found
+
+
 def frontend_pids(pid: int) -> set[int]:
-    return {p.pid for p in children(pid) if "mariner.server.frontend" in " ".join(p.cmdline())}
+    return _running(pid, "mariner.server.frontend")
 
 
 def worker_pids(pid: int) -> set[int]:
-    return {p.pid for p in children(pid) if "mariner.server.workers.main" in " ".join(p.cmdline())}
+    return _running(pid, "mariner.server.workers.main")
 
 
 def requests_total(metrics_url: str) -> float:
@@ -125,10 +137,13 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
         victim = min(old)
         os.kill(victim, signal.SIGKILL)
         answered_meanwhile = 0
+        health_seen: set[int] = set()  # the supervisor's /ping while the frontend is replaced
         deadline = time.monotonic() + CAP_S
         while time.monotonic() < deadline:
             now = frontend_pids(srv.proc.pid)
-            if len(now) == 2 and victim not in now:
+            health = session.get(f"{srv.url('mgmt')}/ping", timeout=30).status_code
+            health_seen.add(health)
+            if len(now) == 2 and victim not in now and health == 200:
                 break
             try:
                 r = requests.post(f"{url}/predictions/{MODEL}", data=PIXELS, timeout=60)
@@ -140,6 +155,9 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
         assert len(new) == 2, (old, new)
         assert victim not in new, (old, new)
         print(f"answered while frontend {victim} was down and restarting: {answered_meanwhile}")
+        # A new interpreter has to start and import the listeners: far longer than one request.
+        assert answered_meanwhile >= 1
+        assert 500 in health_seen, "the supervisor said healthy while a frontend was being restarted"
         srv.wait_ready()
         assert f"(pid {victim}) exited with" in srv.log_path.read_text()
         assert predict_http() == expected
