@@ -82,7 +82,14 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
     model_store: Path, tmp_path: Path
 ) -> None:
     protogen.generate()
-    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mariner.server._proto.torchserve import (
+        inference_pb2,
+        inference_pb2_grpc,
+        management_pb2,
+        management_pb2_grpc,
+    )
 
     srv = ServeProcess(
         model_store, f"{MODEL}.mar", tmp_path / "serve.log", ["--frontends", "2", "--enable-model-management"]
@@ -131,6 +138,16 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
         workers = described[0]["workers"]
         assert {w["pid"] for w in workers} == worker_pids(srv.proc.pid)
         assert all(w["status"] == "READY" for w in workers)
+        # gRPC management (7071) is the supervisor too: the same document, and its health.
+        with grpc.insecure_channel(srv.target("grpc_mgmt")) as ch:
+            doc = management_pb2_grpc.ManagementAPIsServiceStub(ch).DescribeModel(
+                management_pb2.DescribeModelRequest(model_name=MODEL), timeout=30
+            )
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=30
+            )
+        assert [w["pid"] for w in json.loads(doc.msg)[0]["workers"]] == [w["pid"] for w in workers]
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
 
         # Kill one frontend: it is restarted (a new pid); the other answers meanwhile.
         old = frontend_pids(srv.proc.pid)
