@@ -464,7 +464,6 @@ def warm_up(
     requests measured TorchServe anywhere between 1,100 and 5,000 req/s on the same machine.
     """
     windows: dict[str, list[float]] = {p: [] for p in settings.protocols}
-    load = replace(settings.load, duration_s=WARMUP_WINDOW_S, warmup=level * 2)
     t0 = time.monotonic()
     while True:
         for proto in settings.protocols:
@@ -473,7 +472,8 @@ def warm_up(
             host, port = server.endpoint(proto)
             r = run_level(
                 server=server.name, protocol=WIRE[proto], host=host, port=port, model=settings.model,
-                concurrency=level, load=replace(load, grpc_channels=settings.load_for(proto).grpc_channels),
+                concurrency=level,
+                load=replace(settings.load_for(proto), duration_s=WARMUP_WINDOW_S, warmup=level * 2),
                 bodies=bodies, server_pid=server.pid, label=proto,
             )  # fmt: skip
             windows[proto].append(round(r.throughput_rps, 1))
@@ -534,7 +534,7 @@ def measure_startup(settings: Settings, report: Report, extra: Sequence[str] = (
 def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report) -> None:
     """Start every server, warm each, then run the planned cells in order."""
     features = report.features
-    servers = [s for s in settings.servers]
+    servers = list(settings.servers)
     if "mariner" in servers and features.get("worker-mode"):
         servers.insert(servers.index("mariner") + 1, THREAD_BASELINE)
     elif "mariner" in servers:
