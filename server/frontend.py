@@ -297,6 +297,7 @@ class Frontend:
         )
         self.http = _EmbeddedUvicorn(_uvicorn_config(app, host, init.http_port, cfg))
         self._applied = 0
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def apply(self, table: channel.ModelTable) -> None:
         dp = self.dataplane
@@ -313,7 +314,9 @@ class Frontend:
         gone = [(name, v) for name, vs in dp._endpoints.items() for v in vs if (name, v) not in wanted]
         for name, version in gone:
             ep = dp.remove_endpoint(name, version)
-            asyncio.create_task(ep.close(ep.response_timeout_s))
+            closing = asyncio.create_task(ep.close(ep.response_timeout_s))  # its accepted calls finish
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         await self.grpc.refresh_health()
 
     async def _follow(

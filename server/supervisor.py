@@ -653,6 +653,7 @@ class FrontendPool:
         self._progress = asyncio.Condition()
         self.start_error: str | None = None
         self.drained: list[channel.Drained] = []
+        self._readers: set[asyncio.Task[None]] = set()
 
     def all_up(self) -> bool:
         return all(
@@ -691,7 +692,10 @@ class FrontendPool:
         f.process, f.writer, f.listening = proc, writer, False
         await channel.send(writer, channel.FrontendInit(self.cfg, f.index, self.http_port, self.grpc_port))
         await channel.send(writer, self._table)
-        asyncio.create_task(self._read(f, proc, reader), name=f"frontend-{f.index}-channel")
+        # Kept referenced: the loop holds tasks only weakly.
+        reading = asyncio.create_task(self._read(f, proc, reader), name=f"frontend-{f.index}-channel")
+        self._readers.add(reading)
+        reading.add_done_callback(self._readers.discard)
 
     async def _read(
         self, f: _Frontend, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader
