@@ -105,6 +105,16 @@ class Settings:
     torchserve_warmup_cap_s: float = 60.0
     scaling: bool = False
     startup: bool = True
+    baseline_args: tuple[str, ...] | None = None  # mariner-thread's extra args; None: the default
+
+    def baseline(self, features: dict[str, bool]) -> tuple[str, ...] | None:
+        """Arguments of the single-process baseline server, or None when it is not run: thread
+        workers and one frontend by default, when this build has `--worker-mode`."""
+        if self.baseline_args is not None:
+            return self.baseline_args
+        if not features.get("worker-mode"):
+            return None
+        return ("--worker-mode", "thread", *(("--frontends", "1") if features.get("frontends") else ()))
 
     @property
     def load(self) -> LoadSpec:
@@ -535,7 +545,8 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
     """Start every server, warm each, then run the planned cells in order."""
     features = report.features
     servers = list(settings.servers)
-    if "mariner" in servers and features.get("worker-mode"):
+    baseline = settings.baseline(features)
+    if "mariner" in servers and baseline is not None:
         servers.insert(servers.index("mariner") + 1, THREAD_BASELINE)
     elif "mariner" in servers:
         report.notes.append(
@@ -554,10 +565,8 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
                 running, facts = start_torchserve(stack, settings)
                 cap = settings.torchserve_warmup_cap_s
             else:
-                baseline = ["--worker-mode", "thread"] if name == THREAD_BASELINE else []
-                if name == THREAD_BASELINE and features.get("frontends"):
-                    baseline += ["--frontends", "1"]
-                running, facts = start_mariner(stack, settings, name, baseline)
+                extra = baseline if name == THREAD_BASELINE and baseline is not None else ()
+                running, facts = start_mariner(stack, settings, name, extra)
                 cap = min(20.0, settings.torchserve_warmup_cap_s)
             print(
                 f"{name} ready in {facts.ready_s:.1f} s (pid {running.pid}, {facts.processes} processes, "
@@ -741,6 +750,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         help='extra `mariner serve` arguments, one string, e.g. "--frontends 2 --worker-mode thread"',
     )
     p.add_argument(
+        "--baseline-args",
+        default=None,
+        help="`mariner serve` arguments of the single-process baseline (mariner-thread), added to "
+        '--mariner-args; default "--worker-mode thread --frontends 1" when this build has them, '
+        "else no baseline",
+    )
+    p.add_argument(
         "--torchserve-warmup-cap",
         type=float,
         default=60.0,
@@ -798,6 +814,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         torchserve_warmup_cap_s=a.torchserve_warmup_cap,
         scaling=a.scaling,
         startup=not a.no_startup,
+        baseline_args=None if a.baseline_args is None else tuple(shlex.split(a.baseline_args)),
     )
 
 

@@ -459,14 +459,15 @@ def render_markdown(report: Report) -> str:
     hop = process_hop_us(report)
     lines += ["", "## The process hop", ""]
     if hop:
+        base = report.servers.get(THREAD_BASELINE)
         lines.append(
-            f"p50 at c={min(s.levels)} of Mariner with process workers minus Mariner with thread workers "
-            "(`--worker-mode thread --frontends 1`), same run: "
+            f"p50 at c={min(s.levels)} of Mariner minus the single-process baseline "
+            f"(`{base.args if base else '?'}`), same run: "
             + ", ".join(f"{p} {v:+.0f} µs" for p, v in hop.items())
             + "."
         )
     else:
-        lines.append("Not measured: this build has no thread workers to compare with.")
+        lines.append("Not measured: no single-process baseline ran (this build has no `--worker-mode`).")
     lines += [
         "",
         "## Performance targets",

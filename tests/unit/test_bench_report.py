@@ -273,3 +273,30 @@ def test_scaling_table_rows_and_relative_throughput() -> None:
     assert "## Scaling at c=64 (median of 2 run(s)" in text
     assert bench.scaling_configs({"frontends": False}) == [(1, 1), (1, 2)]
     assert bench.scaling_configs({"frontends": True}) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+def test_baseline_is_thread_workers_when_the_build_has_them_or_what_was_asked() -> None:
+    s = bench.parse_args([])
+    assert s.baseline({"worker-mode": False, "frontends": True}) is None
+    assert s.baseline({"worker-mode": True, "frontends": True}) == (
+        "--worker-mode",
+        "thread",
+        "--frontends",
+        "1",
+    )
+    assert s.baseline({"worker-mode": True, "frontends": False}) == ("--worker-mode", "thread")
+    asked = bench.parse_args(["--baseline-args", "--frontends 1"])
+    assert asked.baseline({"worker-mode": False}) == ("--frontends", "1")
+
+
+def test_report_names_the_baseline_the_hop_was_measured_against() -> None:
+    levels = [
+        cell("mariner", "http", 1, 900, p50_ms=0.9),
+        cell("mariner-thread", "http", 1, 1000, p50_ms=0.7),
+    ]
+    report = make_report(levels)
+    report.servers["mariner-thread"] = bench.ServerFacts(
+        "mariner-thread", "--worker-mode thread", "cpu", 1, 2, 1.0
+    )
+    text = render_markdown(report)
+    assert "minus the single-process baseline (`--worker-mode thread`), same run: http +200 µs." in text
