@@ -173,7 +173,7 @@ class Target:
 
     @property
     def shown(self) -> str:
-        return fmt(self.value) + self.unit
+        return "n/a" if math.isnan(self.value) else fmt(self.value) + self.unit
 
     @property
     def wanted(self) -> str:
@@ -228,7 +228,7 @@ def targets(report: Report) -> list[Target]:
         n = len(paired_ratios(lv, MARINER, THREAD_BASELINE, "grpc-1ch", hi, throughput))
         out.append(
             Target(
-                f"grpc-1ch c={hi}: throughput Mariner / single-process Mariner (median of {n})",
+                f"grpc-1ch c={hi}: throughput Mariner / baseline {THREAD_BASELINE} (median of {n})",
                 median_ratio(lv, MARINER, THREAD_BASELINE, "grpc-1ch", hi, throughput),
                 0.95,
                 True,
@@ -461,7 +461,7 @@ def render_markdown(report: Report) -> str:
     if hop:
         base = report.servers.get(THREAD_BASELINE)
         lines.append(
-            f"p50 at c={min(s.levels)} of Mariner minus the single-process baseline "
+            f"p50 at c={min(s.levels)} of Mariner minus the baseline {THREAD_BASELINE} "
             f"(`{base.args if base else '?'}`), same run: "
             + ", ".join(f"{p} {v:+.0f} µs" for p, v in hop.items())
             + "."

@@ -175,6 +175,7 @@ def test_startup_target_is_the_median_of_the_whole_store_runs() -> None:
     assert start.value == 2.9
     assert start.held is True
     assert start.shown == "2.90 s"
+    assert next(t for t in targets(make_report([])) if t.what.startswith("start-up")).shown == "n/a"
 
 
 def test_one_channel_target_compares_with_the_thread_worker_server() -> None:
@@ -299,4 +300,4 @@ def test_report_names_the_baseline_the_hop_was_measured_against() -> None:
         "mariner-thread", "--worker-mode thread", "cpu", 1, 2, 1.0
     )
     text = render_markdown(report)
-    assert "minus the single-process baseline (`--worker-mode thread`), same run: http +200 µs." in text
+    assert "minus the baseline mariner-thread (`--worker-mode thread`), same run: http +200 µs." in text
