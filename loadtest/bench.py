@@ -106,6 +106,8 @@ class Settings:
     scaling: bool = False
     startup: bool = True
     baseline_args: tuple[str, ...] | None = None  # mariner-thread's extra args; None: the default
+    scaling_frontends: tuple[int, ...] = (1, 2)
+    scaling_workers: tuple[int, ...] = (1, 2)
 
     def baseline(self, features: dict[str, bool]) -> tuple[str, ...] | None:
         """Arguments of the single-process baseline server, or None when it is not run: thread
@@ -595,14 +597,12 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
         )
 
 
-SCALING_FRONTENDS = (1, 2)
-SCALING_WORKERS = (1, 2)
-
-
-def scaling_configs(features: dict[str, bool]) -> list[tuple[int, int]]:
-    """(frontends, workers) pairs this build can run: frontends 2 only with `--frontends`."""
-    fronts = SCALING_FRONTENDS if features.get("frontends") else (1,)
-    return [(f, w) for f in fronts for w in SCALING_WORKERS]
+def scaling_configs(
+    features: dict[str, bool], frontends: Sequence[int] = (1, 2), workers: Sequence[int] = (1, 2)
+) -> list[tuple[int, int]]:
+    """(frontends, workers) pairs this build can run: more than one frontend only with `--frontends`."""
+    fronts = tuple(frontends) if features.get("frontends") else (1,)
+    return [(f, w) for f in fronts for w in workers]
 
 
 def scaling_name(frontends: int, workers: int) -> str:
@@ -612,7 +612,7 @@ def scaling_name(frontends: int, workers: int) -> str:
 def run_scaling(settings: Settings, bodies: tuple[bytes, ...], report: Report) -> list[tuple[int, int]]:
     """Mariner alone at the highest level: every (frontends, workers) config up at once, each
     repeat running all of them in turn (order flipped every repeat), like the main run."""
-    configs = scaling_configs(report.features)
+    configs = scaling_configs(report.features, settings.scaling_frontends, settings.scaling_workers)
     if not report.features.get("frontends"):
         report.notes.append("This build of `mariner serve` has no `--frontends`: one frontend only.")
     hi = max(settings.levels)
@@ -765,7 +765,19 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument(
         "--scaling",
         action="store_true",
-        help="Mariner alone at the highest level: frontends 1/2 x workers 1/2 (writes scaling.md)",
+        help="Mariner alone at the highest level: frontends x workers (default 1/2 x 1/2; writes scaling.md)",
+    )
+    p.add_argument(
+        "--scaling-frontends",
+        type=lambda t: tuple(int(x) for x in _csv(t)),
+        default=(1, 2),
+        help="with --scaling: frontend counts, e.g. 1,2,4,8 on a 16-core machine",
+    )
+    p.add_argument(
+        "--scaling-workers",
+        type=lambda t: tuple(int(x) for x in _csv(t)),
+        default=(1, 2),
+        help="with --scaling: workers per model (minWorkers), e.g. 1,2",
     )
     p.add_argument("--no-startup", action="store_true", help="skip timing Mariner's start-up to ready")
     p.add_argument("--batch-size", type=int, default=32, help="batchSize for both servers (archives: 32)")
@@ -815,6 +827,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         scaling=a.scaling,
         startup=not a.no_startup,
         baseline_args=None if a.baseline_args is None else tuple(shlex.split(a.baseline_args)),
+        scaling_frontends=a.scaling_frontends,
+        scaling_workers=a.scaling_workers,
     )
 
 

@@ -274,6 +274,8 @@ def test_scaling_table_rows_and_relative_throughput() -> None:
     assert "## Scaling at c=64 (median of 2 run(s)" in text
     assert bench.scaling_configs({"frontends": False}) == [(1, 1), (1, 2)]
     assert bench.scaling_configs({"frontends": True}) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert bench.scaling_configs({"frontends": True}, (1, 4), (2,)) == [(1, 2), (4, 2)]
+    assert bench.scaling_configs({"frontends": False}, (1, 4), (2,)) == [(1, 2)]
 
 
 def test_baseline_is_thread_workers_when_the_build_has_them_or_what_was_asked() -> None:
