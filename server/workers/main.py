@@ -282,6 +282,12 @@ def _load(spec: WorkerSpec) -> tuple[Any, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     spec = spec_from_json(Path(args[0]).read_text() if args else sys.stdin.read())
+    return run_worker(spec)
+
+
+def run_worker(spec: WorkerSpec) -> int:
+    """Load and serve `spec`; the ready line goes to fd 1. The entry both for a fresh interpreter
+    (`main`) and for a child forked by the zygote (`zygote.py`), which has set up fds 0-2 first."""
     ready_out = _ready_stream()
     logging.basicConfig(
         level=logging.INFO,
