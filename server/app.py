@@ -1,4 +1,9 @@
-"""Assemble and run the server: HTTP (uvicorn) and gRPC (grpc.aio) on one event loop.
+"""The single-process server: HTTP (uvicorn) and gRPC (grpc.aio) on one event loop, one DataPlane.
+
+`mariner serve --worker-mode thread` runs it with thread runners (handler code in this
+process, as the previous release did: the baseline the process model is measured against);
+the in-process tests run it with worker processes. `mariner serve` otherwise runs the
+supervisor (`mariner.server.supervisor`).
 
 Start-up order: listeners first (so `/healthz` answers and `/readyz` says 503 while models
 load), then every model loads concurrently, then health flips to SERVING. Shutdown on
@@ -14,21 +19,16 @@ import gc
 import logging
 import os
 import signal
-import socket
-import ssl
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import uvicorn
 
 from mariner.server.config import ServerConfig, model_specs, pinned_digests, server_layers
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.dataplane import DataPlane, PlaneSettings
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.listeners import EmbeddedUvicorn, check_exposure, split_address, uvicorn_config
 from mariner.server.protocols.grpc_listener import build_grpc_servers
 from mariner.server.protocols.http_listener import inference_app
 from mariner.server.security import (
@@ -36,55 +36,10 @@ from mariner.server.security import (
     GrpcTokenAuth,
     HttpTokenAuth,
     Tokens,
-    exposure_problems,
     grpc_credentials,
-    load_tokens,
 )
 
 log = logging.getLogger("mariner")
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handling: the app owns SIGTERM for an ordered drain."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Drop idle TLS connections at once, then uvicorn's own graceful shutdown.
-
-        uvicorn closes an idle keep-alive connection politely; over TLS that sends close_notify
-        and waits for the peer's, which a client that has simply stopped using the connection
-        never sends. asyncio then waits its 30 s TLS shutdown timeout and uvicorn its whole grace
-        period, although no request is in flight. An idle connection has nothing left to send,
-        so aborting it loses nothing; connections with a response in progress are left alone.
-        """
-        if self.config.is_ssl:
-            for connection in list(self.server_state.connections):
-                cycle = getattr(connection, "cycle", None)
-                if cycle is None or cycle.response_complete:
-                    connection.transport.abort()
-        await super().shutdown(sockets)
-
-
-def _uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
-    tls: dict[str, object] = {}
-    if cfg.tls_cert_file is not None:
-        tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
-        if cfg.tls_client_ca_file is not None:
-            tls.update(ssl_ca_certs=str(cfg.tls_client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="none",
-        lifespan="off",
-        access_log=cfg.access_log,
-        log_level="warning",
-        timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
-        **tls,
-    )
 
 
 def default_torch_threads() -> int:
@@ -94,39 +49,6 @@ def default_torch_threads() -> int:
     p99 at 4 concurrent clients went from ~13 ms to ~300 ms (docs/benchmark.md).
     """
     return max(1, (os.cpu_count() or 1) - 1)
-
-
-def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
-    """Load the tokens; refuse to listen beyond loopback without them unless --insecure."""
-    if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
-        raise ServingError(Code.INVALID_ARGUMENT, "TLS needs both --tls-cert-file and --tls-key-file")
-    inference = load_tokens(cfg.inference_token, cfg.inference_token_file)
-    management = load_tokens(cfg.management_token, cfg.management_token_file)
-    problems = exposure_problems(
-        {
-            "HTTP inference": (cfg.inference_address, inference),
-            "gRPC inference": (cfg.grpc_inference_address, inference),
-            "HTTP management": (cfg.management_address, management),
-            "gRPC management": (cfg.grpc_management_address, management),
-        }
-    )
-    if problems and not cfg.insecure:
-        raise ServingError(
-            Code.PERMISSION_DENIED,
-            "refusing to listen beyond loopback without authentication ("
-            + "; ".join(problems)
-            + "): anyone who can reach these ports could run the models and manage them. Set "
-            "MARINER_INFERENCE_TOKEN_FILE / MARINER_MANAGEMENT_TOKEN_FILE (or the *_TOKEN variables), "
-            "or pass --insecure if something in front of Mariner authenticates callers",
-        )
-    if problems:
-        log.warning("listening beyond loopback WITHOUT authentication (--insecure): %s", "; ".join(problems))
-    return inference, management
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 @dataclass(frozen=True)
@@ -154,6 +76,7 @@ class MarinerServer:
                 torch_threads=cfg.torch_threads or default_torch_threads(),
                 management_enabled=cfg.enable_model_management,
                 model_layers=server_layers(cfg),
+                worker_mode=cfg.worker_mode,
             ),
             self.metrics,
         )
@@ -176,7 +99,7 @@ class MarinerServer:
             else None,
         )
         metrics_tokens = Tokens() if cfg.open_metrics else (management_tokens or inference_tokens)
-        self._http: list[_EmbeddedUvicorn] = []
+        self._http: list[EmbeddedUvicorn] = []
         for app, address in (
             (
                 HttpTokenAuth(
@@ -189,8 +112,8 @@ class MarinerServer:
             (HttpTokenAuth(management_app(self.dataplane), management_tokens), cfg.management_address),
             (HttpTokenAuth(metrics_app(self.dataplane), metrics_tokens), cfg.metrics_address),
         ):
-            host, port = _split(address)
-            self._http.append(_EmbeddedUvicorn(_uvicorn_config(app, host, port, cfg)))
+            host, port = split_address(address)
+            self._http.append(EmbeddedUvicorn(uvicorn_config(app, host, port, cfg)))
         self._http_tasks: list[asyncio.Task[None]] = []
         self.stopped = asyncio.Event()
         self.ports: BoundPorts | None = None

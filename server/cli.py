@@ -36,7 +36,8 @@ def _private_metrics_dir(argv: Sequence[str]) -> Path:
 
 
 def _serve(argv: Sequence[str]) -> int:
-    """`mariner serve`: the supervisor, which starts the frontends and the model workers."""
+    """`mariner serve`: the supervisor, which starts the frontends and the model workers; with
+    `--worker-mode thread`, the single-process server (handlers on threads of this process)."""
     if "-h" in argv or "--help" in argv:
         from mariner.server.config import build_parser
 
@@ -52,7 +53,6 @@ def _supervise(argv: Sequence[str]) -> int:
     from mariner.server.config import frontend_count, load_config
     from mariner.server.core.errors import ServingError
     from mariner.server.logs import setup_logging
-    from mariner.server.supervisor import run
 
     try:
         cfg = load_config(argv)
@@ -61,6 +61,10 @@ def _supervise(argv: Sequence[str]) -> int:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    if cfg.worker_mode == "thread":
+        from mariner.server.app import run
+    else:
+        from mariner.server.supervisor import run
     try:
         import uvloop
 

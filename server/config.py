@@ -46,6 +46,7 @@ class ServerConfig:
     max_queue: int = 1024
     torch_threads: int | None = None
     frontends: int | None = None
+    worker_mode: str = "process"
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
     grace_seconds: float = 30.0
@@ -86,6 +87,10 @@ _HELP = {
     "torch_threads": "torch intra-op threads for CPU inference (default: all cores but one)",
     "frontends": "inference frontend processes sharing the inference ports (default: 1 on up to 7 cores, "
     "else cores // 4, at most 8; provisional until the benchmark settles it)",
+    "worker_mode": "'process' (default): a supervisor, frontends and model worker processes; 'thread': "
+    "one process that runs the handlers on its own threads, as the previous release did (no isolation; "
+    "--frontends is ignored). A baseline for the benchmark and for tiny models where the process hop "
+    "matters; it may be removed if the benchmark shows no clear win",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
@@ -107,6 +112,9 @@ _HELP = {
     "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS)",
     "config_file": "YAML/JSON config, or a TorchServe config.properties",
 }
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"worker_mode": ("process", "thread")}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -206,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if "bool" in str(f.type):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=_HELP[f.name])
+        elif f.name in _CHOICES:
+            p.add_argument(
+                flag,
+                default=None,
+                choices=_CHOICES[f.name],
+                help=f"{_HELP[f.name]} (env MARINER_{f.name.upper()})",
+            )
         else:
             p.add_argument(flag, default=None, help=f"{_HELP[f.name]} (env MARINER_{f.name.upper()})")
     return p
@@ -225,7 +240,12 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         if key in env and f.name != "model_overrides":
             merged[f.name] = env[key]
     merged.update({k: v for k, v in args.items() if v is not None})
-    return replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
+    cfg = replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
+    for name, allowed in _CHOICES.items():
+        # The parser checks flags; env and file values are checked here, naming the setting.
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    return cfg
 
 
 def default_frontends(cores: int | None = None) -> int:

@@ -30,14 +30,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mariner.server.app import _EmbeddedUvicorn, _split, _uvicorn_config
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
-from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
-from mariner.server.core.dataplane import DataPlane, ModelEndpoint, PlaneSettings, _ObserverAdapter
+from mariner.server.core.batcher import BatchRunner
+from mariner.server.core.dataplane import DataPlane, PlaneSettings
+from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server.core.types import InferRequest, InferResult, ModelState, WorkerInfo
+from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, split_address, uvicorn_config
 from mariner.server.logs import setup_logging
 from mariner.server.protocols.grpc_listener import build_grpc_servers
 from mariner.server.protocols.http_listener import inference_app
@@ -98,38 +99,32 @@ class _Worker:
 class RemoteEndpoint(ModelEndpoint):
     """A model version whose instances are worker processes the supervisor runs.
 
-    Built from a `ModelEntry` instead of an opened archive (ModelEndpoint.__init__ opens one):
-    the supervisor already checked the archive and resolved the settings once. Inference,
-    deadlines and admission are ModelEndpoint's own.
+    Built by `from_entry` from the supervisor's table entry: the supervisor already checked the
+    archive and resolved the settings once. Its runners are connections to the workers the
+    table lists as ready; the supervisor starts and restarts those workers, so a failed one is
+    only let go here. Inference, deadlines and admission are ModelEndpoint's own.
     """
 
-    def __init__(self, entry: ModelEntry, metrics: Metrics) -> None:  # noqa: D107 - see class
-        s = entry.settings
+    def __init__(
+        self,
+        entry: ModelEntry,
+        source: ModelSource,
+        signature: ModelSignature | None,
+        metrics: Metrics,
+    ) -> None:
+        super().__init__(entry.name, entry.version, source, entry.settings, signature, metrics)
         self.entry = entry
-        self.name, self.version = entry.name, entry.version
-        self.settings = s
-        self.batch_size = s.batch_size
-        self.max_batch_delay_ms = s.max_batch_delay_ms
-        self.response_timeout_s = s.response_timeout_s
-        self.min_workers, self.max_workers, self.max_queue = s.min_workers, s.max_workers, s.max_queue
-        self.loaded_at_startup = entry.loaded_at_startup
-        self.state = ModelState.LOADING
-        self.load_seconds = None
-        self.signature = ModelSignature.from_config(entry.model_config.get("signature"))
-        self._metrics = metrics
-        self._oom = metrics.oom_splits.labels(self.name, self.version)
-        self.runners: list[Any] = []
-        self._ready_since: dict[str, float] = {}
-        self.batcher = None
-        self.policy = BatchPolicy(
-            self.batch_size,
-            self.max_batch_delay_ms / 1e3,
-            self.max_queue,
-            batch_timeout_s=self.response_timeout_s,
-        )
         self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
         self._ever_ready = False
         self._t0 = time.perf_counter()
+
+    @classmethod
+    def from_entry(cls, entry: ModelEntry, metrics: Metrics) -> RemoteEndpoint:
+        """An endpoint with no worker yet: `update` connects the ones the table lists as ready."""
+        handler = str(entry.manifest.get("model", {}).get("handler", ""))
+        source = ModelSource(entry.archive_file, entry.sha256, handler, entry.loaded_at_startup)
+        signature = ModelSignature.from_config(entry.model_config.get("signature"))
+        return cls(entry, source, signature, metrics)
 
     def _set_state(self) -> None:
         if self.state is ModelState.STOPPING:
@@ -140,7 +135,7 @@ class RemoteEndpoint(ModelEndpoint):
             self._ever_ready = True
         else:
             self.state = ModelState.RESTARTING if self._ever_ready else ModelState.LOADING
-        self._metrics.model_ready.labels(self.name, self.version).set(1 if ready else 0)
+        self._set_ready(ready)
 
     async def update(self, entry: ModelEntry) -> None:
         """Follow the supervisor's table: connect new workers, retire the ones that are gone."""
@@ -166,13 +161,7 @@ class RemoteEndpoint(ModelEndpoint):
             self.runners.append(w)
             self._ready_since[w.id] = endpoint.start_time or time.time()
             if self.batcher is None:
-                self.batcher = Batcher(
-                    [w],
-                    self.policy,
-                    observer=_ObserverAdapter(self._metrics, self.name, self.version),
-                    replace_runner=self.replace_runner,
-                )
-                self.batcher.start()
+                self._start_batcher([w])
                 self.load_seconds = time.perf_counter() - self._t0
             else:
                 self.batcher.add_runner(w)
@@ -204,59 +193,22 @@ class RemoteEndpoint(ModelEndpoint):
         return
 
     async def close(self, timeout: float | None) -> None:
-        self.state = ModelState.STOPPING
-        self._metrics.model_ready.labels(self.name, self.version).set(0)
-        if self.batcher is not None:
-            await self.batcher.close(timeout)
+        await super().close(timeout)
         for w in list(self._workers.values()):
             w.retire()
         self._workers.clear()
 
-    def info(self, is_default: bool) -> ModelInfo:
-        e = self.entry
-        return ModelInfo(
-            name=self.name,
-            version=self.version,
-            archive=e.archive_file,
-            sha256=e.sha256,
-            handler=str(e.manifest.get("model", {}).get("handler", "")),
-            is_default=is_default,
-            state=self.state,
-            batch_size=self.batch_size,
-            max_batch_delay_ms=self.max_batch_delay_ms,
-            response_timeout_s=self.response_timeout_s,
-            queue_size=self.max_queue,
-            min_workers=self.min_workers,
-            max_workers=self.max_workers,
-            workers=tuple(
-                WorkerInfo(
-                    w.id,
-                    w.endpoint.device,
-                    w.status,
-                    w.batches,
-                    pid=w.endpoint.pid,
-                    started_at=self._ready_since.get(w.id),
-                )  # fmt: skip
-                for w in self._workers.values()
-            ),
-            load_seconds=self.load_seconds,
-            signature=self.signature,
-            loaded_at_startup=self.loaded_at_startup,
-            pending_requests=self.batcher.queued_items if self.batcher is not None else 0,
-            device_type=self.settings.device_type,
+    def _worker_info(self, runner: Any) -> WorkerInfo:
+        # The worker's memory is the supervisor's to report (management is served there).
+        w = runner
+        return WorkerInfo(
+            w.id,
+            w.endpoint.device,
+            w.status,
+            w.batches,
+            pid=w.endpoint.pid,
+            started_at=self._ready_since.get(w.id),
         )
-
-
-def reuseport_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port) that the other frontends share (SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 class Frontend:
@@ -276,7 +228,7 @@ class Frontend:
             self.metrics,
         )
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
-        grpc_host, _ = _split(cfg.grpc_inference_address)
+        grpc_host, _ = split_address(cfg.grpc_inference_address)
         self.grpc = build_grpc_servers(
             self.dataplane,
             inference_address=f"{grpc_host}:{init.grpc_port}",
@@ -288,14 +240,14 @@ class Frontend:
             else None,
             reuse_port=True,
         )
-        host, _ = _split(cfg.inference_address)
+        host, _ = split_address(cfg.inference_address)
         self._http_socket = reuseport_listener(host, init.http_port)
         app = HttpTokenAuth(
             inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
             tokens,
             open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
         )
-        self.http = _EmbeddedUvicorn(_uvicorn_config(app, host, init.http_port, cfg))
+        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, cfg))
         self._applied = 0
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -305,7 +257,7 @@ class Frontend:
         for e in table.entries:
             ep = dp._endpoints.get(e.name, {}).get(e.version)
             if ep is None:
-                ep = RemoteEndpoint(e, self.metrics)
+                ep = RemoteEndpoint.from_entry(e, self.metrics)
                 dp.install_endpoint(ep)
             assert isinstance(ep, RemoteEndpoint)
             await ep.update(e)

@@ -15,8 +15,9 @@ from mariner.server.config import ServerConfig, default_frontends, frontend_coun
 from mariner.server.control import channel
 from mariner.server.core.batcher import Batcher, BatchPolicy
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from mariner.server.frontend import reuseport_listener
-from mariner.server.supervisor import reserve_port, visible_gpus
+from mariner.server.listeners import reuseport_listener
+from mariner.server.supervisor.devices import visible_gpus
+from mariner.server.supervisor.ports import reserve_port
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 
 

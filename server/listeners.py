@@ -1,0 +1,146 @@
+"""Listener plumbing shared by every process that serves HTTP: the single-process server
+(app.py), the frontends and the supervisor.
+
+Here live the embedded uvicorn server (the caller, not uvicorn, owns SIGTERM), the uvicorn
+config built from the server's settings (TLS, access log, graceful-shutdown bound), the
+host:port split, the sockets we bind ourselves (so a port in use is an error that names the
+address, where uvicorn would `sys.exit`), and the exposure check every process runs before it
+listens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+
+import uvicorn
+
+from mariner.server.config import ServerConfig
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.security import Tokens, exposure_problems, load_tokens
+
+log = logging.getLogger("mariner")
+
+
+class EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process owns SIGTERM for an ordered drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drop idle TLS connections at once, then uvicorn's own graceful shutdown.
+
+        uvicorn closes an idle keep-alive connection politely; over TLS that sends close_notify
+        and waits for the peer's, which a client that has simply stopped using the connection
+        never sends. asyncio then waits its 30 s TLS shutdown timeout and uvicorn its whole grace
+        period, although no request is in flight. An idle connection has nothing left to send,
+        so aborting it loses nothing; connections with a response in progress are left alone.
+        """
+        if self.config.is_ssl:
+            for connection in list(self.server_state.connections):
+                cycle = getattr(connection, "cycle", None)
+                if cycle is None or cycle.response_complete:
+                    connection.transport.abort()
+        await super().shutdown(sockets)
+
+
+def uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
+    """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS and the access log
+    follow the config, and a graceful shutdown never outlasts the drain's grace period."""
+    tls: dict[str, object] = {}
+    if cfg.tls_cert_file is not None:
+        tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
+        if cfg.tls_client_ca_file is not None:
+            tls.update(ssl_ca_certs=str(cfg.tls_client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        lifespan="off",
+        access_log=cfg.access_log,
+        log_level="warning",
+        timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
+        **tls,
+    )
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port); an empty host is loopback."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def listen_on(address: str, backlog: int = 512) -> socket.socket:
+    """A listening socket on `address` (port 0 picks a free one); a port in use is an OSError
+    that names the address."""
+    host, port = split_address(address)
+    try:
+        return socket.create_server((host, port), family=_family(host), backlog=backlog)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {address!r}: {exc.strerror or exc}") from exc
+
+
+def reuseport_socket(host: str, port: int, *, reuse_addr: bool = False) -> socket.socket:
+    """A bound, not yet listening, SO_REUSEPORT TCP socket on (host, port).
+
+    Only sockets of the same user that set SO_REUSEPORT may share the port, so a server that
+    does not (say a stock TorchServe) is refused with EADDRINUSE. `reuse_addr` lets a listener
+    rebind past connections in TIME_WAIT; a socket that only holds the port leaves it off, so
+    that a foreign server setting SO_REUSEADDR cannot bind beside it.
+    """
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        if reuse_addr:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def reuseport_listener(host: str, port: int) -> socket.socket:
+    """A listening, non-blocking TCP socket on (host, port) that the other frontends share."""
+    sock = reuseport_socket(host, port, reuse_addr=True)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
+    """Load the tokens; refuse to listen beyond loopback without them unless --insecure."""
+    if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
+        raise ServingError(Code.INVALID_ARGUMENT, "TLS needs both --tls-cert-file and --tls-key-file")
+    inference = load_tokens(cfg.inference_token, cfg.inference_token_file)
+    management = load_tokens(cfg.management_token, cfg.management_token_file)
+    problems = exposure_problems(
+        {
+            "HTTP inference": (cfg.inference_address, inference),
+            "gRPC inference": (cfg.grpc_inference_address, inference),
+            "HTTP management": (cfg.management_address, management),
+            "gRPC management": (cfg.grpc_management_address, management),
+        }
+    )
+    if problems and not cfg.insecure:
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            "refusing to listen beyond loopback without authentication ("
+            + "; ".join(problems)
+            + "): anyone who can reach these ports could run the models and manage them. Set "
+            "MARINER_INFERENCE_TOKEN_FILE / MARINER_MANAGEMENT_TOKEN_FILE (or the *_TOKEN variables), "
+            "or pass --insecure if something in front of Mariner authenticates callers",
+        )
+    if problems:
+        log.warning("listening beyond loopback WITHOUT authentication (--insecure): %s", "; ".join(problems))
+    return inference, management

@@ -1,0 +1,190 @@
+"""The frontend processes of `mariner serve` and the model table broadcast to them.
+
+Frontends are fresh interpreters (`python -m mariner.server.frontend`), never forks. A frontend
+that dies is restarted with backoff; one that dies before it ever listened fails the start-up.
+`publish` sends a new model table to every live frontend and waits (bounded) until each one
+applied it, so the supervisor stops a removed worker only after no frontend sends it batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from mariner.server.config import ServerConfig
+from mariner.server.control import channel
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.supervisor.children import Backoff, mark_dead
+from mariner.server.workers.api import ModelEntry
+
+log = logging.getLogger("mariner.supervisor")
+
+TABLE_ACK_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Frontend:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    writer: asyncio.StreamWriter | None = None
+    listening: bool = False
+    applied: int = 0
+    drained: channel.Drained | None = None
+
+
+class FrontendPool:
+    """The frontend processes: spawn, deliver tables, restart with backoff, stop in order.
+
+    Each frontend inherits one end of a socketpair: its control channel. It gets the config and
+    the ports, then every model table (`publish`), and answers Listening, TableApplied (the
+    table version it follows) and, when it has drained, its accounting.
+    """
+
+    def __init__(self, cfg: ServerConfig, count: int, http_port: int, grpc_port: int) -> None:
+        self.cfg = cfg
+        self.count = count
+        self.http_port = http_port
+        self.grpc_port = grpc_port
+        self.stopping = False
+        self._frontends = [_Frontend(i) for i in range(count)]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._table: channel.ModelTable = channel.ModelTable(0, ())
+        self._progress = asyncio.Condition()
+        self.start_error: str | None = None
+        self.drained: list[channel.Drained] = []
+        self._readers: set[asyncio.Task[None]] = set()
+
+    def all_up(self) -> bool:
+        return all(
+            f.listening and f.process is not None and f.process.returncode is None for f in self._frontends
+        )
+
+    def pids(self) -> list[int]:
+        return [
+            f.process.pid for f in self._frontends if f.process is not None and f.process.returncode is None
+        ]
+
+    async def _notify(self) -> None:
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def start(self) -> None:
+        """Start every frontend; returns once all listen, raises if one cannot start."""
+        self._tasks = [
+            asyncio.create_task(self._keep_running(f), name=f"frontend-{f.index}") for f in self._frontends
+        ]
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.all_up() or self.start_error is not None)
+        if self.start_error is not None:
+            raise ServingError(Code.UNAVAILABLE, self.start_error)
+
+    async def _spawn(self, f: _Frontend) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno()),
+                pass_fds=(child.fileno(),),
+            )  # fmt: skip
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent)
+        f.process, f.writer, f.listening = proc, writer, False
+        await channel.send(writer, channel.FrontendInit(self.cfg, f.index, self.http_port, self.grpc_port))
+        await channel.send(writer, self._table)
+        # Kept referenced: the loop holds tasks only weakly.
+        reading = asyncio.create_task(self._read(f, proc, reader), name=f"frontend-{f.index}-channel")
+        self._readers.add(reading)
+        reading.add_done_callback(self._readers.discard)
+
+    async def _read(
+        self, f: _Frontend, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader
+    ) -> None:
+        while (msg := await channel.receive(reader)) is not None:
+            if f.process is not proc:
+                return
+            if isinstance(msg, channel.Listening):
+                f.listening = True
+            elif isinstance(msg, channel.TableApplied):
+                f.applied = max(f.applied, msg.version)
+            elif isinstance(msg, channel.Drained):
+                f.drained = msg
+                self.drained.append(msg)
+            await self._notify()
+
+    async def _keep_running(self, f: _Frontend) -> None:
+        backoff = Backoff()
+        first = True
+        while not self.stopping:
+            started = time.monotonic()
+            try:
+                await self._spawn(f)
+            except OSError as exc:
+                self.start_error = f"cannot start frontend {f.index}: {exc}"
+                await self._notify()
+                return
+            assert f.process is not None
+            log.info("frontend %d started (pid %d)", f.index, f.process.pid)
+            rc = await f.process.wait()
+            mark_dead(f.process.pid)
+            await self._notify()
+            if self.stopping:
+                return
+            if first and not f.listening:
+                self.start_error = f"frontend {f.index} exited with {rc} before listening (see its log above)"
+                await self._notify()
+                return
+            first = False
+            delay = backoff.after_run(time.monotonic() - started)
+            log.error(
+                "frontend %d (pid %d) exited with %s; restarting in %.1f s", f.index, f.process.pid, rc, delay
+            )
+            f.listening = False
+            await backoff.wait()
+
+    async def publish(self, entries: tuple[ModelEntry, ...]) -> None:
+        """Send the table to every frontend; wait (bounded) until the live ones applied it."""
+        self._table = channel.ModelTable(self._table.version + 1, entries)
+        version = self._table.version
+        for f in self._frontends:
+            if f.writer is not None and f.process is not None and f.process.returncode is None:
+                with contextlib.suppress(OSError, ConnectionError):
+                    await channel.send(f.writer, self._table)
+
+        def applied() -> bool:
+            return all(
+                f.applied >= version
+                for f in self._frontends
+                if f.listening and f.process is not None and f.process.returncode is None
+            )
+
+        async with self._progress:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait_for(applied), TABLE_ACK_TIMEOUT_S)
+
+    async def stop(self, wait_s: float) -> None:
+        """SIGTERM every frontend (each drains), wait for them, SIGKILL any left after `wait_s`."""
+        self.stopping = True
+        procs = [f.process for f in self._frontends if f.process is not None and f.process.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        done, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=wait_s)
+        for p in procs:
+            if p.returncode is None:
+                log.error("frontend pid %d did not stop within %.0f s; killing it", p.pid, wait_s)
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+            mark_dead(p.pid)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for f in self._frontends:
+            if f.writer is not None:
+                f.writer.close()

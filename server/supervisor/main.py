@@ -1,0 +1,266 @@
+"""`mariner serve`: the supervisor. It runs no model code and answers no inference call.
+
+It reads the config, opens and checks every archive (a bad one is logged and reported, the
+others serve), reserves the inference ports, starts `minWorkers` model worker processes per
+model version and `--frontends` frontend processes (fresh interpreters, never fork), tells
+every frontend where the workers are (a `ModelTable` over its control channel, at start and
+after every change), restarts any child that dies with exponential backoff, and serves the
+control plane: management (REST 8081, gRPC 7071), health of the whole server on the management
+port, and `/metrics` (8082) merged over every process by prometheus_client's multiprocess mode.
+
+Shutdown (SIGTERM/SIGINT): not ready; SIGTERM to every frontend, each of which refuses new
+calls and answers every accepted one; then the workers stop; then the supervisor exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mariner.server.config import ServerConfig, frontend_count, model_specs, pinned_digests
+from mariner.server.control import health
+from mariner.server.control.management_http import management_app
+from mariner.server.control.metrics import Metrics, MetricsConfig
+from mariner.server.control.metrics_http import metrics_app
+from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
+from mariner.server.protocols.grpc_listener import bind_port, build_management_server
+from mariner.server.protocols.http_common import json_response
+from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, GrpcTokenAuth, HttpTokenAuth, grpc_credentials
+from mariner.server.supervisor.frontends import FrontendPool
+from mariner.server.supervisor.ports import reserve_port
+from mariner.server.supervisor.registry import ModelRegistry
+from mariner.server.workers.process import socket_dir_for
+
+log = logging.getLogger("mariner.supervisor")
+
+
+class Supervisor:
+    """The control-plane process: the order things start and stop in, and the control plane's
+    listeners (management, health, metrics) over the model registry."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.frontend_count = frontend_count(cfg)
+        self._tmp = None if cfg.work_dir else tempfile.TemporaryDirectory(prefix="mariner-")
+        self.work_dir = cfg.work_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        # Unix socket paths are limited to 107 bytes: the workers' sockets go where they stay short.
+        self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self.work_dir)
+        self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
+        self.registry = ModelRegistry(
+            cfg, self.work_dir, self._socket_dir, self.metrics, self._publish, frontends_ok=self._frontends_ok
+        )
+        self.frontends: FrontendPool | None = None
+        self._reserved: list[socket.socket] = []
+        self._http: list[EmbeddedUvicorn] = []
+        self._http_tasks: list[asyncio.Task[None]] = []
+        self._grpc: Any = None
+        self._health = health_aio.HealthServicer()
+        self._health_task: asyncio.Task[None] | None = None
+        self._known_models: set[str] = set()
+        self.ports: dict[str, int] = {}
+        self.draining = False
+
+    def _frontends_ok(self) -> bool:
+        return self.frontends is not None and self.frontends.all_up()
+
+    async def _publish(self) -> None:
+        if self.frontends is not None:
+            await self.frontends.publish(self.registry.table())
+        await self.refresh_health()
+
+    async def refresh_health(self) -> None:
+        if self.draining:
+            return
+        reg = self.registry
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await self._health.set("", serving if reg.is_ready() else not_serving)
+        names = {i.name for i in reg.models()}
+        for name in sorted(names):
+            await self._health.set(
+                name, serving if reg.model_ready(name) and self._frontends_ok() else not_serving
+            )
+        for gone in sorted(self._known_models - names):
+            await self._health.set(gone, not_serving)
+        self._known_models |= names
+
+    async def _poll_health(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self.refresh_health()
+            except Exception:
+                log.exception("health refresh failed")
+
+    def _management_routes(self) -> list[Route]:
+        reg = self.registry
+
+        async def ping(request: Request) -> Response:
+            """The whole server's health: every frontend up and every model with a live worker."""
+            if reg.is_ready():
+                return json_response({"status": "Healthy"})
+            return json_response({"status": "Unhealthy"}, 500)
+
+        return [Route("/ping", ping, methods=["GET"]), *health.http_routes(reg)]  # type: ignore[arg-type]
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        inference_tokens, management_tokens = check_exposure(cfg)
+        # Reserve the shared inference ports first: a port in use fails here, before any child.
+        http_sock = reserve_port(cfg.inference_address)
+        grpc_sock = reserve_port(cfg.grpc_inference_address)
+        self._reserved = [http_sock, grpc_sock]
+        http_port, grpc_port = http_sock.getsockname()[1], grpc_sock.getsockname()[1]
+
+        # Control plane: management (REST, gRPC) and metrics, all in this process.
+        creds = (
+            grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            if cfg.tls_cert_file and cfg.tls_key_file
+            else None
+        )
+        self._grpc = build_management_server(
+            self.registry,  # type: ignore[arg-type]
+            max_message_bytes=cfg.max_request_bytes,
+            health=self._health,
+            on_change=self.refresh_health,
+            interceptors=[GrpcTokenAuth(management_tokens, open_health=cfg.open_health)]
+            if management_tokens
+            else [],
+        )
+        grpc_mgmt_port = bind_port(self._grpc, cfg.grpc_management_address, "management", creds)
+        await self.refresh_health()
+        await self._grpc.start()
+        metrics_tokens = (
+            type(management_tokens)() if cfg.open_metrics else (management_tokens or inference_tokens)
+        )
+        health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
+        mgmt = management_app(self.registry)  # type: ignore[arg-type]
+        for route in self._management_routes():
+            mgmt.router.routes.append(route)
+        for app, address in (
+            (HttpTokenAuth(mgmt, management_tokens, open_paths=health_paths), cfg.management_address),
+            (HttpTokenAuth(metrics_app(self.registry), metrics_tokens), cfg.metrics_address),  # type: ignore[arg-type]
+        ):
+            # Bound here, so a port in use is an OSError naming it (uvicorn would sys.exit).
+            sock = listen_on(address)
+            self._reserved.append(sock)
+            host, _ = split_address(address)
+            srv = EmbeddedUvicorn(uvicorn_config(app, host, sock.getsockname()[1], cfg))
+            self._http.append(srv)
+            self._http_tasks.append(asyncio.create_task(srv.serve(sockets=[sock])))
+        while not all(s.started for s in self._http):
+            for t, address in zip(
+                self._http_tasks, (cfg.management_address, cfg.metrics_address), strict=True
+            ):
+                if t.done():
+                    # uvicorn reports a failed bind by logging it and exiting (SystemExit).
+                    with contextlib.suppress(Exception, SystemExit):
+                        t.result()
+                    raise OSError(f"cannot listen on {address!r}: address in use or not available")
+            await asyncio.sleep(0.005)
+        mgmt_port, metrics_port = (s.servers[0].sockets[0].getsockname()[1] for s in self._http)
+        self.ports = {
+            "inference": http_port,
+            "management": mgmt_port,
+            "metrics": metrics_port,
+            "grpc_inference": grpc_port,
+            "grpc_management": grpc_mgmt_port,
+        }
+        log.info(
+            "supervisor pid %d: listening %s; %d frontends", os.getpid(), self.ports, self.frontend_count
+        )
+
+        # Archives are checked here, once; workers and frontends then start in parallel.
+        pinned = pinned_digests(cfg.model_store) if cfg.pin_index else None
+        versions = await asyncio.to_thread(self.registry.open_models, model_specs(cfg, pinned))
+        self.frontends = FrontendPool(cfg, self.frontend_count, http_port, grpc_port)
+        await self.registry.start_workers(versions)
+        await self.frontends.start()
+        await self._publish()
+        self._health_task = asyncio.create_task(self._poll_health(), name="supervisor-health")
+
+    async def wait_ready(self) -> None:
+        """Log once when every model has a live worker and every frontend listens."""
+        t0 = time.perf_counter()
+        while not self.registry.is_ready() and not self.draining:
+            await asyncio.sleep(0.05)
+        if not self.draining:
+            ready = [f"{i.name}:{i.version}" for i in self.registry.models()]
+            log.info("models ready: %s (all ready: True, %.2f s after the listeners)", ", ".join(ready),
+                     time.perf_counter() - t0)  # fmt: skip
+
+    async def shutdown(self) -> None:
+        """Not ready; frontends drain and exit; workers stop; listeners close."""
+        if self.draining:
+            return
+        self.draining = True
+        self.registry.draining = True
+        log.info("shutting down: frontends drain for up to %.1f s", self.cfg.grace_seconds)
+        if self._health_task is not None:
+            self._health_task.cancel()
+        with contextlib.suppress(Exception):
+            await self._health.enter_graceful_shutdown()
+        if self.frontends is not None:
+            await self.frontends.stop(self.cfg.grace_seconds + self.cfg.refuse_seconds + 10.0)
+            d = self.frontends.drained
+            log.info(
+                "all %d frontends drained: total accepted=%d answered=%d ok=%d", len(d),
+                sum(x.accepted for x in d), sum(x.answered for x in d), sum(x.ok for x in d),
+            )  # fmt: skip
+        await self.registry.close(grace=5.0)
+        for srv in self._http:
+            srv.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(2.0)
+        await asyncio.gather(*self._http_tasks, return_exceptions=True)
+        for s in self._reserved:
+            s.close()
+        if self._socket_dir_is_temp:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        log.info("stopped")
+
+
+async def run(cfg: ServerConfig) -> int:
+    """`mariner serve`: start, serve until SIGTERM/SIGINT, shut down in order. 0 on a clean stop."""
+    sup = Supervisor(cfg)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(sup.start())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await starting
+        await sup.shutdown()
+        return 0
+    if starting.exception() is not None:
+        await sup.shutdown()
+        raise starting.exception()  # type: ignore[misc]
+    ready = asyncio.create_task(sup.wait_ready())
+    await stopper
+    ready.cancel()
+    await sup.shutdown()
+    return 0

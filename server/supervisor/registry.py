@@ -1,0 +1,297 @@
+"""The model versions the supervisor serves, and the management API over them.
+
+`ModelRegistry` opens and checks each archive once (in the supervisor: workers and frontends
+unpack nothing), decides which worker slots each version has (start-up, register, scale,
+unregister) and answers the management apps (REST 8081, gRPC 7071) with the same methods the
+single-process server's DataPlane has. Keeping the slots' processes running is `WorkerPool`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mariner.server.config import ServerConfig, server_layers
+from mariner.server.control.metrics import Metrics, MultiprocessMetrics
+from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.endpoint import ModelSpec, resolve_model
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.model_settings import SettingsOverrides
+from mariner.server.core.types import ModelInfo, ModelState
+from mariner.server.supervisor.versions import Instance, Version, model_info, table_entry
+from mariner.server.supervisor.worker_pool import WorkerPool
+from mariner.server.workers.api import ModelEntry
+
+log = logging.getLogger("mariner.supervisor")
+
+
+class ModelRegistry:
+    """Every model version, its worker processes, and the management API over them.
+
+    It provides the methods the management apps call on the single-process server's DataPlane
+    (models, describe, register, unregister, scale, set_default, readiness), so the same
+    management REST and gRPC apps serve both. `on_change` is called whenever what frontends
+    must know changed (a worker ready or gone, a model added or removed, a new default); it
+    returns once every frontend applied the change (bounded). `frontends_ok` says whether
+    every frontend is up (part of the whole server's readiness).
+    """
+
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        work_dir: Path,
+        socket_dir: Path,
+        metrics: Metrics,
+        on_change: Callable[[], Awaitable[None]],
+        frontends_ok: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.cfg = cfg
+        self.management_enabled = cfg.enable_model_management
+        self.draining = False
+        self.metrics = MultiprocessMetrics()  # what /metrics renders: every process merged
+        self._work_dir = work_dir
+        self._on_change = on_change
+        self._versions: dict[str, dict[str, Version]] = {}
+        self._defaults: dict[str, str] = {}
+        self._expected = 0
+        self._workers = WorkerPool(
+            cfg.torch_threads,
+            socket_dir,
+            metrics,
+            on_change=on_change,
+            worker_count=lambda: sum(len(v.instances) for v in self._every()),
+            draining=lambda: self.draining,
+        )
+        self._layers = server_layers(cfg)
+        self._limits = ArchiveLimits()
+        self._frontends_ok = frontends_ok
+
+    def _every(self) -> list[Version]:
+        return [v for vs in self._versions.values() for v in vs.values()]
+
+    # -- opening ----------------------------------------------------------------------------
+    def _open(self, spec: ModelSpec) -> Version:
+        path = resolve_in_store(self.cfg.model_store, spec.archive)
+        archive = open_archive(
+            path, self._work_dir, limits=self._limits, expected_sha256=spec.sha256, name_override=spec.name
+        )
+        try:
+            # The one resolution, shared with the single-process server's endpoints.
+            settings, signature = resolve_model(
+                archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
+            )
+            versions = self._versions.setdefault(archive.name, {})
+            if archive.version in versions:
+                raise ServingError(
+                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+                )
+        except BaseException:
+            shutil.rmtree(archive.model_dir, ignore_errors=True)
+            if not self._versions.get(archive.name):
+                self._versions.pop(archive.name, None)
+            raise
+        v = Version(archive, spec, settings, signature)
+        versions[archive.version] = v
+        self._defaults.setdefault(archive.name, archive.version)
+        return v
+
+    def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
+        """Check and unpack every archive; a bad one is logged and skipped, the others serve."""
+        opened = []
+        for spec in specs:
+            try:
+                opened.append(self._open(spec))
+            except ServingError as exc:
+                log.error("refusing archive %s: %s", spec.archive, exc.message)
+                continue
+            self._expected += 1
+        return opened
+
+    # -- workers ----------------------------------------------------------------------------
+    async def _changed(self) -> None:
+        if not self.draining:
+            await self._on_change()
+
+    async def start_workers(self, versions: Sequence[Version]) -> None:
+        """Start every version's minWorkers at once; they load in parallel."""
+        for v in versions:
+            v.t0 = time.perf_counter()
+            self._workers.add(v, v.settings.min_workers)
+
+    async def close(self, grace: float) -> None:
+        """Stop every worker (after the frontends have drained) and remove unpacked archives."""
+        self.draining = True
+        every = self._every()
+        await self._workers.stop([i for v in every for i in v.instances.values()], grace)
+        for v in every:
+            shutil.rmtree(v.archive.model_dir, ignore_errors=True)
+
+    def worker_pids(self) -> list[int]:
+        return [
+            i.process.pid
+            for vs in self._versions.values()
+            for v in vs.values()
+            for i in v.instances.values()
+            if i.process is not None and i.process.pid is not None and i.process.returncode is None
+        ]
+
+    # -- what frontends learn ---------------------------------------------------------------------
+    def table(self) -> tuple[ModelEntry, ...]:
+        """Every version as frontends must know it (see `versions.table_entry`)."""
+        return tuple(
+            table_entry(v, self._defaults.get(v.name) == v.version)
+            for name in sorted(self._versions)
+            for v in self._versions[name].values()
+        )
+
+    # -- lookups (the management apps' slice of the DataPlane) ----------------------------------
+    def resolve(self, model: str, version: str | None = None) -> Version:
+        versions = self._versions.get(model)
+        if not versions:
+            served = sorted(self._versions)
+            listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+            shown = repr(model[:80] + ("..." if len(model) > 80 else ""))
+            raise ServingError(
+                Code.NOT_FOUND, f"model {shown} is not served here; served: {listed or 'none'}"
+            )
+        v = version or self._defaults[model]
+        found = versions.get(v)
+        if found is None:
+            raise ServingError(
+                Code.NOT_FOUND,
+                f"model {model!r} has no version {v[:80]!r}; versions served: {', '.join(sorted(versions))}",
+            )
+        return found
+
+    def _info(self, v: Version) -> ModelInfo:
+        return model_info(v, self._defaults.get(v.name) == v.version)
+
+    def models(self) -> list[ModelInfo]:
+        return [self._info(v) for name in sorted(self._versions) for v in self._versions[name].values()]
+
+    def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
+        if version is None or version == "all":
+            if model not in self._versions:
+                self.resolve(model)
+            return [self._info(v) for v in self._versions[model].values()]
+        return [self._info(self.resolve(model, version))]
+
+    def known_label(self, model: str, version: str | None) -> tuple[str, str]:
+        try:
+            v = self.resolve(model, version)
+        except ServingError:
+            return "unknown", "unknown"
+        return v.name, v.version
+
+    def is_live(self) -> bool:
+        return True
+
+    def models_ready(self) -> bool:
+        every = self._every()
+        return (
+            bool(every) and len(every) >= self._expected and all(v.state is ModelState.READY for v in every)
+        )
+
+    def is_ready(self) -> bool:
+        """Every model has a live worker, every frontend is up, and the server is not draining."""
+        return not self.draining and self._frontends_ok() and self.models_ready()
+
+    def model_ready(self, model: str, version: str | None = None) -> bool:
+        try:
+            return not self.draining and self.resolve(model, version).state is ModelState.READY
+        except ServingError:
+            return False
+
+    # -- management -------------------------------------------------------------------------------
+    def _require_management(self, what: str) -> None:
+        if not self.management_enabled:
+            raise ServingError(
+                Code.PERMISSION_DENIED,
+                f"{what} is disabled: start the server with --enable-model-management to allow it "
+                "(archives are then taken only from the model store)",
+            )
+
+    async def _await_first(self, instances: Sequence[Instance]) -> None:
+        """Wait for each instance's first start; raise the first failure."""
+        results = await asyncio.gather(*(i.first for i in instances if i.first), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                if isinstance(r, ServingError):
+                    raise r
+                raise ServingError(Code.INTERNAL, f"a model worker failed to start: {r}")
+
+    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+        self._require_management("model registration")
+        name = overrides.pop("name", None)
+        spec = ModelSpec(
+            archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
+        )
+        v = await asyncio.to_thread(self._open, spec)
+        added = self._workers.add(v, v.settings.min_workers)
+        await self._changed()
+        try:
+            await self._await_first(added)
+        except BaseException:
+            await self._remove(v)
+            raise
+        self._expected += 1
+        return [self._info(v)]
+
+    async def _remove(self, v: Version) -> None:
+        versions = self._versions.get(v.name, {})
+        versions.pop(v.version, None)
+        if not versions:
+            self._versions.pop(v.name, None)
+            self._defaults.pop(v.name, None)
+        elif self._defaults.get(v.name) == v.version:
+            self._defaults[v.name] = next(iter(versions))
+        await self._changed()  # frontends stop sending it batches before its workers stop
+        await self._workers.stop(list(v.instances.values()), v.settings.response_timeout_s)
+        shutil.rmtree(v.archive.model_dir, ignore_errors=True)
+
+    async def unregister(self, model: str, version: str | None = None) -> None:
+        self._require_management("model unregistration")
+        v = self.resolve(model, version)
+        self._expected = max(0, self._expected - 1)
+        await self._remove(v)
+
+    async def set_default(self, model: str, version: str) -> None:
+        self._require_management("changing the default version")
+        self.resolve(model, version)
+        self._defaults[model] = version
+        await self._changed()
+
+    async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
+        """Start or stop worker processes until the version has `min_workers` of them."""
+        self._require_management("scaling workers")
+        if min_workers < 1:
+            raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
+        v = self.resolve(model, version)
+        live = v.live_instances()
+        v.settings = dataclasses.replace(v.settings, min_workers=min_workers, max_workers=max_workers)
+        if min_workers > len(live):
+            added = self._workers.add(v, min_workers - len(live))
+            await self._changed()
+            try:
+                await self._await_first(added)
+            except BaseException:
+                await self._workers.stop(added, 1.0)
+                for inst in added:
+                    v.instances.pop(inst.index, None)
+                await self._changed()
+                raise
+        elif min_workers < len(live):
+            gone = live[min_workers:]
+            for inst in gone:
+                inst.retired = True
+            await self._changed()  # frontends stop sending them batches first
+            await self._workers.stop(gone, v.settings.response_timeout_s)
+            for inst in gone:
+                v.instances.pop(inst.index, None)
+        log.info("model %s version %s scaled to %d workers", v.name, v.version, min_workers)

@@ -1,0 +1,143 @@
+"""A model version as the supervisor holds it (its archive, settings, worker slots), and how it
+is shown: to management (`model_info`) and to the frontends (`table_entry`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mariner.server.core.archive import ModelArchive
+from mariner.server.core.endpoint import ModelSpec, resident_bytes
+from mariner.server.core.model_settings import ModelSettings
+from mariner.server.core.tensors import ModelSignature
+from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
+from mariner.server.workers.api import ModelEntry, WorkerEndpoint
+
+
+@dataclass
+class Instance:
+    """One worker slot of a model version: its current process and how it is doing."""
+
+    index: int
+    generation: int = 0
+    process: Any = None  # mariner.server.workers.process.WorkerProcess
+    endpoint: WorkerEndpoint | None = None
+    status: str = "LOADING"
+    started_at: float | None = None
+    retired: bool = False
+    task: asyncio.Task[None] | None = None
+    first: asyncio.Future[None] | None = None  # the first start's outcome
+
+
+@dataclass
+class Version:
+    """One model version the supervisor serves."""
+
+    archive: ModelArchive
+    spec: ModelSpec
+    settings: ModelSettings
+    signature: ModelSignature | None
+    instances: dict[int, Instance] = field(default_factory=dict)
+    ever_ready: bool = False
+    load_seconds: float | None = None
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def name(self) -> str:
+        return self.archive.name
+
+    @property
+    def version(self) -> str:
+        return self.archive.version
+
+    @property
+    def state(self) -> ModelState:
+        live = [i for i in self.instances.values() if not i.retired]
+        if any(i.status == "READY" for i in live):
+            return ModelState.READY
+        if self.ever_ready:
+            return ModelState.RESTARTING
+        if live and all(i.status == "FAILED" for i in live):
+            return ModelState.FAILED
+        return ModelState.LOADING
+
+    def live_instances(self) -> list[Instance]:
+        """The instances not being retired, by index."""
+        return sorted((i for i in self.instances.values() if not i.retired), key=lambda i: i.index)
+
+
+def table_entry(v: Version, is_default: bool) -> ModelEntry:
+    """The version as frontends learn it, with one endpoint per instance: the live worker when
+    it is READY, else where the instance stands (LOADING / FAILED), so a frontend keeps its place."""
+    workers = []
+    for inst in v.live_instances():
+        if inst.status == "READY" and inst.endpoint is not None:
+            workers.append(inst.endpoint)
+            continue
+        pid = inst.process.pid if inst.process is not None else 0
+        workers.append(
+            WorkerEndpoint(
+                id=f"{v.name}-{v.version}-{inst.index}.{inst.generation}",
+                instance=inst.index,
+                generation=inst.generation,
+                socket_path="",
+                pid=pid or 0,
+                device="cpu",
+                status=inst.status,
+            )
+        )
+    return ModelEntry(
+        name=v.name,
+        version=v.version,
+        archive_file=v.archive.path.name,
+        sha256=v.archive.sha256,
+        model_dir=str(v.archive.model_dir),
+        manifest=v.archive.manifest,
+        model_config=v.archive.model_config,
+        settings=v.settings,
+        is_default=is_default,
+        loaded_at_startup=v.spec.loaded_at_startup,
+        workers=tuple(workers),
+    )
+
+
+def model_info(v: Version, is_default: bool) -> ModelInfo:
+    """The version as management shows it: settings, state, and each worker's pid and memory."""
+    s = v.settings
+    workers = []
+    for inst in v.live_instances():
+        pid = inst.process.pid if inst.process is not None else None
+        ep = inst.endpoint
+        workers.append(
+            WorkerInfo(
+                ep.id if ep is not None else f"{v.name}-{v.version}-{inst.index}",
+                ep.device if ep is not None else "cpu",
+                inst.status,
+                0,  # batches are counted where they run (the frontends' metrics), not here
+                pid=pid,
+                memory_bytes=resident_bytes(pid) if pid is not None else None,
+                started_at=inst.started_at if inst.status == "READY" else None,
+            )
+        )
+    return ModelInfo(
+        name=v.name,
+        version=v.version,
+        archive=v.archive.path.name,
+        sha256=v.archive.sha256,
+        handler=v.archive.handler,
+        is_default=is_default,
+        state=v.state,
+        batch_size=s.batch_size,
+        max_batch_delay_ms=s.max_batch_delay_ms,
+        response_timeout_s=s.response_timeout_s,
+        queue_size=s.max_queue,
+        min_workers=s.min_workers,
+        max_workers=s.max_workers,
+        workers=tuple(workers),
+        load_seconds=v.load_seconds,
+        signature=v.signature,
+        loaded_at_startup=v.spec.loaded_at_startup,
+        device_type=s.device_type,
+    )
