@@ -1,10 +1,12 @@
 """The supervisor's handle on one model worker process, and `ProcessRunner`, a worker plus its
 connection behind the batcher's runner interface (what a single-process server uses).
 
-A worker is a fresh interpreter (`python -m mariner.server.workers.main`, never a fork: a forked
-CUDA context is unusable), in a session of its own (a signal to the parent's process group does
-not reach it; we stop it ourselves, and SIGKILL its whole group). Its stdout carries exactly one
-line, the ready line; its stderr is the parent's.
+A worker is forked by the zygote (`zygote.py`: a fresh interpreter that imported torch once and
+never touches CUDA; a fork of the supervisor would not do, a forked CUDA context is unusable), or,
+with `MARINER_WORKER_START=spawn` or when no zygote can fork it, a fresh interpreter (`python -m
+mariner.server.workers.main`). Either way it runs in a session of its own (a signal to the
+parent's process group does not reach it; we stop it ourselves, and SIGKILL its whole group), its
+fd 1 carries exactly one line, the ready line, and its stderr is the parent's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.runner import Placement, instance_id
 from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.workers import zygote
 from mariner.server.workers.api import WorkerEndpoint, WorkerSpec
 from mariner.server.workers.connection import WorkerConnection, kill_worker
 from mariner.server.workers.main import EXIT_LOAD_FAILED, spec_to_json
@@ -35,6 +38,9 @@ log = logging.getLogger("mariner.worker_process")
 
 # Unix socket paths must fit sun_path (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH = 100
+# How workers start: "zygote" (forked from the fork server, the default) or "spawn" (a fresh
+# interpreter each). Read from the worker's environment.
+START_ENV = "MARINER_WORKER_START"
 
 
 class WorkerProcess:
@@ -43,7 +49,8 @@ class WorkerProcess:
     def __init__(self, spec: WorkerSpec, *, env: Mapping[str, str] | None = None) -> None:
         self._spec = spec
         self._env = dict(os.environ if env is None else env)
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None  # spawned
+        self._forked: zygote.ZygoteChild | None = None  # forked by the zygote
         self._endpoint: WorkerEndpoint | None = None
         self._exited: asyncio.Event | None = None
 
@@ -53,7 +60,14 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int | None:
+        if self._forked is not None:
+            return self._forked.pid
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def forked(self) -> bool:
+        """Whether the zygote forked it (False: a fresh interpreter, or not started)."""
+        return self._forked is not None
 
     @property
     def endpoint(self) -> WorkerEndpoint | None:
@@ -61,38 +75,33 @@ class WorkerProcess:
 
     @property
     def returncode(self) -> int | None:
+        if self._forked is not None:
+            return self._forked.returncode
         return None if self._proc is None else self._proc.poll()
 
     async def start(self, timeout: float) -> WorkerEndpoint:
-        """Spawn the worker and wait for its ready line. Raises ServingError with the worker's
+        """Start the worker and wait for its ready line. Raises ServingError with the worker's
         reason if it exits (or `timeout` passes) first; the process is gone then."""
         if len(self._spec.socket_path.encode()) > MAX_SOCKET_PATH:
             raise ServingError(Code.INTERNAL, f"worker socket path too long: {self._spec.socket_path}")
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        # Popen on the loop's own thread: the child must not be tied to a thread that ends.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "mariner.server.workers.main"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            env=self._env,
-            start_new_session=True,
-            close_fds=True,
-        )
-        proc = self._proc
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        try:
-            proc.stdin.write(spec_to_json(self._spec).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass  # it died at once: the ready line says nothing and wait() tells why
+        ready_fd: int | None = None
+        if self._env.get(START_ENV, "zygote") != "spawn":
+            try:
+                async with asyncio.timeout(timeout):
+                    ready_fd = await self._fork()
+            except zygote.ZygoteUnavailable as exc:
+                log.warning("worker %s: %s; starting a fresh interpreter instead", self._spec.id, exc)
+            except TimeoutError:
+                log.warning("worker %s: the zygote did not fork it within %g s; starting a fresh "
+                            "interpreter instead", self._spec.id, timeout)  # fmt: skip
+        if ready_fd is None:
+            ready_fd = self._spawn()
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(proc.stdout.fileno()), "rb")
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(ready_fd, "rb")
         )
-        proc.stdout.close()
         try:
             async with asyncio.timeout(timeout):
                 line = await reader.readline()
@@ -118,12 +127,14 @@ class WorkerProcess:
             raise
         finally:
             transport.close()
+        pid = self.pid
+        assert pid is not None
         self._endpoint = WorkerEndpoint(
             id=self._spec.id,
             instance=self._spec.instance,
             generation=self._spec.generation,
             socket_path=self._spec.socket_path,
-            pid=proc.pid,
+            pid=pid,
             device=str(ready.get("device", self._spec.device)),
             status="READY",
             start_time=time.time(),
@@ -131,23 +142,72 @@ class WorkerProcess:
         )
         return self._endpoint
 
+    async def _fork(self) -> int:
+        """Have the zygote fork the worker; returns the read end of its ready-line pipe."""
+        client = zygote.client_for(self._env)
+        read_fd, write_fd = os.pipe()
+        try:
+            self._forked = await client.fork(
+                spec_to_json(self._spec), write_fd, env=self._env, cwd=os.getcwd()
+            )
+        except BaseException:
+            os.close(read_fd)
+            zygote.note_result(client, ok=False)
+            raise
+        finally:
+            os.close(write_fd)  # the worker holds the only write end now: EOF when it dies
+        zygote.note_result(client, ok=True)
+        return read_fd
+
+    def _spawn(self) -> int:
+        """A fresh interpreter; returns the read end of its stdout (the ready line)."""
+        # Popen on the loop's own thread: the child must not be tied to a thread that ends.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "mariner.server.workers.main"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            env=self._env,
+            start_new_session=True,
+            close_fds=True,
+        )
+        proc = self._proc
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        try:
+            proc.stdin.write(spec_to_json(self._spec).encode())
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: the ready line says nothing and wait() tells why
+        read_fd = os.dup(proc.stdout.fileno())
+        proc.stdout.close()
+        return read_fd
+
     def kill(self) -> None:
         """SIGKILL the worker and its process group now."""
-        if self._proc is not None:
+        if self._forked is not None:
+            # The zygote reaps it at once: once its exit is known its pid may be reused, so only
+            # its group (which outlives it while anything it started still runs) is killed then.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._forked.pid, signal.SIGKILL)
+            if self._forked.returncode is None:
+                kill_worker(self._forked.pid)
+        elif self._proc is not None:
             kill_worker(self._proc.pid)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM (the worker finishes the batch in hand), then SIGKILL after `grace` seconds."""
-        if self._proc is None:
+        pid = self.pid
+        if pid is None:
             return
-        if self._proc.poll() is None:
+        if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.wait(), grace)
             except TimeoutError:
                 log.warning("worker %s (pid %d) did not stop within %g s; killing it", self._spec.id,
-                            self._proc.pid, grace)  # fmt: skip
+                            pid, grace)  # fmt: skip
         self.kill()  # also whatever it left in its group
         await self.wait()
         with contextlib.suppress(FileNotFoundError):
@@ -155,6 +215,8 @@ class WorkerProcess:
 
     async def wait(self) -> int:
         """The exit code once the worker has exited (negative: killed by that signal)."""
+        if self._forked is not None:
+            return await self._forked.wait()  # the zygote reaps it and reports the status
         assert self._proc is not None, "not started"
         proc = self._proc
         if proc.poll() is not None:

@@ -1,0 +1,447 @@
+"""A fork server for model workers: one fresh interpreter that imports torch, numpy and the
+worker's modules once, then forks each worker on request.
+
+Why: every worker used to be a fresh interpreter importing torch (1.5-3 s of CPU each), so seven
+workers on two cores took 12-24 s to be ready. A fork of a process that already imported torch
+starts in milliseconds and shares those pages copy-on-write.
+
+Why this is safe with CUDA: the zygote is itself a fresh interpreter (`python -m
+mariner.server.workers.zygote FD`, never a fork of the supervisor) and never initialises CUDA (it
+checks, and refuses to serve if an import did): each forked worker initialises its own device, as
+a fresh one would. The zygote holds no fd but its control socket (a Unix SOCK_SEQPACKET socketpair
+with the supervisor), runs no asyncio loop and no thread of its own.
+
+The control socket carries JSON messages:
+  supervisor → zygote  {"op": "fork", "req": n, "spec": ..., "env": {...}, "cwd": ...} with two fds
+                       (SCM_RIGHTS): the write end of the ready-line pipe and the stderr to use
+  zygote → supervisor  {"hello": pid, "cuda_initialized": false} once imported;
+                       {"req": n, "pid": p} or {"req": n, "error"};
+                       {"exited": p, "code": c} when a worker ends (negative: killed by signal c)
+The zygote is the workers' parent: it reaps them and reports each exit status, so a segfault is
+still seen as -SIGSEGV. The supervisor going away (EOF) makes the zygote SIGKILL its workers and
+exit; the zygote going away makes the supervisor SIGKILL them and report -SIGKILL (a worker also
+notices its parent changing and exits by itself). A forked child becomes what a fresh worker is:
+its own session, signal handlers at their defaults, fds 0-2 only (0 /dev/null, 1 the ready pipe,
+2 the supervisor's stderr), the requested environment and cwd, `sys.path` of the library paths
+plus (set by the worker) its archive's directory, reseeded RNGs, and the command line
+`python -m mariner.server.workers.main`, which is how operators and tests recognise workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+# Messages are small (a spec is a few kB); a recv buffer well above any of them.
+_MAX_MESSAGE = 1 << 20
+_FDS_PER_FORK = 2
+WORKER_CMDLINE_MODULE = "mariner.server.workers.main"
+# What a worker imports before it loads its handler: imported once here, shared by every fork.
+PRELOAD = (
+    "numpy",
+    "torch",
+    "mariner.server.core.archive",
+    "mariner.server.core.batcher",
+    "mariner.server.core.runner",
+    "mariner.server.workers.protocol",
+    "mariner.server.workers.main",
+)
+
+
+class ZygoteUnavailable(Exception):
+    """The zygote could not fork this worker (it is gone or failed to start): spawn it instead."""
+
+
+# --------------------------------------------------------------------------- supervisor side
+
+
+class ZygoteChild:
+    """A worker forked by the zygote: its pid, and its exit status as the zygote reports it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._code: int | None = None
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code
+
+    def _set_exit(self, code: int) -> None:
+        """Called from the client's reader thread."""
+        with self._lock:
+            if self._code is not None:
+                return
+            self._code = code
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(code))
+
+    async def wait(self) -> int:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        with self._lock:
+            if self._code is not None:
+                return self._code
+            self._waiters.append((loop, fut))
+        return await fut
+
+
+class ZygoteClient:
+    """The supervisor's end of one zygote: starts it, forks workers through it, and keeps every
+    forked worker's exit status (a reader thread, so it serves any event loop)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mariner.server.workers.zygote", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=None,
+                env=self.env,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # a Ctrl-C to the supervisor's group does not reach it
+                close_fds=True,
+            )
+        finally:
+            theirs.close()
+        self.hello = threading.Event()
+        self.cuda_initialized: bool | None = None  # as the zygote reported it once it had preloaded
+        self.alive = True
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next_req = 0
+        self._pending: dict[int, Future[ZygoteChild]] = {}
+        self._children: dict[int, ZygoteChild] = {}
+        self._reader = threading.Thread(target=self._read, name=f"zygote-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def live_children(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._children.values() if c.returncode is None)
+
+    async def fork(self, spec_json: str, ready_w: int, *, env: Mapping[str, str], cwd: str) -> ZygoteChild:
+        """Ask for a worker; `ready_w` becomes its fd 1 (the caller closes its own copy)."""
+        fut: Future[ZygoteChild] = Future()
+        with self._lock:
+            if not self.alive:
+                raise ZygoteUnavailable(f"zygote {self.pid} is gone")
+            req = self._next_req = self._next_req + 1
+            self._pending[req] = fut
+        msg = json.dumps({"op": "fork", "req": req, "spec": spec_json, "env": dict(env), "cwd": cwd})
+        try:
+            with self._send_lock:
+                socket.send_fds(self._sock, [msg.encode()], [ready_w, 2])
+        except OSError as exc:
+            with self._lock:
+                self._pending.pop(req, None)
+            raise ZygoteUnavailable(f"zygote {self.pid}: {exc}") from exc
+        return await asyncio.wrap_future(fut)
+
+    def close(self) -> None:
+        """Tell the zygote to go (it SIGKILLs the workers it still has, then exits)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                data = self._sock.recv(_MAX_MESSAGE)
+                if not data:
+                    break
+                self._handle(json.loads(data))
+        except (OSError, ValueError) as exc:
+            _stderr(f"zygote {self.pid}: control socket failed: {exc!r}")
+        finally:
+            self._gone()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        if "hello" in msg:
+            self.cuda_initialized = bool(msg.get("cuda_initialized"))
+            self.hello.set()
+        elif "exited" in msg:
+            with self._lock:
+                child = self._children.pop(int(msg["exited"]), None)
+            if child is not None:
+                child._set_exit(int(msg["code"]))
+        elif "req" in msg:
+            with self._lock:
+                fut = self._pending.pop(int(msg["req"]), None)
+                child = None
+                if "pid" in msg:
+                    child = self._children[int(msg["pid"])] = ZygoteChild(int(msg["pid"]))
+            if fut is None or not fut.set_running_or_notify_cancel():
+                if child is not None:  # nobody waits for it any more (the start timed out)
+                    _kill_group(child.pid)
+                return
+            if child is not None:
+                fut.set_result(child)
+            else:
+                fut.set_exception(ZygoteUnavailable(f"zygote {self.pid}: {msg.get('error')}"))
+
+    def _gone(self) -> None:
+        """The zygote exited (or closed its end): nobody reaps its workers now. Kill them and
+        report each as killed once it is gone; pending forks fall back to spawning."""
+        with self._lock:
+            self.alive = False
+            pending, self._pending = list(self._pending.values()), {}
+            children, self._children = list(self._children.values()), {}
+        for fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(ZygoteUnavailable(f"zygote {self.pid} exited"))
+        for child in children:
+            _kill_group(child.pid)
+        for child in children:
+            _wait_gone(child.pid)
+            child._set_exit(-signal.SIGKILL)
+        self._sock.close()
+        self.proc.wait()
+        if children:
+            _stderr(
+                f"zygote {self.pid} exited with {self.proc.returncode}; killed its {len(children)} workers"
+            )
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(pid: int) -> None:
+    """Block until `pid` no longer runs (not our child: pidfd, else poll)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [], 30.0)
+        finally:
+            os.close(fd)
+        return
+    for _ in range(1500):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        threading.Event().wait(0.02)
+
+
+_clients: dict[frozenset[tuple[str, str]], ZygoteClient] = {}
+_clients_lock = threading.Lock()
+_failures = 0
+MAX_FAILURES = 3  # zygotes that died before serving in a row: stop trying, spawn every worker
+
+
+def client_for(env: Mapping[str, str]) -> ZygoteClient:
+    """The live zygote started with exactly `env` (environment variables read at import time,
+    e.g. OMP_NUM_THREADS or PROMETHEUS_MULTIPROC_DIR, must be the worker's), starting one if
+    there is none or it died. Zygotes of other environments with no live worker are closed."""
+    key = frozenset(env.items())
+    with _clients_lock:
+        if _failures >= MAX_FAILURES:
+            raise ZygoteUnavailable(f"{_failures} zygotes failed in a row")
+        client = _clients.get(key)
+        if client is not None and client.alive:
+            return client
+        for other_key, other in list(_clients.items()):
+            if other_key != key and other.alive and other.live_children() == 0:
+                other.close()
+                del _clients[other_key]
+        client = _clients[key] = ZygoteClient(env)
+        return client
+
+
+def note_result(client: ZygoteClient, ok: bool) -> None:
+    """Count zygotes that died without ever serving, so a broken one is not restarted forever."""
+    global _failures
+    with _clients_lock:
+        if ok:
+            _failures = 0
+        elif not client.hello.is_set():
+            _failures += 1
+
+
+def shutdown() -> None:
+    """Close every zygote (their workers are SIGKILLed): for tests and interpreter exit."""
+    with _clients_lock:
+        clients = list(_clients.values())
+        _clients.clear()
+    for client in clients:
+        client.close()
+    for client in clients:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            client.proc.wait(10)
+
+
+def _stderr(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"mariner zygote: {text}\n")
+        sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- zygote side
+
+
+def serve(fd: int) -> int:
+    """The zygote's main loop: preload, say hello, fork on request, reap and report exits."""
+    import importlib
+    import selectors
+
+    sock = socket.socket(fileno=fd)
+    # `-m` put the supervisor's cwd first on sys.path: workers must not import from it.
+    if sys.path and sys.path[0] in ("", ".", os.getcwd()):
+        del sys.path[0]
+    for name in PRELOAD:
+        importlib.import_module(name)
+    torch = sys.modules["torch"]
+    if torch.cuda.is_initialized():  # a fork would inherit an unusable CUDA context
+        _stderr("CUDA was initialised while preloading; refusing to fork workers")
+        return 1
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
+    children: set[int] = set()
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ, "sock")
+    sel.register(wake_r, selectors.EVENT_READ, "wake")
+    sock.send(json.dumps({"hello": os.getpid(), "cuda_initialized": torch.cuda.is_initialized()}).encode())
+    try:
+        while True:
+            for key, _ in sel.select():
+                if key.data == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(wake_r, 512):
+                            pass
+                    _reap(sock, children)
+                    continue
+                msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _FDS_PER_FORK)
+                if not msg:
+                    return 0  # the supervisor is gone
+                request = json.loads(msg)
+                if len(fds) != _FDS_PER_FORK:
+                    for received in fds:
+                        os.close(received)
+                    sock.send(json.dumps({"req": request.get("req"), "error": "expected 2 fds"}).encode())
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    for received in fds:
+                        os.close(received)
+                    sock.send(json.dumps({"req": request["req"], "error": f"fork: {exc}"}).encode())
+                    continue
+                if pid == 0:
+                    sel.close()
+                    sock.detach()  # its fd is closed below with the rest; never close it twice
+                    _become_worker(request, fds)  # never returns
+                for received in fds:
+                    os.close(received)
+                children.add(pid)
+                sock.send(json.dumps({"req": request["req"], "pid": pid}).encode())
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    finally:
+        for pid in children:
+            _kill_group(pid)
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked child: turn into what a freshly spawned worker is, run it, exit."""
+    code = 1
+    try:
+        os.setsid()  # its own group: kill() SIGKILLs the worker and whatever it started
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        ready_w, err = fds
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(ready_w, 1)
+        os.dup2(err, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the control socket, the pipes, the rest
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        main = sys.modules[WORKER_CMDLINE_MODULE]
+        sys.argv[:] = [str(main.__file__)]
+        _set_cmdline([sys.executable, "-m", WORKER_CMDLINE_MODULE])
+        _reseed()
+        code = main.run_worker(main.spec_from_json(request["spec"]))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - whatever happens, the child must never return to the loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reseed() -> None:
+    """A fork copies the parent's RNG state; fresh interpreters each seed from the OS."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()  # `random` reseeds itself after a fork
+
+
+def _set_cmdline(argv: list[str]) -> None:
+    """Rewrite /proc/self/cmdline (the original argv memory, found via /proc/self/stat) so the
+    worker shows as `python -m mariner.server.workers.main`; skipped if it does not fit."""
+    import ctypes
+
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+        new = b"\0".join(a.encode() for a in argv) + b"\0"
+        size = arg_end - arg_start
+        if 0 < len(new) <= size:
+            ctypes.memmove(arg_start, new.ljust(size, b"\0"), size)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m mariner.server.workers.zygote FD (started by the supervisor)")
+    sys.exit(serve(int(sys.argv[1])))
