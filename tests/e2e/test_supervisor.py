@@ -45,13 +45,13 @@ def wait_for(what: str, check: Callable[[], bool], cap: float = CAP_S) -> None:
 
 def children(pid: int) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children()
+        return psutil.Process(pid).children(recursive=True)  # workers are the zygote's children
     except psutil.NoSuchProcess:
         return []
 
 
 def _running(pid: int, module: str) -> set[int]:
-    """Live children of `pid` running `python -m module` (a zombie not yet reaped is not live)."""
+    """Live descendants of `pid` running `python -m module` (a zombie not yet reaped is not live)."""
     found = set()
     for p in children(pid):
         try:
