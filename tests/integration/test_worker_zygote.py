@@ -268,3 +268,52 @@ def test_spawn_when_asked_or_when_no_zygote_can_fork(
     fallback = asyncio.run(start_one(1, env_for(reports)))
     assert fallback["ppid"] == os.getpid()
     assert fallback["sys_path"][0] == str(model_dir)
+
+
+SUPERVISOR = """
+import asyncio, json, os, sys
+from pathlib import Path
+from mariner.server.workers import zygote
+from mariner.server.workers.process import WorkerProcess
+from tests.integration.test_worker_zygote import env_for, spec
+
+
+async def main():
+    model_dir, reports = Path(sys.argv[1]), Path(sys.argv[2])
+    env = env_for(reports)
+    worker = WorkerProcess(spec(model_dir), env=env)
+    await worker.start(120)
+    print(json.dumps({"worker": worker.pid, "zygote": zygote.client_for(env).pid}), flush=True)
+    await asyncio.sleep(3600)
+
+
+asyncio.run(main())
+"""
+
+
+def test_workers_and_zygote_end_when_the_supervisor_dies(model_dir: Path, reports: Path) -> None:
+    """SIGKILL to the supervisor runs none of its cleanup: the zygote sees its control socket
+    close, kills its workers and exits."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(model_dir), str(reports)],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        pids = json.loads(proc.stdout.readline())
+        worker, zyg = psutil.Process(pids["worker"]), psutil.Process(pids["zygote"])
+        assert worker.ppid() == zyg.pid
+        assert zyg.ppid() == proc.pid
+        proc.kill()
+        proc.wait()
+        gone, alive = psutil.wait_procs([worker, zyg], timeout=120)  # a cap, not a verdict on speed
+        assert alive == []
+    finally:
+        proc.kill()
+        proc.wait()
