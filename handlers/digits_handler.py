@@ -90,6 +90,10 @@ def _pixels_from_image(raw: bytes) -> np.ndarray:
     return np.asarray(small, dtype=np.float32).reshape(PIXELS) * (PIXEL_MAX / 255.0)
 
 
+# Exactly the types JSON numbers decode to; bool is not among them (it is a subclass of int).
+_PLAIN_NUMBERS = frozenset({int, float})
+
+
 def _check_numbers(value: Any, depth: int = 0) -> None:
     """Walk a JSON list before numpy sees it: numpy would turn "3" or true into 3.0 and 1.0."""
     if isinstance(value, (list, tuple)):
@@ -99,6 +103,10 @@ def _check_numbers(value: Any, depth: int = 0) -> None:
                 "expected 64 pixels as a flat list of 64 numbers or an 8x8 nested list, "
                 f"but {where} has {len(value)} items"
             )
+        # The common case in one C-level pass: every item a plain int or float passes the walk
+        # below; anything else takes the walk, which finds and names the offending item.
+        if _PLAIN_NUMBERS.issuperset(map(type, value)):
+            return
         for v in value:
             _check_numbers(v, depth + 1)
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
