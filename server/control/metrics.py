@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -117,6 +118,22 @@ class Metrics:
             multiprocess_mode="livesum",
             registry=self.registry,
         )
+        self._call_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
+
+    def call_children(self, model: str, version: str, protocol: str, code: str) -> tuple[Any, Any]:
+        """The `mariner_requests_total` and `mariner_request_duration_seconds` children of one
+        label set, looked up once: `labels()` takes a lock and builds a key on every call, and
+        the call path records every request. The label sets are bounded (see the module doc),
+        so the cache is too."""
+        key = (model, version, protocol, code)
+        children = self._call_children.get(key)
+        if children is None:
+            children = (
+                self.requests.labels(model, version, protocol, code),
+                self.request_duration.labels(model, version, protocol),
+            )
+            self._call_children[key] = children
+        return children
 
     def render(self) -> bytes:
         """This process's samples (the single-process server; a frontend's own view)."""

@@ -169,11 +169,9 @@ def _record(
     plane: CallPlane, protocol: WireProtocol, model: str, version: str | None, code: str, start: float
 ) -> None:
     label_model, label_version = known_labels(plane, model, version)
-    metrics = plane.metrics
-    metrics.requests.labels(label_model, label_version, protocol.value, code).inc()
-    metrics.request_duration.labels(label_model, label_version, protocol.value).observe(
-        time.perf_counter() - start
-    )
+    count, duration = plane.metrics.call_children(label_model, label_version, protocol.value, code)
+    count.inc()
+    duration.observe(time.perf_counter() - start)
 
 
 async def run_call(
