@@ -241,7 +241,7 @@ class Frontend:
             reuse_port=True,
         )
         host, _ = split_address(cfg.inference_address)
-        self._http_socket = reuseport_listener(host, init.http_port)
+        self._http_host, self._http_port = host, init.http_port
         app = HttpTokenAuth(
             inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
             tokens,
@@ -271,17 +271,22 @@ class Frontend:
             closing.add_done_callback(self._closing.discard)
         await self.grpc.refresh_health()
 
+    async def _apply_and_ack(self, msg: channel.ModelTable, writer: asyncio.StreamWriter) -> None:
+        if msg.version < self._applied:
+            return
+        try:
+            await self.apply(msg)
+        except Exception:
+            log.exception("frontend %d: applying model table %d failed", self.index, msg.version)
+        self._applied = msg.version
+        await channel.send(writer, channel.TableApplied(msg.version))
+
     async def _follow(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
     ) -> None:
         while (msg := await channel.receive(reader)) is not None:
-            if isinstance(msg, channel.ModelTable) and msg.version >= self._applied:
-                try:
-                    await self.apply(msg)
-                except Exception:
-                    log.exception("frontend %d: applying model table %d failed", self.index, msg.version)
-                self._applied = msg.version
-                await channel.send(writer, channel.TableApplied(msg.version))
+            if isinstance(msg, channel.ModelTable):
+                await self._apply_and_ack(msg, writer)
         if not stop.is_set():
             log.error("frontend %d: the supervisor went away; draining", self.index)
             stop.set()
@@ -292,8 +297,16 @@ class Frontend:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         reader, writer = await asyncio.open_unix_connection(sock=self._control)
+        # The supervisor sends the model table right after the start message. Apply it (connect
+        # to every worker it lists as ready) before joining the shared ports: the kernel hands a
+        # listening frontend connections at once, and a restarted frontend that listened first
+        # would answer them 503 LOADING while the other frontends could have served them.
+        first = await channel.receive(reader)
+        if isinstance(first, channel.ModelTable):
+            await self._apply_and_ack(first, writer)
         await self.grpc.start()
-        http_task = asyncio.create_task(self.http.serve(sockets=[self._http_socket]))
+        http_socket = reuseport_listener(self._http_host, self._http_port)
+        http_task = asyncio.create_task(self.http.serve(sockets=[http_socket]))
         while not self.http.started:
             if http_task.done():
                 http_task.result()
