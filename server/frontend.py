@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -304,6 +305,10 @@ class Frontend:
         first = await channel.receive(reader)
         if isinstance(first, channel.ModelTable):
             await self._apply_and_ack(first, writer)
+        # The long-lived heap (grpc, starlette, the adapters) is built: without freezing it, every
+        # full collection walks it while requests wait.
+        gc.collect()
+        gc.freeze()
         await self.grpc.start()
         http_socket = reuseport_listener(self._http_host, self._http_port)
         http_task = asyncio.create_task(self.http.serve(sockets=[http_socket]))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import select
@@ -321,6 +322,10 @@ def serve(fd: int) -> int:
     if torch.cuda.is_initialized():  # a fork would inherit an unusable CUDA context
         _stderr("CUDA was initialised while preloading; refusing to fork workers")
         return 1
+    # Freeze what the imports left: a child's garbage collections then walk only its own new
+    # objects instead of touching (and so copying) the shared torch heap pages.
+    gc.collect()
+    gc.freeze()
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
