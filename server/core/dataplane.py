@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.archive import open_archive, resolve_in_store
@@ -27,9 +27,44 @@ __all__ = ["DataPlane", "ModelEndpoint", "ModelSpec", "PlaneSettings"]
 log = logging.getLogger("mariner.dataplane")
 
 
+T = TypeVar("T")
+
+
 def _shown(name: str, limit: int = 80) -> str:
     """A client-supplied name for an error message: quoted, escaped and bounded in length."""
     return repr(name[:limit] + ("..." if len(name) > limit else ""))
+
+
+def resolve_version(
+    table: Mapping[str, Mapping[str, T]], defaults: Mapping[str, str], model: str, version: str | None
+) -> T:
+    """The served `version` of `model` (its default version when None), or NOT_FOUND naming what
+    is served. One lookup for every model table: the data plane's and the supervisor's."""
+    versions = table.get(model)
+    if not versions:
+        served = sorted(table)
+        listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+        raise ServingError(
+            Code.NOT_FOUND, f"model {_shown(model)} is not served here; served: {listed or 'none'}"
+        )
+    v = version or defaults[model]
+    found = versions.get(v)
+    if found is None:
+        raise ServingError(
+            Code.NOT_FOUND,
+            f"model {model!r} has no version {_shown(v)}; versions served: {', '.join(sorted(versions))}",
+        )
+    return found
+
+
+def require_management(enabled: bool, what: str) -> None:
+    """PERMISSION_DENIED for a model change while model management is off (the secure default)."""
+    if not enabled:
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            f"{what} is disabled: start the server with --enable-model-management to allow it "
+            "(archives are then taken only from the model store)",
+        )
 
 
 class DataPlane:
@@ -118,21 +153,7 @@ class DataPlane:
 
     # -- lookups --------------------------------------------------------------------------
     def resolve(self, model: str, version: str | None = None) -> ModelEndpoint:
-        versions = self._endpoints.get(model)
-        if not versions:
-            served = sorted(self._endpoints)
-            listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
-            raise ServingError(
-                Code.NOT_FOUND, f"model {_shown(model)} is not served here; served: {listed or 'none'}"
-            )
-        v = version or self._defaults[model]
-        ep = versions.get(v)
-        if ep is None:
-            raise ServingError(
-                Code.NOT_FOUND,
-                f"model {model!r} has no version {_shown(v)}; versions served: {', '.join(sorted(versions))}",
-            )
-        return ep
+        return resolve_version(self._endpoints, self._defaults, model, version)
 
     def known_label(self, model: str, version: str | None) -> tuple[str, str]:
         """Metric label values: a loaded model's name/version, or 'unknown' (bounded cardinality)."""
@@ -195,12 +216,7 @@ class DataPlane:
 
     # -- management -----------------------------------------------------------------------
     def _require_management(self, what: str) -> None:
-        if not self.management_enabled:
-            raise ServingError(
-                Code.PERMISSION_DENIED,
-                f"{what} is disabled: start the server with --enable-model-management to allow it "
-                "(archives are then taken only from the model store)",
-            )
+        require_management(self.management_enabled, what)
 
     async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
         self._require_management("model registration")

@@ -20,6 +20,7 @@ from typing import Any
 from mariner.server.config import ServerConfig, server_layers
 from mariner.server.control.metrics import Metrics, MultiprocessMetrics
 from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.dataplane import require_management, resolve_version
 from mariner.server.core.endpoint import ModelSpec, resolve_model
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import SettingsOverrides
@@ -152,22 +153,7 @@ class ModelRegistry:
 
     # -- lookups (the management apps' slice of the DataPlane) ----------------------------------
     def resolve(self, model: str, version: str | None = None) -> Version:
-        versions = self._versions.get(model)
-        if not versions:
-            served = sorted(self._versions)
-            listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
-            shown = repr(model[:80] + ("..." if len(model) > 80 else ""))
-            raise ServingError(
-                Code.NOT_FOUND, f"model {shown} is not served here; served: {listed or 'none'}"
-            )
-        v = version or self._defaults[model]
-        found = versions.get(v)
-        if found is None:
-            raise ServingError(
-                Code.NOT_FOUND,
-                f"model {model!r} has no version {v[:80]!r}; versions served: {', '.join(sorted(versions))}",
-            )
-        return found
+        return resolve_version(self._versions, self._defaults, model, version)
 
     def _info(self, v: Version) -> ModelInfo:
         return model_info(v, self._defaults.get(v.name) == v.version)
@@ -210,12 +196,7 @@ class ModelRegistry:
 
     # -- management -------------------------------------------------------------------------------
     def _require_management(self, what: str) -> None:
-        if not self.management_enabled:
-            raise ServingError(
-                Code.PERMISSION_DENIED,
-                f"{what} is disabled: start the server with --enable-model-management to allow it "
-                "(archives are then taken only from the model store)",
-            )
+        require_management(self.management_enabled, what)
 
     async def _await_first(self, instances: Sequence[Instance]) -> None:
         """Wait for each instance's first start; raise the first failure."""
