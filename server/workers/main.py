@@ -306,6 +306,11 @@ def run_worker(spec: WorkerSpec) -> int:
         format=f"%(asctime)s %(levelname)s worker {spec.id} pid {os.getpid()}: %(message)s",
     )
     isolate_sys_path(spec.model_dir)
+    # SIGINT is not how a worker is stopped (the supervisor or its runner sends SIGTERM) and a
+    # worker has its own session, so no terminal sends it one. Set it explicitly rather than
+    # inherit it: a fresh interpreter started from a background job inherits SIG_IGN, one from
+    # a terminal gets KeyboardInterrupt, and a zygote's fork would get whatever the zygote had.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"handler-{spec.id}")
     try:
         host, load_seconds = executor.submit(_load, spec).result()
