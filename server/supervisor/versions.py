@@ -68,6 +68,16 @@ class Version:
         return sorted((i for i in self.instances.values() if not i.retired), key=lambda i: i.index)
 
 
+def instance_device(inst: Instance) -> str:
+    """Where an instance runs: its live worker's device, else the device its (loading) worker
+    process was placed on; "cpu" only before any process exists for it."""
+    if inst.endpoint is not None:
+        return inst.endpoint.device
+    if inst.process is not None:
+        return str(inst.process.spec.device)
+    return "cpu"
+
+
 def table_entry(v: Version, is_default: bool) -> ModelEntry:
     """The version as frontends learn it, with one endpoint per instance: the live worker when
     it is READY, else where the instance stands (LOADING / FAILED), so a frontend keeps its place."""
@@ -84,7 +94,7 @@ def table_entry(v: Version, is_default: bool) -> ModelEntry:
                 generation=inst.generation,
                 socket_path="",
                 pid=pid or 0,
-                device="cpu",
+                device=instance_device(inst),
                 status=inst.status,
             )
         )
@@ -113,7 +123,7 @@ def model_info(v: Version, is_default: bool) -> ModelInfo:
         workers.append(
             WorkerInfo(
                 ep.id if ep is not None else f"{v.name}-{v.version}-{inst.index}",
-                ep.device if ep is not None else "cpu",
+                instance_device(inst),
                 inst.status,
                 0,  # batches are counted where they run (the frontends' metrics), not here
                 pid=pid,

@@ -126,3 +126,24 @@ def test_batcher_takes_added_workers_and_stops_using_retired_ones() -> None:
     assert set(both) == {b"first", b"second"}
     assert set(after) == {b"second"}
     assert first_after_retire == 0
+
+
+def test_a_loading_worker_is_described_on_the_device_it_was_placed_on() -> None:
+    """Before its worker is ready an instance reports its planned device, not a placeholder."""
+    from types import SimpleNamespace
+
+    from mariner.server.supervisor.versions import Instance, instance_device
+    from mariner.server.workers.api import WorkerEndpoint
+
+    loading = Instance(index=1, process=SimpleNamespace(spec=SimpleNamespace(device="cuda:0")))
+    assert instance_device(loading) == "cuda:0"
+    ready = Instance(
+        index=0,
+        process=SimpleNamespace(spec=SimpleNamespace(device="cuda:1")),
+        endpoint=WorkerEndpoint(
+            id="m-1.0-0", instance=0, generation=0, socket_path="/s", pid=7, device="cuda:1", status="READY"
+        ),
+        status="READY",
+    )
+    assert instance_device(ready) == "cuda:1"
+    assert instance_device(Instance(index=2)) == "cpu"
