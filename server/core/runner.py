@@ -27,7 +27,7 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import InstanceFailed
 from mariner.server.core.context import Context
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.core.types import InferRequest, InferResult, instance_id
 
 log = logging.getLogger("mariner.runner")
 _module_ids = itertools.count()
@@ -371,10 +371,6 @@ class ModelHost:
                 )
             )
         return results
-
-
-def instance_id(name: str, version: str, instance: int, generation: int) -> str:
-    return f"{name}-{version}-{instance}" + (f".{generation}" if generation else "")
 
 
 class Runner:

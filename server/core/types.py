@@ -112,3 +112,9 @@ class ModelInfo:
     loaded_at_startup: bool = True  # False for versions added by a management register call
     pending_requests: int = 0  # queued in the batcher now, not yet running
     device_type: str | None = None  # "cpu" / "gpu" when the settings asked for one
+
+
+def instance_id(name: str, version: str, instance: int, generation: int) -> str:
+    """A model instance's id, the same wherever it is shown: `name-version-instance`, with
+    `.generation` once it has been replaced."""
+    return f"{name}-{version}-{instance}" + (f".{generation}" if generation else "")

@@ -12,7 +12,7 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.endpoint import ModelSpec, resident_bytes
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.core.tensors import ModelSignature
-from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
+from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo, instance_id
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 
 
@@ -89,7 +89,7 @@ def table_entry(v: Version, is_default: bool) -> ModelEntry:
         pid = inst.process.pid if inst.process is not None else 0
         workers.append(
             WorkerEndpoint(
-                id=f"{v.name}-{v.version}-{inst.index}.{inst.generation}",
+                id=instance_id(v.name, v.version, inst.index, inst.generation),
                 instance=inst.index,
                 generation=inst.generation,
                 socket_path="",
@@ -122,7 +122,7 @@ def model_info(v: Version, is_default: bool) -> ModelInfo:
         ep = inst.endpoint
         workers.append(
             WorkerInfo(
-                ep.id if ep is not None else f"{v.name}-{v.version}-{inst.index}",
+                ep.id if ep is not None else instance_id(v.name, v.version, inst.index, inst.generation),
                 instance_device(inst),
                 inst.status,
                 0,  # batches are counted where they run (the frontends' metrics), not here

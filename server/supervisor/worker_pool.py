@@ -17,7 +17,7 @@ from mariner.server.supervisor.children import Backoff, mark_dead
 from mariner.server.supervisor.devices import visible_gpus
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import socket_path_for
+from mariner.server.workers.process import worker_spec
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -64,20 +64,14 @@ class WorkerPool:
         return gpu
 
     def _spec(self, v: Version, inst: Instance, gpu: int | None) -> WorkerSpec:
-        return WorkerSpec(
-            model=v.name,
-            version=v.version,
+        return worker_spec(
+            v.archive,
             instance=inst.index,
             generation=inst.generation,
-            model_dir=str(v.archive.model_dir),
-            archive_file=str(v.archive.path),
-            sha256=v.archive.sha256,
-            manifest=v.archive.manifest,
-            model_config=v.archive.model_config,
             batch_size=v.settings.batch_size,
             gpu_id=gpu,
             torch_threads=self._torch_threads(),
-            socket_path=socket_path_for(self._socket_dir, v.name, v.version, inst.index, inst.generation),
+            socket_dir=self._socket_dir,
         )
 
     def add(self, v: Version, count: int) -> list[Instance]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mariner.server.core.types import instance_id
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -36,8 +38,7 @@ class WorkerSpec:
 
     @property
     def id(self) -> str:
-        base = f"{self.model}-{self.version}-{self.instance}"
-        return base + (f".{self.generation}" if self.generation else "")
+        return instance_id(self.model, self.version, self.instance, self.generation)
 
     @property
     def device(self) -> str:

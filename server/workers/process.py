@@ -27,8 +27,8 @@ from pathlib import Path
 
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.runner import Placement, instance_id
-from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.core.runner import Placement
+from mariner.server.core.types import InferRequest, InferResult, instance_id
 from mariner.server.workers import zygote
 from mariner.server.workers.api import WorkerEndpoint, WorkerSpec
 from mariner.server.workers.connection import WorkerConnection, kill_worker
@@ -272,6 +272,35 @@ def socket_path_for(socket_dir: Path, model: str, version: str, instance: int, g
     return str(socket_dir / f"{tag}-{instance}.{generation}.sock")
 
 
+def worker_spec(
+    archive: ModelArchive,
+    *,
+    instance: int,
+    generation: int,
+    batch_size: int,
+    gpu_id: int | None,
+    torch_threads: int | None,
+    socket_dir: Path,
+) -> WorkerSpec:
+    """What a worker needs to load one instance of an opened, checked archive: the one place a
+    WorkerSpec is built, for the supervisor's workers and for the in-process ProcessRunner."""
+    return WorkerSpec(
+        model=archive.name,
+        version=archive.version,
+        instance=instance,
+        generation=generation,
+        model_dir=str(archive.model_dir),
+        archive_file=str(archive.path),
+        sha256=archive.sha256,
+        manifest=archive.manifest,
+        model_config=archive.model_config,
+        batch_size=batch_size,
+        gpu_id=gpu_id,
+        torch_threads=torch_threads,
+        socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
+    )
+
+
 class ProcessRunner:
     """One model instance as a worker process, with the thread `Runner`'s interface: a
     replacement is a new process (generation + 1); `abandon()` SIGKILLs it."""
@@ -299,20 +328,14 @@ class ProcessRunner:
         self.load_seconds: float | None = None
         self._on_oom = on_oom
         self._start_timeout_s = start_timeout_s
-        self.spec = WorkerSpec(
-            model=archive.name,
-            version=archive.version,
+        self.spec = worker_spec(
+            archive,
             instance=instance,
             generation=generation,
-            model_dir=str(archive.model_dir),
-            archive_file=str(archive.path),
-            sha256=archive.sha256,
-            manifest=archive.manifest,
-            model_config=archive.model_config,
             batch_size=batch_size,
             gpu_id=placement.gpu_id,
             torch_threads=placement.torch_threads,
-            socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
+            socket_dir=socket_dir,
         )
         self.process = WorkerProcess(self.spec, env=env)
         self.connection: WorkerConnection | None = None
