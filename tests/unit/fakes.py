@@ -11,10 +11,11 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import grpc
 import numpy as np
 import uvicorn
 
@@ -160,3 +161,24 @@ def serve(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(START_TIMEOUT)
+
+
+@contextlib.asynccontextmanager
+async def grpc_inference_channel(plane: Any, max_message_bytes: int) -> AsyncIterator[grpc.aio.Channel]:
+    """The real gRPC listeners over `plane` on port 0 (health polling off) and a channel to the
+    inference port; both are closed on exit. Callers generate the stubs first (protogen)."""
+    from mariner.server.protocols.grpc_listener import build_grpc_servers
+
+    servers = build_grpc_servers(
+        plane,
+        inference_address="127.0.0.1:0",
+        management_address="127.0.0.1:0",
+        max_message_bytes=max_message_bytes,
+        health_poll_s=None,
+    )
+    await servers.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.inference_port}") as channel:
+            yield channel
+    finally:
+        await servers.stop(grace=0)

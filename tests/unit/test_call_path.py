@@ -24,7 +24,7 @@ from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferResult
 from mariner.server.protocols import call as call_path
 from mariner.server.protocols.call import Failed, Ok, handler_error, run_call
-from tests.unit.fakes import FakePlane, QuietMetrics, serve
+from tests.unit.fakes import FakePlane, QuietMetrics, grpc_inference_channel, serve
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,6 @@ def pb() -> SimpleNamespace:
         ts_grpc=importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc"),
         oip=importlib.import_module("mariner.server._proto.inference.grpc_service_pb2"),
         oip_grpc=importlib.import_module("mariner.server._proto.inference.grpc_service_pb2_grpc"),
-        listener=importlib.import_module("mariner.server.protocols.grpc_listener"),
     )
 
 
@@ -78,22 +77,11 @@ _GRPC_HTTP = {
 
 def _grpc(pb: SimpleNamespace, plane: FakePlane, rpc: Callable[[grpc.aio.Channel], Any]) -> Answer:
     async def main() -> Answer:
-        servers = pb.listener.build_grpc_servers(
-            plane,
-            inference_address="127.0.0.1:0",
-            management_address="127.0.0.1:0",
-            max_message_bytes=MAX_MESSAGE,
-            health_poll_s=None,
-        )
-        await servers.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.inference_port}") as channel:
-                try:
-                    return await rpc(channel)
-                except grpc.aio.AioRpcError as err:
-                    return _GRPC_HTTP[err.code()], err.details() or ""
-        finally:
-            await servers.stop(grace=0)
+        async with grpc_inference_channel(plane, MAX_MESSAGE) as channel:
+            try:
+                return await rpc(channel)
+            except grpc.aio.AioRpcError as err:
+                return _GRPC_HTTP[err.code()], err.details() or ""
 
     return asyncio.run(main())
 

@@ -29,7 +29,7 @@ from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo
-from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, make_info, serve
+from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, grpc_inference_channel, make_info, serve
 
 pytestmark = pytest.mark.unit
 
@@ -137,13 +137,11 @@ def pb() -> SimpleNamespace:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-    from mariner.server.protocols import grpc_listener as grpc_server
     from mariner.server.protocols.oip import grpc as grpc_oip
 
     return SimpleNamespace(
         m=grpc_service_pb2,
         stub=grpc_service_pb2_grpc.GRPCInferenceServiceStub,
-        grpc_server=grpc_server,
         service=grpc_oip.SERVICE_NAME,
         health=health_pb2,
         health_grpc=health_pb2_grpc,
@@ -154,19 +152,8 @@ def run_grpc(
     pb: SimpleNamespace, plane: FakePlane, body: Callable[[Any, grpc.aio.Channel], Awaitable[None]]
 ) -> None:
     async def main() -> None:
-        servers = pb.grpc_server.build_grpc_servers(
-            plane,
-            inference_address="127.0.0.1:0",
-            management_address="127.0.0.1:0",
-            max_message_bytes=MAX_MESSAGE,
-            health_poll_s=None,
-        )
-        await servers.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers.inference_port}") as channel:
-                await body(pb.stub(channel), channel)
-        finally:
-            await servers.stop(grace=0)
+        async with grpc_inference_channel(plane, MAX_MESSAGE) as channel:
+            await body(pb.stub(channel), channel)
 
     asyncio.run(main())
 
