@@ -134,7 +134,7 @@ class MarinerServer:
         # Archives are checked and unpacked now, so health already names every model
         # (NOT_SERVING) while the slow part, initialising handlers, happens in load().
         pinned = pinned_digests(self.cfg.model_store) if self.cfg.pin_index else None
-        self.dataplane.open_models(model_specs(self.cfg, pinned))
+        await self.dataplane.open_models(model_specs(self.cfg, pinned))
         await self.grpc.refresh_health()
         return self.ports
 

@@ -136,6 +136,7 @@ def describe_model(info: ModelInfo) -> dict[str, Any]:
                 "loadSeconds": info.load_seconds,
                 "devices": [w.device for w in info.workers],
                 "batches": [w.batches for w in info.workers],
+                **({"error": info.error} if info.error else {}),
             },
         }
     )

@@ -5,12 +5,17 @@ with absolute paths, `..` components or symlink modes are refused, the member co
 total unpacked size are capped (and counted while extracting, not trusted from headers), and
 an optional sha256 pin refuses an archive whose digest differs. Archives are only ever read
 from the model store directory; names that are URLs or escape the store are refused.
+
+The manifest and the model-config are checked field by field (`archive_fields`), and every
+file the manifest names (handler, model file, serialized file, extra files, config file) must
+resolve, symlinks followed, inside the archive's own unpacked directory: a handler of
+`../../elsewhere/h.py` would otherwise run code the sha256 pin never covered. Every refusal is
+one ServingError(INVALID_ARGUMENT) naming the archive, the field and what is allowed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import stat
 import tempfile
@@ -19,11 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import yaml
-
+from mariner.server.core.archive_fields import MANIFEST, read_manifest, read_model_config
 from mariner.server.core.errors import Code, ServingError
 
-MANIFEST = "MAR-INF/MANIFEST.json"
+__all__ = ["MANIFEST", "UNLISTED", "ArchiveLimits", "ModelArchive", "open_archive", "resolve_in_store"]
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
 
 
@@ -137,26 +141,9 @@ def open_archive(
                 _extract(zf, model_dir, limits)
         except (zipfile.BadZipFile, ValueError, OSError) as exc:
             raise ServingError(Code.INVALID_ARGUMENT, f"archive {path.name} refused: {exc}") from exc
-        manifest_path = model_dir / MANIFEST
-        if not manifest_path.is_file():
-            raise ServingError(Code.INVALID_ARGUMENT, f"archive {path.name} has no {MANIFEST}")
-        manifest = json.loads(manifest_path.read_text())
-        model = manifest.get("model") or {}
-        if not model.get("handler"):
-            raise ServingError(Code.INVALID_ARGUMENT, f"archive {path.name}: manifest names no handler")
-        config: dict[str, Any] = {}
-        config_file = model.get("configFile")
-        if config_file:
-            cfg_path = (model_dir / config_file).resolve()
-            if not cfg_path.is_relative_to(model_dir.resolve()) or not cfg_path.is_file():
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"archive {path.name}: configFile {config_file!r} missing"
-                )
-            config = yaml.safe_load(cfg_path.read_text()) or {}
-            if not isinstance(config, dict):
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"archive {path.name}: model-config is not a mapping"
-                )
+        manifest = read_manifest(model_dir, path.name)
+        model = manifest["model"]
+        config = read_model_config(model_dir, path.name, model.get("configFile"))
         return ModelArchive(
             name=name_override or str(model.get("modelName") or path.stem),
             version=str(model.get("modelVersion") or "1.0"),

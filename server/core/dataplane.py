@@ -9,16 +9,18 @@ settings, runners and batcher) is `core.endpoint`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import shutil
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from mariner.server.control.metrics import Metrics
-from mariner.server.core.archive import open_archive, resolve_in_store
+from mariner.server.core.archive import UNLISTED, ModelArchive, open_archive, resolve_in_store
 from mariner.server.core.endpoint import ArchiveEndpoint, ModelEndpoint, ModelSpec, PlaneSettings
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.failed_models import FailedEndpoint, FailedModel
 from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
 
@@ -57,6 +59,18 @@ def resolve_version(
     return found
 
 
+def _load_failure(ep: ModelEndpoint, exc: BaseException) -> ServingError:
+    """A model's load failure as the caller sees it: a worker process reports its handler's
+    error as a ServingError already; a thread runner's raw exception is worded the same way."""
+    if isinstance(exc, ServingError):
+        return exc
+    log.error("model %s version %s: its handler failed to initialise", ep.name, ep.version, exc_info=exc)
+    return ServingError(
+        Code.INVALID_ARGUMENT,
+        f"model {ep.name} version {ep.version} failed to load: {type(exc).__name__}: {exc}",
+    )
+
+
 def require_management(enabled: bool, what: str) -> None:
     """PERMISSION_DENIED for a model change while model management is off (the secure default)."""
     if not enabled:
@@ -76,7 +90,8 @@ class DataPlane:
         self.management_enabled = settings.management_enabled
         self._endpoints: dict[str, dict[str, ModelEndpoint]] = {}
         self._defaults: dict[str, str] = {}
-        self._expected: list[ModelSpec] = []
+        self._registering: set[ModelEndpoint] = set()  # not part of readiness until registered
+        self._load_errors: dict[ModelEndpoint, str] = {}  # why a start-up model failed to load
         self.draining = False
         # Accounting for the shutdown proof: every accepted request must be answered.
         self.accepted = 0
@@ -86,23 +101,33 @@ class DataPlane:
         self._idle: asyncio.Event | None = None
 
     # -- loading --------------------------------------------------------------------------
-    def open_models(self, specs: Sequence[ModelSpec]) -> None:
+    async def open_models(self, specs: Sequence[ModelSpec]) -> None:
         """Check and unpack every archive; the models are then known (health NOT_SERVING) but LOADING.
 
-        An archive that fails its checks (missing, unsafe, not allowlisted) is logged and skipped,
-        so one bad file in the store does not take the others down; readiness covers the rest.
+        An archive that fails its checks (missing, unsafe, malformed) is logged in one line and
+        served as a FAILED version with the reason (`failed_models.FailedEndpoint`), so one bad
+        file in the store does not take the others down and does not go unnoticed.
         """
         for spec in specs:
+            archive: ModelArchive | None = None
             try:
-                self._open(spec)
+                archive = await self._unpack(spec)
+                self._install(archive, spec)
             except ServingError as exc:
-                log.error("refusing archive %s: %s", spec.archive, exc.message)
-                continue
-            self._expected.append(spec)
+                self._refused(spec, exc, archive)
+
+    def _refused(self, spec: ModelSpec, exc: ServingError, archive: ModelArchive | None) -> None:
+        named = exc.message.startswith(f"archive {spec.archive}")
+        log.error("refusing %s", exc.message if named else f"archive {spec.archive}: {exc.message}")
+        if spec.sha256 != UNLISTED:  # off the --pin-index allowlist: left out by design
+            name, version = (archive.name, archive.version) if archive else (spec.name, None)
+            failed = FailedModel.of(spec.archive, exc.message, name, version)
+            if failed.version not in self._endpoints.get(failed.name, {}):
+                self._put(FailedEndpoint(failed, self.metrics))
 
     async def load_models(self, specs: Sequence[ModelSpec] = ()) -> None:
         """Open `specs` (if any), then initialise every LOADING model concurrently."""
-        self.open_models(specs)
+        await self.open_models(specs)
         endpoints = [
             ep
             for v in self._endpoints.values()
@@ -112,27 +137,44 @@ class DataPlane:
         results = await asyncio.gather(*(ep.load() for ep in endpoints), return_exceptions=True)
         for ep, res in zip(endpoints, results, strict=True):
             if isinstance(res, BaseException):
-                log.error("model %s version %s failed to load: %r", ep.name, ep.version, res, exc_info=res)
+                self._load_errors[ep] = _load_failure(ep, res).message
+                log.error("%s", self._load_errors[ep])
 
-    def _open(self, spec: ModelSpec) -> ArchiveEndpoint:
+    async def _unpack(self, spec: ModelSpec) -> ModelArchive:
+        """Hash, check and unpack the archive off the event loop (a large one takes seconds)."""
         path = resolve_in_store(self.settings.model_store, spec.archive)
-        archive = open_archive(
+        return await asyncio.to_thread(
+            open_archive,
             path,
             self.settings.work_dir,
             limits=self.settings.limits,
             expected_sha256=spec.sha256,
             name_override=spec.name,
         )
-        versions = self._endpoints.setdefault(archive.name, {})
-        if archive.version in versions:
-            raise ServingError(
-                Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
-            )
-        ep = ArchiveEndpoint.from_archive(archive, spec, self.settings, self.metrics)
-        versions[archive.version] = ep
-        self._defaults.setdefault(archive.name, archive.version)
-        self.metrics.model_ready.labels(ep.name, ep.version).set(0)
+
+    def _install(self, archive: ModelArchive, spec: ModelSpec) -> ArchiveEndpoint:
+        """Resolve the archive's settings and serve it (LOADING); on a refusal its unpacked
+        directory is removed and nothing is left behind."""
+        try:
+            held = self._endpoints.get(archive.name, {}).get(archive.version)
+            if held is not None and not isinstance(held, FailedEndpoint):  # a FAILED one is replaced
+                raise ServingError(
+                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+                )
+            ep = ArchiveEndpoint.from_archive(archive, spec, self.settings, self.metrics)
+        except BaseException:
+            shutil.rmtree(archive.model_dir, ignore_errors=True)
+            raise
+        self._put(ep)
         return ep
+
+    def _put(self, ep: ModelEndpoint) -> None:
+        """Add `ep` to the table; a served version takes the default from a FAILED one."""
+        self._endpoints.setdefault(ep.name, {})[ep.version] = ep
+        default = self._endpoints[ep.name].get(self._defaults.get(ep.name, ""))
+        if default is None or (isinstance(default, FailedEndpoint) and not isinstance(ep, FailedEndpoint)):
+            self._defaults[ep.name] = ep.version
+        self.metrics.model_ready.labels(ep.name, ep.version).set(0)
 
     def install_endpoint(self, ep: ModelEndpoint) -> None:
         """Serve an endpoint built elsewhere (a frontend's, from the supervisor's model table)."""
@@ -148,7 +190,9 @@ class DataPlane:
             del self._endpoints[model]
             self._defaults.pop(model, None)
         elif self._defaults.get(model) == version:
-            self._defaults[model] = next(iter(self._endpoints[model]))
+            left = self._endpoints[model]
+            served = [v for v, e in left.items() if not isinstance(e, FailedEndpoint)]
+            self._defaults[model] = served[0] if served else next(iter(left))
         return ep
 
     # -- lookups --------------------------------------------------------------------------
@@ -163,32 +207,30 @@ class DataPlane:
             return "unknown", "unknown"
         return ep.name, ep.version
 
+    def _info(self, ep: ModelEndpoint) -> ModelInfo:
+        info = ep.info(ep.version == self._defaults.get(ep.name))
+        error = self._load_errors.get(ep)
+        return dataclasses.replace(info, error=error) if error and info.state is ModelState.FAILED else info
+
     def models(self) -> list[ModelInfo]:
-        return [
-            ep.info(ep.version == self._defaults.get(name))
-            for name in sorted(self._endpoints)
-            for ep in self._endpoints[name].values()
-        ]
+        return [self._info(ep) for name in sorted(self._endpoints) for ep in self._endpoints[name].values()]
 
     def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
+        """A model's versions (all of them for None or "all"), FAILED ones included."""
         if version is None or version == "all":
             if model not in self._endpoints:
                 self.resolve(model)
-            return [ep.info(ep.version == self._defaults[model]) for ep in self._endpoints[model].values()]
-        ep = self.resolve(model, version)
-        return [ep.info(ep.version == self._defaults[model])]
+            return [self._info(ep) for ep in self._endpoints[model].values()]
+        return [self._info(self.resolve(model, version))]
 
     def is_live(self) -> bool:
         return True
 
     def is_ready(self) -> bool:
-        eps = [ep for v in self._endpoints.values() for ep in v.values()]
-        return (
-            not self.draining
-            and bool(eps)
-            and len(eps) >= len(self._expected)
-            and all(ep.state is ModelState.READY for ep in eps)
-        )
+        """Every model asked for is served and READY (a version still being registered does not
+        count yet: a register in progress does not take the server out of rotation)."""
+        eps = [ep for v in self._endpoints.values() for ep in v.values() if ep not in self._registering]
+        return not self.draining and bool(eps) and all(ep.state is ModelState.READY for ep in eps)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
         try:
@@ -219,27 +261,43 @@ class DataPlane:
         require_management(self.management_enabled, what)
 
     async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+        """Open, check and load one archive; all or nothing: when any step fails, nothing of it
+        is left (no version, no worker, no unpacked directory) and readiness is as before."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         # Keyword overrides are checked here like every other layer (SettingsOverrides does it).
         spec = ModelSpec(
             archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
         )
-        ep = self._open(spec)
-        self._expected.append(spec)
-        await ep.load()
-        return [ep.info(ep.version == self._defaults[ep.name])]
+        archive = await self._unpack(spec)
+        held = self._endpoints.get(archive.name, {}).get(archive.version)
+        ep = self._install(archive, spec)  # replaces a FAILED version of that name and version
+        self._registering.add(ep)
+        try:
+            await ep.load()
+        except BaseException as exc:
+            self.remove_endpoint(ep.name, ep.version)
+            if held is not None:
+                self._put(held)  # the FAILED version it was to replace, as before
+            await ep.close(timeout=0)  # stops whatever workers did start, removes the unpacked dir
+            if isinstance(exc, Exception):
+                raise _load_failure(ep, exc) from exc
+            raise
+        finally:
+            self._registering.discard(ep)
+        # A fixed archive registered under a name that failed at start-up supersedes that failure.
+        for version, other in list(self._endpoints[ep.name].items()):
+            if isinstance(other, FailedEndpoint):
+                self.remove_endpoint(ep.name, version)
+        return [self._info(ep)]
 
     async def unregister(self, model: str, version: str | None = None) -> None:
+        """Stop serving one version (the default one when `version` is None), found by model name
+        whatever its archive file is called; a FAILED version is simply forgotten."""
         self._require_management("model unregistration")
         ep = self.resolve(model, version)
-        del self._endpoints[model][ep.version]
-        if not self._endpoints[model]:
-            del self._endpoints[model]
-            self._defaults.pop(model, None)
-        elif self._defaults.get(model) == ep.version:
-            self._defaults[model] = next(iter(self._endpoints[model]))
-        self._expected = [s for s in self._expected if (s.name or Path(s.archive).stem) != model]
+        self.remove_endpoint(model, ep.version)
+        self._load_errors.pop(ep, None)
         await ep.close(timeout=ep.response_timeout_s)
 
     async def set_default(self, model: str, version: str) -> None:

@@ -112,6 +112,7 @@ class ModelInfo:
     loaded_at_startup: bool = True  # False for versions added by a management register call
     pending_requests: int = 0  # queued in the batcher now, not yet running
     device_type: str | None = None  # "cpu" / "gpu" when the settings asked for one
+    error: str | None = None  # why a FAILED version is not served (a refused archive, a failed load)
 
 
 def instance_id(name: str, version: str, instance: int, generation: int) -> str:

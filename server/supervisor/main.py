@@ -70,7 +70,7 @@ class Supervisor:
         self._http: list[EmbeddedUvicorn] = []
         self._http_tasks: list[asyncio.Task[None]] = []
         self._grpc: Any = None
-        self._health = health_aio.HealthServicer()
+        self._health: health_aio.HealthServicer = health.GrpcHealth()
         self._health_task: asyncio.Task[None] | None = None
         self._known_models: set[str] = set()
         self.ports: dict[str, int] = {}
@@ -190,7 +190,7 @@ class Supervisor:
 
         # Archives are checked here, once; workers and frontends then start in parallel.
         pinned = pinned_digests(cfg.model_store) if cfg.pin_index else None
-        versions = await asyncio.to_thread(self.registry.open_models, model_specs(cfg, pinned))
+        versions = await self.registry.open_models(model_specs(cfg, pinned))
         self.frontends = FrontendPool(cfg, self.frontend_count, http_port, grpc_port)
         await self.registry.start_workers(versions)
         await self.frontends.start()

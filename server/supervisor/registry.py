@@ -19,13 +19,14 @@ from typing import Any
 
 from mariner.server.config import ServerConfig, server_layers
 from mariner.server.control.metrics import Metrics, MultiprocessMetrics
-from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.archive import UNLISTED, ArchiveLimits, ModelArchive, open_archive, resolve_in_store
 from mariner.server.core.dataplane import require_management, resolve_version
 from mariner.server.core.endpoint import ModelSpec, resolve_model
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.failed_models import FailedModel, FailedModels
 from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import ModelInfo, ModelState
-from mariner.server.supervisor.versions import Instance, Version, model_info, table_entry
+from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
 from mariner.server.supervisor.worker_pool import WorkerPool
 from mariner.server.workers.api import ModelEntry
 
@@ -60,7 +61,8 @@ class ModelRegistry:
         self._on_change = on_change
         self._versions: dict[str, dict[str, Version]] = {}
         self._defaults: dict[str, str] = {}
-        self._expected = 0
+        self._failed = FailedModels()  # asked for at start-up, refused (see core.failed_models)
+        self._registering: set[tuple[str, str]] = set()  # not part of readiness until registered
         self._workers = WorkerPool(
             cfg.torch_threads,
             socket_dir,
@@ -77,41 +79,54 @@ class ModelRegistry:
         return [v for vs in self._versions.values() for v in vs.values()]
 
     # -- opening ----------------------------------------------------------------------------
-    def _open(self, spec: ModelSpec) -> Version:
+    async def _unpack(self, spec: ModelSpec) -> ModelArchive:
+        """Hash, check and unpack the archive off the event loop (a large one takes seconds,
+        and this loop also serves management, health and the frontends' control channels)."""
         path = resolve_in_store(self.cfg.model_store, spec.archive)
-        archive = open_archive(
-            path, self._work_dir, limits=self._limits, expected_sha256=spec.sha256, name_override=spec.name
+        return await asyncio.to_thread(
+            open_archive,
+            path,
+            self._work_dir,
+            limits=self._limits,
+            expected_sha256=spec.sha256,
+            name_override=spec.name,
         )
+
+    def _install(self, archive: ModelArchive, spec: ModelSpec) -> Version:
+        """Resolve the archive's settings and add the version (no worker yet); on a refusal its
+        unpacked directory is removed and nothing is left behind."""
         try:
+            if archive.version in self._versions.get(archive.name, {}):
+                raise ServingError(
+                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+                )
             # The one resolution, shared with the single-process server's endpoints.
             settings, signature = resolve_model(
                 archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
             )
-            versions = self._versions.setdefault(archive.name, {})
-            if archive.version in versions:
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
-                )
         except BaseException:
             shutil.rmtree(archive.model_dir, ignore_errors=True)
-            if not self._versions.get(archive.name):
-                self._versions.pop(archive.name, None)
             raise
         v = Version(archive, spec, settings, signature)
-        versions[archive.version] = v
+        self._versions.setdefault(archive.name, {})[archive.version] = v
         self._defaults.setdefault(archive.name, archive.version)
         return v
 
-    def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
-        """Check and unpack every archive; a bad one is logged and skipped, the others serve."""
+    async def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
+        """Check and unpack every archive; a bad one is logged in one line and kept as a FAILED
+        version with the reason (see `core.failed_models`), the others serve."""
         opened = []
         for spec in specs:
+            archive: ModelArchive | None = None
             try:
-                opened.append(self._open(spec))
+                archive = await self._unpack(spec)
+                opened.append(self._install(archive, spec))
             except ServingError as exc:
-                log.error("refusing archive %s: %s", spec.archive, exc.message)
-                continue
-            self._expected += 1
+                named = exc.message.startswith(f"archive {spec.archive}")
+                log.error("refusing %s", exc.message if named else f"archive {spec.archive}: {exc.message}")
+                if spec.sha256 != UNLISTED:  # off the --pin-index allowlist: left out by design
+                    name, version = (archive.name, archive.version) if archive else (spec.name, None)
+                    self._failed.add(FailedModel.of(spec.archive, exc.message, name, version))
         return opened
 
     # -- workers ----------------------------------------------------------------------------
@@ -144,11 +159,17 @@ class ModelRegistry:
 
     # -- what frontends learn ---------------------------------------------------------------------
     def table(self) -> tuple[ModelEntry, ...]:
-        """Every version as frontends must know it (see `versions.table_entry`)."""
-        return tuple(
+        """Every version as frontends must know it (see `versions.table_entry`); a FAILED one
+        as a version without workers, so each frontend's readiness says it is missing."""
+        served = tuple(
             table_entry(v, self._defaults.get(v.name) == v.version)
             for name in sorted(self._versions)
             for v in self._versions[name].values()
+        )
+        return served + tuple(
+            failed_entry(f, f.name not in self._versions)
+            for f in self._failed.every()
+            if f.version not in self._versions.get(f.name, {})
         )
 
     # -- lookups (the management apps' slice of the DataPlane) ----------------------------------
@@ -159,13 +180,21 @@ class ModelRegistry:
         return model_info(v, self._defaults.get(v.name) == v.version)
 
     def models(self) -> list[ModelInfo]:
-        return [self._info(v) for name in sorted(self._versions) for v in self._versions[name].values()]
+        served = [self._info(v) for name in sorted(self._versions) for v in self._versions[name].values()]
+        failed = [f.info(f.name not in self._versions) for f in self._failed.every()]
+        return sorted(served + failed, key=lambda i: i.name)
 
     def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
+        """A model's versions (all of them for None or "all"), FAILED ones included."""
+        failed = [f.info(model not in self._versions) for f in self._failed.of_model(model, version)]
         if version is None or version == "all":
             if model not in self._versions:
+                if failed:
+                    return failed
                 self.resolve(model)
-            return [self._info(v) for v in self._versions[model].values()]
+            return [self._info(v) for v in self._versions[model].values()] + failed
+        if failed and version not in self._versions.get(model, {}):
+            return failed
         return [self._info(self.resolve(model, version))]
 
     def known_label(self, model: str, version: str | None) -> tuple[str, str]:
@@ -179,10 +208,10 @@ class ModelRegistry:
         return True
 
     def models_ready(self) -> bool:
-        every = self._every()
-        return (
-            bool(every) and len(every) >= self._expected and all(v.state is ModelState.READY for v in every)
-        )
+        """Every model asked for is served with a live worker (a version still being registered
+        does not count yet: a register in progress does not take the server out of rotation)."""
+        every = [v for v in self._every() if (v.name, v.version) not in self._registering]
+        return bool(every) and not self._failed and all(v.state is ModelState.READY for v in every)
 
     def is_ready(self) -> bool:
         """Every model has a live worker, every frontend is up, and the server is not draining."""
@@ -208,20 +237,27 @@ class ModelRegistry:
                 raise ServingError(Code.INTERNAL, f"a model worker failed to start: {r}")
 
     async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+        """Open, check and start one archive; all or nothing: when any step fails, nothing of it
+        is left (no version, no worker, no unpacked directory) and readiness is as before."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         spec = ModelSpec(
             archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
         )
-        v = await asyncio.to_thread(self._open, spec)
-        added = self._workers.add(v, v.settings.min_workers)
-        await self._changed()
+        v = self._install(await self._unpack(spec), spec)
+        self._registering.add((v.name, v.version))
         try:
+            added = self._workers.add(v, v.settings.min_workers)
+            await self._changed()
             await self._await_first(added)
         except BaseException:
             await self._remove(v)
             raise
-        self._expected += 1
+        finally:
+            self._registering.discard((v.name, v.version))
+        # A fixed archive registered under a name that failed at start-up supersedes that failure.
+        if self._failed.clear(v.name):
+            await self._changed()
         return [self._info(v)]
 
     async def _remove(self, v: Version) -> None:
@@ -238,9 +274,12 @@ class ModelRegistry:
 
     async def unregister(self, model: str, version: str | None = None) -> None:
         self._require_management("model unregistration")
-        v = self.resolve(model, version)
-        self._expected = max(0, self._expected - 1)
-        await self._remove(v)
+        served = self._versions.get(model, {})
+        if self._failed.of_model(model, version) and (not served or (version and version not in served)):
+            self._failed.clear(model, version)  # a FAILED version is simply forgotten
+            await self._changed()
+            return
+        await self._remove(self.resolve(model, version))
 
     async def set_default(self, model: str, version: str) -> None:
         self._require_management("changing the default version")

@@ -10,6 +10,7 @@ from typing import Any
 
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.endpoint import ModelSpec, resident_bytes
+from mariner.server.core.failed_models import FailedModel
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo, instance_id
@@ -110,6 +111,24 @@ def table_entry(v: Version, is_default: bool) -> ModelEntry:
         is_default=is_default,
         loaded_at_startup=v.spec.loaded_at_startup,
         workers=tuple(workers),
+    )
+
+
+def failed_entry(f: FailedModel, is_default: bool) -> ModelEntry:
+    """A FAILED version as frontends learn it: no workers, so the frontend never calls it ready
+    (its `/readyz` and the model's readiness stay false while the supervisor reports it)."""
+    return ModelEntry(
+        name=f.name,
+        version=f.version,
+        archive_file=f.archive_file,
+        sha256="",
+        model_dir="",
+        manifest={},
+        model_config={},
+        settings=ModelSettings(),
+        is_default=is_default,
+        loaded_at_startup=True,
+        workers=(),
     )
 
 

@@ -28,7 +28,7 @@ from mariner.server.core.model_settings import (
     register_call_overrides,
     resolve_model_settings,
 )
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.core.types import InferRequest, InferResult, ModelState, WireProtocol
 
 pytestmark = pytest.mark.unit
 
@@ -237,7 +237,7 @@ ARCHIVE_YAML = "batchSize: 32\nmaxBatchDelay: 5\nresponseTimeout: 30\nmaxWorkers
 def test_the_dataplane_resolves_every_layer_for_a_model_it_opens(tmp_path: Path) -> None:
     properties = {"toy": {"1.0": {"marName": "toy.mar", "batchSize": 16, "maxBatchDelay": 3}}}
     dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(properties, SettingsOverrides(batch_size=8)))
-    dp.open_models([ModelSpec("toy.mar")])
+    asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
     (info,) = dp.describe("toy")
     assert (info.batch_size, info.max_batch_delay_ms, info.response_timeout_s) == (8, 3.0, 30.0)
     assert (info.min_workers, info.max_workers, info.queue_size, info.device_type) == (1, 4, 64, "cpu")
@@ -252,7 +252,7 @@ def test_the_dataplane_resolves_every_layer_for_a_model_it_opens(tmp_path: Path)
 def test_the_register_call_is_the_top_layer(tmp_path: Path) -> None:
     dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(flags=SettingsOverrides(batch_size=8, max_queue=64)))
     call = register_call_overrides(batch_size="4", initial_workers="2")
-    dp.open_models([ModelSpec("toy.mar", overrides=call, loaded_at_startup=False)])
+    asyncio.run(dp.open_models([ModelSpec("toy.mar", overrides=call, loaded_at_startup=False)]))
     (info,) = dp.describe("toy")
     assert (info.batch_size, info.min_workers, info.max_workers, info.loaded_at_startup) == (4, 2, 2, False)
 
@@ -261,11 +261,16 @@ def test_an_archive_with_a_bad_setting_is_refused_naming_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     dp = plane(tmp_path, "batchSize: lots\n", ServerLayers())
-    dp.open_models([ModelSpec("toy.mar")])
-    assert dp.models() == []
-    assert (
-        "batchSize must be a positive integer, got 'lots' (from the model-config of toy.mar)" in caplog.text
-    )
+    asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
+    reason = "batchSize must be a positive integer, got 'lots' (from the model-config of toy.mar)"
+    assert reason in caplog.text
+    # Listed and described as FAILED with the reason, not served, and the server is not ready.
+    (info,) = dp.models()
+    assert (info.name, info.version, info.state, info.error) == ("toy", "1.0", ModelState.FAILED, reason)
+    assert dp.describe("toy") == [info]
+    assert not dp.model_ready("toy")
+    assert not dp.is_ready()
+    assert not any((tmp_path / "work").iterdir()), "a refused archive leaves nothing unpacked"
 
 
 class HeldRunner:
@@ -285,7 +290,7 @@ class HeldRunner:
 
 def test_describe_reports_the_batchers_queue_depth(tmp_path: Path) -> None:
     dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers())
-    dp.open_models([ModelSpec("toy.mar")])
+    asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
     endpoint = dp.resolve("toy")
 
     async def body() -> tuple[int, int]:
