@@ -173,25 +173,52 @@ def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np
     return np.frombuffer(raw, dtype=dt.newbyteorder("<") if dt.itemsize > 1 else dt).reshape(dims)
 
 
-def decode_values(name: str, datatype: str, shape: Sequence[int], values: Sequence[Any]) -> np.ndarray:
-    """Typed values (gRPC `contents`, REST JSON `data`, flattened row-major) -> array of `shape`."""
+def _holds_bool(values: Sequence[Any]) -> bool:
+    stack: list[Any] = [values]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, bool):
+            return True
+    return False
+
+
+def decode_values(
+    name: str, datatype: str, shape: Sequence[int], values: Sequence[Any], *, may_hold_bools: bool = True
+) -> np.ndarray:
+    """Typed values (gRPC `contents`, REST JSON `data`, flattened row-major) -> array of `shape`.
+
+    Numbers are converted by numpy in one call (`np.asarray(values, dtype)`), never one Python
+    object per element; a flat list is counted before it is converted. `may_hold_bools=False`
+    says the values cannot be booleans (a typed protobuf field, or JSON text without a `true` or
+    `false` literal), which spares the walk that refuses JSON `true` as 1.0.
+    """
     dims = check_shape(shape, name)
     dt = dtype_of(datatype, name)
     count = element_count(dims)
-    flat = np.asarray(values, dtype=object).reshape(-1) if len(values) else np.empty(0, dtype=object)
-    if flat.size != count:
-        raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {flat.size}")
+    nested = len(values) > 0 and isinstance(values[0], list)
+    if not nested and len(values) != count:
+        raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {len(values)}")
     if dt.kind == "O":
+        try:
+            flat = np.asarray(values, dtype=object).reshape(-1)
+        except ValueError as exc:
+            raise bad(f"tensor {name!r}: values do not form shape {list(dims)}: {exc}") from None
+        if flat.size != count:
+            raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {flat.size}")
         if not all(isinstance(v, (str, bytes)) for v in flat):  # bytes(10**10) would allocate 10 GB
             raise bad(f"tensor {name!r}: BYTES values must be strings")
         items = [v.encode() if isinstance(v, str) else v for v in flat]
         return np.array(items, dtype=object).reshape(dims)
-    if dt.kind != "b" and any(isinstance(v, bool) for v in flat):  # JSON true is not 1.0
+    if may_hold_bools and dt.kind != "b" and _holds_bool(values):  # JSON true is not 1.0
         raise bad(f"tensor {name!r}: {datatype} values must be numbers, not booleans")
     try:
-        arr = flat.astype(dt)
+        arr = np.asarray(values, dtype=dt)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise bad(f"tensor {name!r}: values are not valid {datatype}: {exc}") from exc
+        raise bad(f"tensor {name!r}: values are not valid {datatype}: {exc}") from None
+    if arr.size != count:
+        raise bad(f"tensor {name!r}: shape {list(dims)} needs {count} values, received {arr.size}")
     return arr.reshape(dims)
 
 
@@ -203,6 +230,28 @@ def encode_raw(arr: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(b)) + b)
         return b"".join(parts)
     return np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
+
+
+def shape_matches(declared: Sequence[int], dims: Sequence[int]) -> bool:
+    """Same rank, and every declared dim other than -1 equal."""
+    return len(declared) == len(dims) and all(
+        want in (-1, got) for want, got in zip(declared, dims, strict=True)
+    )
+
+
+def check_against(spec: TensorSpec, datatype: str, dims: Sequence[int], max_rows: int | None) -> None:
+    """One input's header (datatype, shape, rows) against its declared spec, before any of its
+    elements is read, as Triton does: a wrong or oversized tensor costs no decoding."""
+    name = spec.name
+    if datatype.upper() != spec.datatype:
+        raise bad(f"input {name!r}: expected datatype {spec.datatype}, received {datatype}")
+    if not shape_matches(spec.shape, dims):
+        raise bad(f"input {name!r}: expected shape {list(spec.shape)}, received {list(dims)}")
+    if max_rows is not None and dims and dims[0] > max_rows:
+        raise bad(
+            f"input {name!r}: shape {list(dims)} has {dims[0]} rows; the model accepts at most "
+            f"{max_rows} per request (its max batch size)"
+        )
 
 
 def match_signature(inputs: Mapping[str, tuple[str, np.ndarray]], signature: ModelSignature) -> int:
@@ -217,13 +266,7 @@ def match_signature(inputs: Mapping[str, tuple[str, np.ndarray]], signature: Mod
         raise bad(f"missing input(s) {missing}; the model takes: {takes}")
     rows: int | None = None
     for name, (datatype, arr) in inputs.items():
-        spec = declared[name]
-        if datatype.upper() != spec.datatype:
-            raise bad(f"input {name!r}: expected datatype {spec.datatype}, received {datatype}")
-        if len(arr.shape) != len(spec.shape) or any(
-            want != -1 and want != got for want, got in zip(spec.shape, arr.shape, strict=True)
-        ):
-            raise bad(f"input {name!r}: expected shape {list(spec.shape)}, received {list(arr.shape)}")
+        check_against(declared[name], datatype, arr.shape, None)
         n = int(arr.shape[0]) if arr.shape else 1
         if rows is not None and n != rows:
             raise bad(f"inputs disagree on the batch dim: {name!r} has {n} rows, others {rows}")

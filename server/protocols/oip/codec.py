@@ -2,8 +2,10 @@
 
 Both adapters decode wire tensors with `mariner.server.core.tensors` and then do the same
 things, in the same order, with the same messages: resolve the model (NOT_FOUND), require a
-declared tensor signature, check request parameters, bound each input's element count before
-anything is allocated, match the inputs against the signature (shape x datatype x bytes),
+declared tensor signature, check request parameters, check each input's header (element count
+under the cap, then name, datatype, shape and rows against the signature and the max batch
+size: `check_header`, `check_input`) before any element is read or allocated, decode,
+match the inputs against the signature (all present, rows agree, shape x datatype x bytes),
 check requested output names, and only then queue an `InferRequest` whose typed `tensors`
 field is {input name: array [N, ...]} and whose `items` is N, so the batcher gives it N slots.
 The handler's answer comes back as arrays in `InferResult.tensors`; `pick_outputs` selects and
@@ -31,6 +33,7 @@ from mariner.server.core.tensors import (
     ModelSignature,
     TensorSpec,
     bad,
+    check_against,
     check_shape,
     datatype_of,
     dtype_of,
@@ -66,6 +69,7 @@ class ModelHandle(Protocol):
     name: str
     version: str
     signature: ModelSignature | None
+    batch_size: int
 
 
 class OipPlane(Protocol):
@@ -142,6 +146,16 @@ def check_header(name: str, datatype: str, shape: Sequence[int], max_elements: i
             "accepted per tensor (bounded by the server's max request size)"
         )
     return dims
+
+
+def check_input(sig: ModelSignature, max_rows: int, name: str, datatype: str, dims: Sequence[int]) -> None:
+    """One input's header against the model: a declared input, its datatype and shape, at most
+    `max_rows` rows (the max batch size). Runs before the input's data is touched."""
+    spec = next((s for s in sig.inputs if s.name == name), None)
+    if spec is None:
+        takes = ", ".join(s.describe() for s in sig.inputs)
+        raise bad(f"unknown input(s) [{name!r}]; the model takes: {takes}")
+    check_against(spec, datatype, dims, max_rows)
 
 
 def check_tensor_params(kind: str, name: str, params: Mapping[str, Any]) -> None:

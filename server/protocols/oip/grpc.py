@@ -10,7 +10,10 @@ never gRPC UNKNOWN.
 
 Mapping of a Triton client's request to the handler:
 - `inputs[i]` with `raw_input_contents[i]` (or typed `contents`) -> numpy array of its
-  datatype and shape, checked against the model's declared signature;
+  datatype and shape. Each input's header (name, datatype, shape, rows against the max batch
+  size, element count) is checked against the model's declared signature before any element
+  is read; `contents` is kept opaque by the request parser until then (see `oip.contents`),
+  and inputs of more than `OFFLOAD_DECODE_BYTES` are decoded on a worker thread;
 - the request carries them in its typed `tensors` field, as one request taking N batch slots
   (the handler receives {"tensors": {name: array [N, ...]}});
 - its {"tensors": {...}} answer -> `outputs` + `raw_output_contents`, the requested outputs in
@@ -22,16 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import numpy as np
 
 from mariner.server.core.errors import Code, abort, as_serving_error
-from mariner.server.core.tensors import CONTENTS_FIELD, bad, decode_raw, decode_values, encode_raw
+from mariner.server.core.tensors import CONTENTS_FIELD, ModelSignature, bad, decode_raw, encode_raw
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import Failed, Infer, Ok, run_call
+from mariner.server.protocols.grpc_decoding import register, shallow_class
 from mariner.server.protocols.oip import codec as oip
+from mariner.server.protocols.oip.contents import decode_contents
 from mariner.server.protocols.torchserve.grpc import request_headers
 from mariner.server.protogen import stubs_missing
 
@@ -49,6 +55,13 @@ PROTOCOL = WireProtocol.OIP_GRPC
 # streaming many requests gets them batched together) and are answered in request order; the
 # window bounds what one stream can hold in memory.
 STREAM_WINDOW = 64
+# Inputs carrying at least this many bytes are decoded on a worker thread, not the event loop.
+OFFLOAD_DECODE_BYTES = 256 * 1024
+# ModelInferRequest as parsed off the wire: each input's `contents` stays serialized bytes until
+# its header has passed the signature (wire-compatible with the generated class otherwise).
+ShallowInferRequest = shallow_class(
+    pb.ModelInferRequest.DESCRIPTOR, {"inference.ModelInferRequest.InferInputTensor": ("contents",)}
+)
 
 
 def params_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,34 +73,72 @@ def params_of(parameters: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def decode_inputs(request: Any, max_elements: int) -> dict[str, tuple[str, np.ndarray]]:
-    """Every input as (datatype, array), from `raw_input_contents` or typed `contents`."""
+@dataclass(frozen=True)
+class CheckedInput:
+    """An input whose header passed the signature; its data is still as it came on the wire."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    raw: bytes | None  # its raw_input_contents buffer, or None when it comes in `contents`
+    contents: Any  # serialized InferTensorContents (bytes), or a parsed message
+
+    @property
+    def nbytes(self) -> int:
+        data = self.raw if self.raw is not None else self.contents
+        return len(data) if isinstance(data, bytes) else data.ByteSize()
+
+    def decode(self) -> np.ndarray:
+        if self.raw is not None:
+            return decode_raw(self.name, self.datatype, self.shape, self.raw)
+        if isinstance(self.contents, bytes):
+            return decode_contents(self.name, self.datatype, self.shape, self.contents)
+        return decode_contents(self.name, self.datatype, self.shape, self.contents.SerializeToString())
+
+
+def check_inputs(request: Any, sig: ModelSignature, max_rows: int, max_elements: int) -> list[CheckedInput]:
+    """Every input's header against the signature, before any of its data is read."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise bad(
             f"raw_input_contents has {len(raw)} buffers for {len(request.inputs)} inputs; "
             "send one buffer per input, in the order of `inputs`"
         )
-    decoded: dict[str, tuple[str, np.ndarray]] = {}
+    checked: list[CheckedInput] = []
+    names: set[str] = set()
     for i, tensor in enumerate(request.inputs):
         name, datatype = tensor.name, tensor.datatype.upper()
-        if name in decoded:
+        if name in names:
             raise bad(f"input {name!r} is given more than once")
+        names.add(name)
         if tensor.parameters:
             oip.check_tensor_params("input", name, params_of(tensor.parameters))
         shape = oip.check_header(name, datatype, tensor.shape, max_elements)
-        if raw:
-            if tensor.HasField("contents"):
-                raise bad(
-                    f"input {name!r} has `contents` while the request uses raw_input_contents; use one form"
-                )
-            decoded[name] = (datatype, decode_raw(name, datatype, shape, raw[i]))
-            continue
-        field = CONTENTS_FIELD.get(datatype)
-        if field is None:
+        contents = tensor.contents
+        has_contents = bool(contents) if isinstance(contents, bytes) else tensor.HasField("contents")
+        if raw and has_contents:
+            raise bad(
+                f"input {name!r} has `contents` while the request uses raw_input_contents; use one form"
+            )
+        if not raw and CONTENTS_FIELD.get(datatype) is None:
             raise bad(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
-        decoded[name] = (datatype, decode_values(name, datatype, shape, getattr(tensor.contents, field)))
-    return decoded
+        oip.check_input(sig, max_rows, name, datatype, shape)
+        checked.append(CheckedInput(name, datatype, shape, raw[i] if raw else None, contents))
+    return checked
+
+
+def decode_checked(checked: Sequence[CheckedInput]) -> dict[str, tuple[str, np.ndarray]]:
+    return {c.name: (c.datatype, c.decode()) for c in checked}
+
+
+async def decode_inputs(
+    request: Any, sig: ModelSignature, max_rows: int, max_elements: int
+) -> dict[str, tuple[str, np.ndarray]]:
+    """Every input as (datatype, array): headers checked first, then decoded (off the loop if big)."""
+    checked = check_inputs(request, sig, max_rows, max_elements)
+    if sum(c.nbytes for c in checked) < OFFLOAD_DECODE_BYTES:
+        return decode_checked(checked)
+    return await asyncio.to_thread(decode_checked, checked)
 
 
 class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -196,7 +247,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         handle = self._plane.resolve(request.model_name, request.model_version or None)
         deadline = oip.deadline_from(params_of(request.parameters), time_remaining)
         request_id = oip.request_id_of(request.id)
-        inputs = decode_inputs(request, self._max_elements)
+        sig = oip.signature_of(handle)
+        inputs = await decode_inputs(request, sig, handle.batch_size, self._max_elements)
         requested = []
         for out in request.outputs:
             if out.parameters:
@@ -226,5 +278,11 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
 def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int) -> OipServicer:
     """Register GRPCInferenceService on `server`; returns the servicer (tests poke at it)."""
     servicer = OipServicer(dataplane, max_message_bytes=max_message_bytes)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    parse = ShallowInferRequest.FromString
+    register(
+        server,
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server,
+        servicer,
+        {"ModelInfer": parse, "ModelStreamInfer": parse},
+    )
     return servicer
