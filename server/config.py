@@ -5,7 +5,9 @@ YAML/JSON with our keys, or a TorchServe `config.properties`, of which we unders
 users already have (`inference_address`, `management_address`, `metrics_address`,
 `grpc_inference_port`, `grpc_management_port`, `model_store`, `load_models`,
 `default_workers_per_model`, `models={...}` with batchSize/maxBatchDelay/minWorkers/
-maxWorkers/responseTimeout/deviceType). Everything binds 127.0.0.1 unless configured otherwise.
+maxWorkers/responseTimeout/deviceType, and TLS: https:// addresses, `enable_grpc_ssl`,
+`private_key_file`, `certificate_file`); torchserve_properties warns about every other key and
+refuses what it cannot honour. Everything binds 127.0.0.1 unless configured otherwise.
 
 A model version's serving settings (batchSize, maxBatchDelay...) are layered once more, in
 core.model_settings: archive model-config < config.properties `models={...}` < these settings
@@ -21,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import yaml
 
 from mariner.server.core.archive import UNLISTED
 from mariner.server.core.dataplane import ModelSpec
 from mariner.server.core.model_settings import ServerLayers, SettingsOverrides
+from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
 
 
 @dataclass(frozen=True)
@@ -134,63 +136,6 @@ def _coerce(name: str, value: Any) -> Any:
     if "Mapping" in str(kind):
         return value
     return str(value)
-
-
-def _host_port(address: str, default_port: int) -> str:
-    """'http://0.0.0.0:8080' or '0.0.0.0:8080' -> '0.0.0.0:8080'."""
-    if "://" in address:
-        u = urlparse(address)
-        return f"{u.hostname}:{u.port or default_port}"
-    return address
-
-
-def read_properties(text: str) -> dict[str, str]:
-    """Java .properties: key=value lines, '#'/'!' comments, backslash line continuations."""
-    out: dict[str, str] = {}
-    logical, buf = [], ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not buf and (not line or line.startswith(("#", "!"))):
-            continue
-        if line.endswith("\\"):
-            buf += line[:-1]
-            continue
-        logical.append(buf + line)
-        buf = ""
-    if buf:
-        logical.append(buf)
-    for line in logical:
-        key, sep, value = line.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
-
-
-def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
-    """Map the TorchServe keys we understand onto ours."""
-    out: dict[str, Any] = {}
-    for ts_key, ours, port in (
-        ("inference_address", "inference_address", 8080),
-        ("management_address", "management_address", 8081),
-        ("metrics_address", "metrics_address", 8082),
-    ):
-        if ts_key in props:
-            out[ours] = _host_port(props[ts_key], port)
-    host = props.get("grpc_inference_address", "127.0.0.1")
-    if "grpc_inference_port" in props:
-        out["grpc_inference_address"] = f"{host}:{props['grpc_inference_port']}"
-    host = props.get("grpc_management_address", "127.0.0.1")
-    if "grpc_management_port" in props:
-        out["grpc_management_address"] = f"{host}:{props['grpc_management_port']}"
-    if "model_store" in props:
-        out["model_store"] = props["model_store"]
-    if "load_models" in props:
-        out["models"] = props["load_models"]
-    if "default_workers_per_model" in props:
-        out["min_workers"] = props["default_workers_per_model"]
-    if "models" in props:
-        out["model_overrides"] = json.loads(props["models"])
-    return out
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -124,14 +124,17 @@ def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
         raise ServingError(Code.INVALID_ARGUMENT, "TLS needs both --tls-cert-file and --tls-key-file")
     inference = load_tokens(cfg.inference_token, cfg.inference_token_file)
     management = load_tokens(cfg.management_token, cfg.management_token_file)
-    problems = exposure_problems(
-        {
-            "HTTP inference": (cfg.inference_address, inference),
-            "gRPC inference": (cfg.grpc_inference_address, inference),
-            "HTTP management": (cfg.management_address, management),
-            "gRPC management": (cfg.grpc_management_address, management),
-        }
-    )
+    listeners = {
+        "HTTP inference": (cfg.inference_address, inference),
+        "gRPC inference": (cfg.grpc_inference_address, inference),
+        "HTTP management": (cfg.management_address, management),
+        "gRPC management": (cfg.grpc_management_address, management),
+    }
+    if not cfg.open_metrics:
+        # Closed metrics take the management tokens, else the inference ones (see the servers);
+        # with neither they would answer anyone, which the operator did not ask for.
+        listeners["HTTP metrics"] = (cfg.metrics_address, management or inference)
+    problems = exposure_problems(listeners)
     if problems and not cfg.insecure:
         raise ServingError(
             Code.PERMISSION_DENIED,

@@ -10,6 +10,7 @@ was wrong. Health endpoints (and metrics) may stay open so probes and scrapers n
 from __future__ import annotations
 
 import hmac
+import inspect
 import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -23,6 +24,8 @@ from mariner.server.core.errors import STATUS, Code
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+# The one grpc.health.v1 service open without a token: the whole server's status.
+OPEN_HEALTH_SERVICE = ""
 OPEN_HTTP_HEALTH_PATHS = frozenset({"/ping", "/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
@@ -71,7 +74,10 @@ def is_loopback(host: str) -> bool:
 
 
 def exposure_problems(listeners: Mapping[str, tuple[str, Tokens]]) -> list[str]:
-    """Listeners bound beyond loopback without tokens (name -> (host:port, tokens))."""
+    """Listeners bound beyond loopback without tokens (name -> (host:port, tokens)).
+
+    Callers leave out a listener that is open by the operator's choice (metrics with
+    --open-metrics); every other one that answers without a token is a problem."""
     problems = []
     for name, (address, tokens) in listeners.items():
         host = address.rpartition(":")[0]
@@ -105,8 +111,44 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(streaming, **kw)
 
 
+def _overall_health_only(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` for a caller without a token while health is open: the overall status
+    (service "") answers, as probes need; a named service is a model's name, so asking about
+    one (Check, Watch) or listing them all (List) is refused like any other call without a token."""
+    code = STATUS[Code.UNAUTHENTICATED].grpc
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if method == HEALTH_METHOD_PREFIX + "Check" and handler.unary_unary:
+        check = handler.unary_unary
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if request.service != OPEN_HEALTH_SERVICE:
+                await context.abort(code, UNAUTHENTICATED_MESSAGE)
+            return await check(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(checked, **kw)
+    if method == HEALTH_METHOD_PREFIX + "Watch" and handler.unary_stream:
+        watch = handler.unary_stream
+
+        async def watched(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if request.service != OPEN_HEALTH_SERVICE:
+                await context.abort(code, UNAUTHENTICATED_MESSAGE)
+            stream = watch(request, context)
+            if inspect.isasyncgen(stream):
+                async for reply in stream:
+                    await context.write(reply)
+            else:  # grpc's HealthServicer.Watch writes through the context itself
+                await stream
+
+        return grpc.unary_stream_rpc_method_handler(watched, **kw)
+    return _refusal(handler)
+
+
 class GrpcTokenAuth(grpc.aio.ServerInterceptor):
-    """Checks `authorization: Bearer <token>` metadata on every call except open health checks."""
+    """Checks `authorization: Bearer <token>` metadata on every call; with `open_health`, the
+    overall health status (grpc.health.v1 service "") needs none, per-model health does."""
 
     def __init__(self, tokens: Tokens, *, open_health: bool) -> None:
         self._tokens = tokens
@@ -120,14 +162,16 @@ class GrpcTokenAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or not self._tokens:
             return handler
-        if self._open_health and details.method.startswith(HEALTH_METHOD_PREFIX):
-            return handler
         authorization = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
                 authorization = value if isinstance(value, str) else value.decode("latin-1")
                 break
-        return handler if self._tokens.accepts(authorization) else _refusal(handler)
+        if self._tokens.accepts(authorization):
+            return handler
+        if self._open_health and details.method.startswith(HEALTH_METHOD_PREFIX):
+            return _overall_health_only(details.method, handler)
+        return _refusal(handler)
 
 
 def grpc_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.ServerCredentials:

@@ -3,7 +3,9 @@
 Both servers carry the standard `grpc.health.v1.Health` service, backed by one shared
 HealthServicer: "" (overall) and the inference service name are SERVING only when every model
 is ready; each model has a service of its own name, SERVING once that model is ready, so a
-load balancer can route per model. Server reflection lets grpcurl and friends list the services.
+load balancer can route per model. With tokens, only "" answers a caller without one (see
+security.GrpcTokenAuth); `List` is answered and `Watch` streams are capped (control.health).
+Server reflection lets grpcurl and friends list the services.
 
 Message size limits are set explicitly on both directions (grpc's defaults are asymmetric:
 4 MiB in, unlimited out), and SO_REUSEPORT is off, so a second server on the same port (say a
@@ -27,6 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from mariner.server.control import management_grpc as grpc_management
+from mariner.server.control.health import GrpcHealth
 from mariner.server.core.types import ModelInfo
 from mariner.server.protocols.grpc_decoding import SafeDecoding
 from mariner.server.protocols.oip import codec as oip
@@ -213,7 +216,7 @@ def build_grpc_servers(
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
-    health = health_aio.HealthServicer()
+    health = GrpcHealth()
 
     inference = grpc.aio.server(
         options=_server_options(max_message_bytes, reuse_port),
