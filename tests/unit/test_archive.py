@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.archive_fields import handler_file, inside
 from mariner.server.core.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
@@ -115,3 +116,107 @@ def test_archives_resolve_only_inside_the_store(tmp_path: Path) -> None:
         with pytest.raises(ServingError) as info:
             resolve_in_store(store, name)
         assert info.value.code is code, name
+
+
+def _manifest(**model: object) -> dict:
+    return {"model": {**MANIFEST["model"], **model}}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("handler", "../evil.py"),
+        ("handler", "../../../../../../../../tmp/evil.py:handle"),
+        ("handler", "/tmp/evil.py"),
+        ("handler", "sub/../../evil"),
+        ("serializedFile", "../weights.bin"),
+        ("modelFile", "/etc/passwd"),
+        ("requirementsFile", "../../requirements.txt"),
+        ("extraFiles", "helper.py,../../outside.py"),
+        ("extraFiles", ["helper.py", "/abs/outside.py"]),
+        ("configFile", "../model-config.yaml"),
+    ],
+)
+def test_a_file_named_outside_the_archive_is_refused(tmp_path: Path, field: str, value: object) -> None:
+    mar = make_mar(tmp_path / "esc.mar", manifest=_manifest(**{field: value}))
+    with pytest.raises(ServingError) as info:
+        open_archive(mar, tmp_path / "work")
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert "esc.mar" in info.value.message
+    assert f"model.{field}" in info.value.message or field in info.value.message
+    assert "outside the archive" in info.value.message or "missing" in info.value.message
+    assert not any((tmp_path / "work").iterdir()), "a refused archive leaves nothing unpacked"
+
+
+@pytest.mark.parametrize(
+    "handler", ["toy_handler", "toy_handler:handle", "toy_handler.py:handle", "a.b.c:fn"]
+)
+def test_a_handler_given_as_a_module_name_is_not_a_path(tmp_path: Path, handler: str) -> None:
+    a = open_archive(make_mar(tmp_path / "toy.mar", manifest=_manifest(handler=handler)), tmp_path / "work")
+    assert a.handler == handler
+
+
+def test_a_symlink_out_of_the_archive_dir_counts_as_outside(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (tmp_path / "secret.py").write_text("x = 1\n")
+    (model_dir / "link.py").symlink_to(tmp_path / "secret.py")
+    (model_dir / "real.py").write_text("")
+    assert inside(model_dir, "real.py") == (model_dir / "real.py").resolve()
+    assert inside(model_dir, "link.py") is None
+    assert handler_file("pkg.mod:fn") == "pkg.mod.py"
+    assert handler_file("h.py:fn") == "h.py"
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"{not json", "is not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+        (b"\xff\xfe", "is not UTF-8 text"),
+        (b"[1, 2]", "must be a JSON object, got list"),
+        (b'{"model": "toy"}', 'must have a "model" object'),
+        (b'{"model": {"handler": 3}}', "model.handler must be a string, got 3"),
+        (b'{"model": {"handler": ""}}', "names no handler"),
+        (b'{"model": {"handler": "h.py", "modelName": "a/b"}}', "model.modelName 'a/b' is not allowed"),
+        (
+            b'{"model": {"handler": "h.py", "modelVersion": true}}',
+            "model.modelVersion must be a string or a number",
+        ),
+        (b'{"model": {"handler": "h.py", "serializedFile": ["w"]}}', "model.serializedFile must be a string"),
+        (b'{"model": {"handler": "h.py", "extraFiles": 7}}', "model.extraFiles must be a comma-separated"),
+    ],
+)
+def test_a_malformed_manifest_is_refused_saying_what_is_wrong(tmp_path: Path, raw: bytes, says: str) -> None:
+    with zipfile.ZipFile(tmp_path / "bad.mar", "w") as zf:
+        zf.writestr("MAR-INF/MANIFEST.json", raw)
+        zf.writestr("h.py", "")
+    with pytest.raises(ServingError) as info:
+        open_archive(tmp_path / "bad.mar", tmp_path / "work")
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert info.value.message.startswith("archive bad.mar: ")
+    assert says in info.value.message
+
+
+def test_a_numeric_model_version_is_read_as_text(tmp_path: Path) -> None:
+    a = open_archive(make_mar(tmp_path / "toy.mar", manifest=_manifest(modelVersion=2)), tmp_path / "work")
+    assert a.version == "2"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("batchSize: [1\n", "is not valid YAML"),
+        ("- 1\n- 2\n", "model-config is not a mapping (got list)"),
+        ("1: 2\n", "model-config keys must be strings, got 1"),
+    ],
+)
+def test_a_malformed_model_config_is_refused_saying_what_is_wrong(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    manifest = _manifest(configFile="c.yaml")
+    mar = make_mar(tmp_path / "bad.mar", [("c.yaml", text.encode())], manifest=manifest)
+    with pytest.raises(ServingError) as info:
+        open_archive(mar, tmp_path / "work")
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert "bad.mar" in info.value.message
+    assert says in info.value.message

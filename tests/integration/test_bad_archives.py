@@ -1,0 +1,194 @@
+"""Bad archives and the model lifecycle on the single-process server, in both worker modes.
+
+A store with one good archive beside broken ones (a manifest that is not JSON, a model-config
+with `batchSize: lots`, a handler path that leaves the archive) serves the good one and reports
+the others as FAILED with their reason; a register whose handler fails to initialise leaves
+nothing behind and can be retried; a model from a renamed archive unregisters by its name. The
+supervisor's side of the same is in tests/e2e/test_bad_store.py.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.fault_archive import HANDLER, build_fault_archive
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = pytest.mark.integration
+
+HDR = {"Content-Type": "application/json"}
+OK = json.dumps({"op": "ok", "value": 7})
+
+
+def write_mar(path: Path, model: dict, files: dict[str, str]) -> Path:
+    """An archive with `model` as its manifest's model object (or raw manifest text under
+    "MAR-INF/MANIFEST.json" in `files`)."""
+    with zipfile.ZipFile(path, "w") as zf:
+        if "MAR-INF/MANIFEST.json" not in files:
+            zf.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": model}))
+        for name, text in files.items():
+            zf.writestr(name, text)
+    return path
+
+
+def init_fault_handler(fault: Path) -> str:
+    """The fault handler, whose initialize raises while `fault` exists."""
+    return HANDLER.replace(
+        "        self.initialized = True",
+        f"        if os.path.exists({str(fault)!r}):\n"
+        "            raise RuntimeError('injected init failure')\n"
+        "        self.initialized = True",
+    )
+
+
+def bad_store(root: Path) -> tuple[Path, Path]:
+    """good.mar and three broken archives; returns (store, the marker the escaping handler would
+    write if it ever ran)."""
+    store = root / "store"
+    build_fault_archive(store, name="good")
+    write_mar(store / "badjson.mar", {}, {"MAR-INF/MANIFEST.json": "{not json", "h.py": HANDLER})
+    write_mar(
+        store / "badcfg.mar",
+        {"modelName": "badcfg", "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"},
+        {"h.py": HANDLER, "c.yaml": "batchSize: lots\n"},
+    )
+    marker = root / "outside-ran"
+    outside = root / "outside_handler.py"
+    outside.write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef handle(data, context):\n    return [1 for _ in data]\n"
+    )
+    escaping = "../" * 40 + str(outside).lstrip("/")
+    write_mar(store / "escape.mar", {"modelName": "escape", "modelVersion": "1.0", "handler": escaping}, {})
+    return store, marker
+
+
+@pytest.fixture(params=["process", "thread"])
+def worker_mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _served(tmp_path: Path, store: Path, models: str, worker_mode: str) -> InProcessMariner:
+    return InProcessMariner(
+        store, models, enable_model_management=True, worker_mode=worker_mode, work_dir=tmp_path / "work"
+    ).start()
+
+
+def _describe(srv: InProcessMariner, model: str) -> dict:
+    r = requests.get(f"{srv.management}/models/{model}", timeout=30)
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()
+    return entry
+
+
+def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(
+    tmp_path: Path, worker_mode: str
+) -> None:
+    store, marker = bad_store(tmp_path)
+    srv = _served(tmp_path, store, "all", worker_mode)
+    try:
+        r = requests.post(f"{srv.http}/predictions/good", data=OK, headers=HDR, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["echo"] == 7
+        listed = [
+            m["modelName"] for m in requests.get(f"{srv.management}/models", timeout=30).json()["models"]
+        ]
+        assert listed == ["badcfg", "badjson", "escape", "good"]
+        reasons = {
+            "badjson": "MANIFEST.json is not valid JSON",
+            "badcfg": "batchSize must be a positive integer, got 'lots'",
+            "escape": "model.handler",
+        }
+        for model, says in reasons.items():
+            entry = _describe(srv, model)
+            assert entry["mariner"]["state"] == "FAILED"
+            assert says in entry["mariner"]["error"]
+            assert entry["workers"] == []
+            ready = requests.get(f"{srv.http}/v2/models/{model}/ready", timeout=30)
+            assert ready.status_code == 503
+            assert ready.json()["ready"] is False
+            call = requests.post(f"{srv.http}/predictions/{model}", data=OK, headers=HDR, timeout=30)
+            assert call.status_code == 503
+        assert "outside the archive" in _describe(srv, "escape")["mariner"]["error"]
+        assert not marker.exists(), "a handler outside its archive must never run"
+        assert _describe(srv, "good")["mariner"]["state"] == "READY"
+        # A requested model is missing, so the server is not ready (docs/architecture.md).
+        assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 503
+        # Unregistering the failed ones (or registering fixed archives) makes it ready.
+        for model in reasons:
+            assert requests.delete(f"{srv.management}/models/{model}", timeout=30).status_code == 200
+        assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+        assert [m.name for m in srv.server.dataplane.models()] == ["good"]
+    finally:
+        srv.stop()
+    assert not marker.exists()
+
+
+def _health(srv: InProcessMariner) -> int:
+    with grpc.insecure_channel(srv.grpc_target) as ch:
+        return (
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
+        )
+
+
+def _leftovers(work: Path, stem: str) -> list[str]:
+    return sorted(p.name for p in work.iterdir() if p.name.startswith(f"{stem}-"))
+
+
+def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(
+    tmp_path: Path, worker_mode: str
+) -> None:
+    store = tmp_path / "store"
+    build_fault_archive(store, name="good")
+    fault = tmp_path / "fault-on"
+    fault.write_text("")
+    model = {"modelName": "initfail", "modelVersion": "1.0", "handler": "fault_handler.py"}
+    write_mar(store / "initfail.mar", model, {"fault_handler.py": init_fault_handler(fault)})
+    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    work = tmp_path / "work"
+    try:
+        assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+        for attempt in range(2):
+            r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
+            assert r.status_code == 400, r.text
+            assert (
+                "initfail version 1.0 failed to load: RuntimeError: injected init failure"
+                in r.json()["message"]
+            )
+            assert [m.name for m in srv.server.dataplane.models()] == ["good"], attempt
+            assert _leftovers(work, "initfail") == [], "a failed register leaves no unpacked dir"
+            assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+            assert _health(srv) == health_pb2.HealthCheckResponse.SERVING
+        fault.unlink()
+        r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
+        assert r.status_code == 200, r.text
+        call = requests.post(f"{srv.http}/predictions/initfail", data=OK, headers=HDR, timeout=30)
+        assert call.status_code == 200, call.text
+        assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_model_from_a_renamed_archive_unregisters_by_its_name(tmp_path: Path, worker_mode: str) -> None:
+    store = tmp_path / "store"
+    build_fault_archive(store, name="good")
+    build_fault_archive(store, name="renamedmodel").rename(store / "some-other-file.mar")
+    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    try:
+        for _ in range(2):
+            r = requests.post(f"{srv.management}/models?url=some-other-file.mar", timeout=120)
+            assert r.status_code == 200, r.text
+            assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+            r = requests.delete(f"{srv.management}/models/renamedmodel", timeout=60)
+            assert r.status_code == 200, r.text
+            assert [m.name for m in srv.server.dataplane.models()] == ["good"]
+            assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+        assert _leftovers(tmp_path / "work", "some-other-file") == []
+    finally:
+        srv.stop()
