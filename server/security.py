@@ -13,6 +13,7 @@ import hmac
 import inspect
 import ipaddress
 import json
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,13 @@ HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 # The one grpc.health.v1 service open without a token: the whole server's status.
 OPEN_HEALTH_SERVICE = ""
 OPEN_HTTP_HEALTH_PATHS = frozenset({"/ping", "/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+# Request headers that carry credentials: checked here, never handed to handler code (archives
+# are third-party code; a token they can read is a token they can leak). Lower-case, as HTTP
+# header names reach us from uvicorn and gRPC metadata keys are.
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization"})
+# TLS 1.2 suites HTTP accepts: forward-secret AEAD only, as gRPC's BoringSSL defaults are (no CBC,
+# no static RSA key exchange). TLS 1.3 suites are all AEAD and are not restricted by this string.
+HTTP_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 
 @dataclass(frozen=True)
@@ -182,9 +190,27 @@ def grpc_credentials(cert: Path, key: Path, client_ca: Path | None) -> grpc.Serv
     )
 
 
+def http_ssl_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLContext:
+    """TLS for the HTTP listeners: TLS 1.2 with HTTP_TLS12_CIPHERS or TLS 1.3, nothing older or
+    weaker (Python's default server context still accepts CBC suites); with `client_ca`, clients
+    must present a certificate it signed (mTLS)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(HTTP_TLS12_CIPHERS)
+    ctx.load_cert_chain(str(cert), str(key))
+    if client_ca is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(str(client_ca))
+    return ctx
+
+
 # -- HTTP (ASGI middleware: no per-request objects beyond the header lookup) ---------------------
 class HttpTokenAuth:
-    """401 unless `Authorization: Bearer <token>` is valid; `open_paths` pass without one."""
+    """401 unless `Authorization: Bearer <token>` is valid; `open_paths` pass without one.
+
+    It runs as soon as the request head is parsed, before anything reads the body, and its 401
+    closes the connection: a refused client cannot make the server read (and discard) a body it
+    announced, nor keep the connection for another try."""
 
     def __init__(self, app: Any, tokens: Tokens, *, open_paths: Iterable[str] = ()) -> None:
         self.app = app
@@ -214,6 +240,7 @@ class HttpTokenAuth:
                     (b"content-type", b"application/json"),
                     (b"www-authenticate", b"Bearer"),
                     (b"content-length", str(len(self._body)).encode()),
+                    (b"connection", b"close"),
                 ],
             }
         )
