@@ -34,6 +34,7 @@ _KEYSTORE_KEYS = ("keystore", "keystore_pass", "keystore_type")
 _DIFFERENT = {
     "disable_token_authorization": "Mariner has no TorchServe key_file.json tokens; set "
     "MARINER_INFERENCE_TOKEN_FILE / MARINER_MANAGEMENT_TOKEN_FILE for bearer-token auth",
+    "model_snapshot": "Mariner does not read TorchServe snapshots: put per-model settings in models={...}",
     "token_expiration_min": "Mariner's bearer tokens do not expire; rotate them through the token files",
     "allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "use_env_allowed_urls": "Mariner loads archives from the model store only, never from a URL",
@@ -155,6 +156,9 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
     if "models" in props:
         out["model_overrides"] = json.loads(props["models"])
         used.add("models")
+    if _true(props.get("disable_token_authorization", "false")):
+        # No TorchServe tokens, as asked; Mariner's own rule still refuses exposure without tokens.
+        used.add("disable_token_authorization")
     for key in sorted(set(props) - used):
         if key in _DIFFERENT:
             log.warning("config.properties %s is not supported (ignored): %s", key, _DIFFERENT[key])

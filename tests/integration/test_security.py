@@ -76,7 +76,7 @@ def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: In
     assert requests.get(models, headers=bearer(MGMT), timeout=10).status_code == 200
 
 
-def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
+def test_grpc_needs_tokens_except_overall_health(secured: InProcessMariner) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -99,8 +99,18 @@ def test_grpc_needs_tokens_except_health(secured: InProcessMariner) -> None:
         assert details == {"missing or invalid bearer token"}
         reply = stub.Predictions(request, metadata=(("authorization", f"Bearer {INF}"),))
         assert "label" in json.loads(reply.prediction)
-        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="digits_onnx"))
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        health = health_pb2_grpc.HealthStub(ch)
+        overall = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert overall.status == health_pb2.HealthCheckResponse.SERVING, "probes need no token"
+        with pytest.raises(grpc.RpcError) as info:  # a model's health names the model: token needed
+            health.Check(health_pb2.HealthCheckRequest(service="digits_onnx"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        model = health.Check(
+            health_pb2.HealthCheckRequest(service="digits_onnx"),
+            metadata=(("authorization", f"Bearer {INF}"),),
+            timeout=10,
+        )
+        assert model.status == health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(secured.grpc_management_target) as ch:
         mgmt = management_pb2_grpc.ManagementAPIsServiceStub(ch)
         with pytest.raises(grpc.RpcError) as info:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +120,122 @@ def test_bad_model_settings_in_config_stop_the_server_naming_the_field(tmp_path:
         ServingError, match=r"^maxBatchDelay must be a number >= 0, got -5\.0 \(from the server's flags"
     ):
         server_layers(cfg)
+
+
+TLS_EVERYWHERE = (
+    "inference_address=https://127.0.0.1:8443\n"
+    "management_address=https://127.0.0.1:8444\n"
+    "metrics_address=https://127.0.0.1:8445\n"
+    "enable_grpc_ssl=true\n"
+    "private_key_file=/etc/ts/key.pem\n"
+    "certificate_file=/etc/ts/cert.pem\n"
+)
+
+
+def _properties(tmp_path: Path, text: str) -> ServerConfig:
+    props = tmp_path / "config.properties"
+    props.write_text(text)
+    return load_config(["--config-file", str(props)], env={})
+
+
+def test_torchserve_tls_keys_turn_on_our_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="mariner.config"):
+        cfg = _properties(tmp_path, TLS_EVERYWHERE)
+    assert (cfg.tls_cert_file, cfg.tls_key_file) == (Path("/etc/ts/cert.pem"), Path("/etc/ts/key.pem"))
+    assert (cfg.inference_address, cfg.management_address, cfg.metrics_address) == (
+        "127.0.0.1:8443",
+        "127.0.0.1:8444",
+        "127.0.0.1:8445",
+    )
+    assert caplog.records == [], "every key of this file is honoured"
+
+
+@pytest.mark.parametrize(
+    ("text", "plain"),
+    [
+        ("inference_address=https://127.0.0.1:8443\n", "management_address, metrics_address, gRPC"),
+        (TLS_EVERYWHERE.replace("enable_grpc_ssl=true\n", ""), "but not on gRPC"),
+        (TLS_EVERYWHERE.replace("enable_grpc_ssl=true\n", "enable_grpc_ssl=false\n"), "but not on gRPC"),
+        (
+            TLS_EVERYWHERE.replace("https://127.0.0.1:8445", "http://127.0.0.1:8445"),
+            "but not on metrics_address",
+        ),
+        (
+            "enable_grpc_ssl=true\nprivate_key_file=k.pem\ncertificate_file=c.pem\n",
+            "but not on inference_address, management_address, metrics_address",
+        ),
+    ],
+)
+def test_tls_on_some_listeners_only_is_refused_naming_the_plain_ones(
+    tmp_path: Path, text: str, plain: str
+) -> None:
+    with pytest.raises(ValueError, match="Mariner serves TLS on all of its listeners or on none") as info:
+        _properties(tmp_path, text)
+    assert plain in str(info.value)
+
+
+def test_tls_without_pem_files_is_refused_and_keystores_are_not_key_material(tmp_path: Path) -> None:
+    no_key = TLS_EVERYWHERE.replace("private_key_file=/etc/ts/key.pem\n", "")
+    with pytest.raises(ValueError, match="without private_key_file$"):
+        _properties(tmp_path, no_key)
+    keystore_only = (
+        TLS_EVERYWHERE.replace("private_key_file=/etc/ts/key.pem\n", "").replace(
+            "certificate_file=/etc/ts/cert.pem\n", ""
+        )
+        + "keystore=keystore.p12\nkeystore_pass=changeit\nkeystore_type=PKCS12\n"
+    )
+    with pytest.raises(ValueError, match="without private_key_file and certificate_file") as info:
+        _properties(tmp_path, keystore_only)
+    assert "Java keystores are not supported" in str(info.value)
+    assert "changeit" not in str(info.value)
+
+
+def test_keys_mariner_does_not_use_are_named_in_one_warning_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    text = (
+        "inference_address=http://127.0.0.1:9080\n"
+        "no_such_key=1\n"
+        "vmargs=-Xmx1g\n"
+        "allowed_urls=https://s3.amazonaws.com/.*\n"
+        "keystore=keystore.p12\n"
+        "private_key_file=key.pem\n"
+        "grpc_inference_address=0.0.0.0\n"
+        "enable_model_api=true\n"
+        "disable_token_authorization=true\n"  # honoured: Mariner has no TorchServe tokens
+    )
+    with caplog.at_level(logging.WARNING, logger="mariner.config"):
+        cfg = _properties(tmp_path, text)
+    warned = sorted(r.getMessage().split()[1] for r in caplog.records)
+    assert warned == ["allowed_urls", "keystore", "no_such_key", "private_key_file", "vmargs"]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+    assert "never from a URL" in caplog.text, "a key that changes security says what Mariner does instead"
+    assert cfg.tls_cert_file is None, "a key file with no https listener stays unused, as in TorchServe"
+    assert cfg.grpc_inference_address == "0.0.0.0:7070", "a gRPC host without a port keeps the default port"
+    assert cfg.enable_model_management is True
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mariner.config"):
+        _properties(tmp_path, "disable_token_authorization=false\n")
+    (wants_tokens,) = caplog.records
+    assert "MARINER_INFERENCE_TOKEN_FILE" in wants_tokens.getMessage(), "TorchServe's token auth is not ours"
+
+
+@pytest.mark.parametrize("address", ["unix:/tmp/management.sock", "ftp://127.0.0.1:21", "https://:8443"])
+def test_addresses_mariner_cannot_listen_on_are_refused(tmp_path: Path, address: str) -> None:
+    with pytest.raises(ValueError, match="management_address"):
+        _properties(tmp_path, f"management_address={address}\n")
+
+
+def test_partial_tls_stops_mariner_serve_with_the_reason(tmp_path: Path) -> None:
+    props = tmp_path / "config.properties"
+    props.write_text(
+        "inference_address=https://127.0.0.1:0\nprivate_key_file=k.pem\ncertificate_file=c.pem\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mariner.server.cli", "serve", "--config-file", str(props)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "bad configuration: config.properties asks for TLS on inference_address but not on" in proc.stderr

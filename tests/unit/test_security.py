@@ -12,6 +12,7 @@ import pytest
 
 from mariner.server.app import check_exposure
 from mariner.server.config import load_config
+from mariner.server.core.errors import Code, ServingError
 from mariner.server.security import Tokens, load_tokens
 
 pytestmark = pytest.mark.unit
@@ -138,3 +139,18 @@ def test_flags_close_health_and_metrics() -> None:
     env_cfg = load_config([], env={"MARINER_OPEN_HEALTH": "false", "MARINER_OPEN_METRICS": "0"})
     assert (env_cfg.open_health, env_cfg.open_metrics) == (False, False)
     assert (load_config([], env={}).open_health, load_config([], env={}).open_metrics) == (True, True)
+
+
+def test_closed_metrics_beyond_loopback_need_tokens_like_every_other_listener(tmp_path: Path) -> None:
+    """With --no-open-metrics, /metrics takes the management tokens (else the inference ones); with
+    neither it would answer anyone, so binding it beyond loopback is refused unless --insecure."""
+    exposed = ["--metrics-address", "0.0.0.0:8082", "--no-open-metrics"]
+    with pytest.raises(ServingError) as info:
+        check_exposure(load_config(exposed, env={}))
+    assert info.value.code is Code.PERMISSION_DENIED
+    assert "HTTP metrics on 0.0.0.0:8082" in info.value.message
+    check_exposure(load_config([*exposed, "--insecure"], env={}))
+    check_exposure(load_config(["--metrics-address", "0.0.0.0:8082"], env={}))  # open by choice
+    check_exposure(load_config(["--metrics-address", "127.0.0.1:8082", "--no-open-metrics"], env={}))
+    for env in ({"MARINER_MANAGEMENT_TOKEN": "m"}, {"MARINER_INFERENCE_TOKEN": "i"}):
+        check_exposure(load_config(exposed, env=env))
