@@ -184,6 +184,20 @@ def _holds_bool(values: Sequence[Any]) -> bool:
     return False
 
 
+def _as_array(values: Sequence[Any], dt: np.dtype) -> np.ndarray:
+    """`values` as `dt` in one numpy call. A protobuf repeated field converts itself (`__array__`,
+    typed) and numpy would then wrap an INT8 300 silently, so the range is checked on the array."""
+    if isinstance(values, list):
+        return np.asarray(values, dtype=dt)  # numpy refuses out-of-range Python ints itself
+    src = np.asarray(values)
+    if dt.kind in "iu" and src.dtype.kind in "iu" and src.size:
+        info = np.iinfo(dt)
+        low, high = src.min(), src.max()
+        if low < info.min or high > info.max:
+            raise OverflowError(f"{low if low < info.min else high} is out of range for {dt}")
+    return src.astype(dt, copy=False)
+
+
 def decode_values(
     name: str, datatype: str, shape: Sequence[int], values: Sequence[Any], *, may_hold_bools: bool = True
 ) -> np.ndarray:
@@ -214,7 +228,7 @@ def decode_values(
     if may_hold_bools and dt.kind != "b" and _holds_bool(values):  # JSON true is not 1.0
         raise bad(f"tensor {name!r}: {datatype} values must be numbers, not booleans")
     try:
-        arr = np.asarray(values, dtype=dt)
+        arr = _as_array(values, dt)
     except (TypeError, ValueError, OverflowError) as exc:
         raise bad(f"tensor {name!r}: values are not valid {datatype}: {exc}") from None
     if arr.size != count:

@@ -330,6 +330,54 @@ def test_grpc_errors_map_to_status_codes_with_clear_messages(pb: SimpleNamespace
     run_grpc(pb, plane, body)
 
 
+def test_grpc_input_header_is_refused_before_its_data_is_read(pb: SimpleNamespace) -> None:
+    """Contents that are not even valid protobuf: only a header that passed gets them read."""
+    from mariner.server.protocols.oip.grpc import ShallowInferRequest
+
+    plane = FakePlane()
+
+    def wire(datatype: str, shape: list[int]) -> bytes:
+        tensor = ShallowInferRequest.InferInputTensor(
+            name="pixels", datatype=datatype, shape=shape, contents=b"\xff" * 64
+        )
+        return ShallowInferRequest(model_name="digits", inputs=[tensor]).SerializeToString()
+
+    async def body(stub: Any, channel: grpc.aio.Channel) -> None:
+        send = channel.unary_unary(f"/{pb.service}/ModelInfer")
+        cases = [
+            (wire("INT64", [2, 64]), "input 'pixels': expected datatype FP32, received INT64"),
+            (wire("FP32", [2, 8, 8]), "input 'pixels': expected shape [-1, 64], received [2, 8, 8]"),
+            (wire("FP32", [9, 64]), "shape [9, 64] has 9 rows; the model accepts at most 8 per request"),
+            (wire("FP32", [2, 64]), "input 'pixels': `contents` is not a valid InferTensorContents"),
+        ]
+        for request, needle in cases:
+            err = await grpc_error(send(request))
+            assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in err.details()
+        assert plane.seen == []
+
+    run_grpc(pb, plane, body)
+
+
+def test_grpc_bytes_and_integer_contents_are_decoded(pb: SimpleNamespace) -> None:
+    plane = FakePlane()
+    tensor = pb.m.ModelInferRequest.InferInputTensor(name="text", datatype="BYTES", shape=[3])
+    tensor.contents.bytes_contents.extend([b"ab", b"", b"xyz"])
+
+    async def body(stub: Any, channel: grpc.aio.Channel) -> None:
+        request = pb.m.ModelInferRequest(model_name="text", inputs=[tensor], outputs=[{"name": "length"}])
+        response = await stub.ModelInfer(request)
+        np.testing.assert_array_equal(outputs_of(response)["length"], [2, 0, 3])
+        assert plane.seen[0].tensors["text"].tolist() == [b"ab", b"", b"xyz"]
+        ints = pb.m.ModelInferRequest.InferInputTensor(name="text", datatype="INT32", shape=[3])
+        ints.contents.int_contents.extend([1, 2, 3])
+        err = await grpc_error(stub.ModelInfer(pb.m.ModelInferRequest(model_name="text", inputs=[ints])))
+        assert "input 'text': expected datatype BYTES, received INT32" in err.details()
+        assert len(plane.seen) == 1
+
+    run_grpc(pb, plane, body)
+
+
 def test_grpc_stream_answers_each_request_in_order_with_errors_in_stream(pb: SimpleNamespace) -> None:
     plane = FakePlane()
 
@@ -558,6 +606,36 @@ def test_rest_errors_use_the_protocol_error_shape(url: str, plane: FakePlane) ->
     legacy = requests.post(f"{url}/v2/models/legacy/infer", json=wrong, timeout=TIMEOUT)
     assert "declares no tensor signature" in legacy.json()["error"]
     assert [r.model for r in plane.seen] == ["reject"]
+
+
+def test_rest_input_header_is_checked_before_its_data_is_converted(url: str, plane: FakePlane) -> None:
+    def doc(datatype: str, shape: list[int], data: list[Any]) -> dict[str, Any]:
+        return {"inputs": [{"name": "pixels", "datatype": datatype, "shape": shape, "data": data}]}
+
+    head = json.dumps(
+        {
+            "inputs": [
+                {"name": "pixels", "datatype": "BYTES", "shape": [4], "parameters": {"binary_data_size": 3}}
+            ]
+        }
+    ).encode()
+    binary = (head + b"\xff" * 3, {"Inference-Header-Content-Length": str(len(head))})
+    cases = [
+        (doc("INT64", [1, 64], ["x"] * 64), None, "input 'pixels': expected datatype FP32, received INT64"),
+        (doc("FP32", [9, 64], ["x"] * 576), None, "shape [9, 64] has 9 rows; the model accepts at most 8"),
+        (doc("FP32", [1, 64], [True] + [0.0] * 63), None, "FP32 values must be numbers, not booleans"),
+        (None, binary, "input 'pixels': expected datatype FP32, received BYTES"),
+    ]
+    for body, raw, needle in cases:
+        if raw is None:
+            resp = requests.post(f"{url}/v2/models/digits/infer", json=body, timeout=TIMEOUT)
+        else:
+            resp = requests.post(
+                f"{url}/v2/models/digits/infer", data=raw[0], headers=raw[1], timeout=TIMEOUT
+            )
+        assert resp.status_code == 400
+        assert needle in resp.json()["error"]
+    assert plane.seen == []
 
 
 def test_rest_gzip_body_and_size_limit(url: str) -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.tensors import (
+    CONTENTS_FIELD,
     DTYPES,
     ModelSignature,
     TensorSpec,
@@ -344,3 +345,104 @@ def test_long_request_ids_are_refused_and_missing_ones_generated() -> None:
     assert oip.request_id_of("abc") == "abc"
     assert len(oip.request_id_of("")) == 32
     invalid(oip.request_id_of, "x" * (oip.MAX_ID_CHARS + 1))
+
+
+# -- headers are checked before data; data is decoded by numpy ---------------------------------
+@pytest.mark.parametrize(
+    ("name", "datatype", "shape", "needles"),
+    [
+        ("pixels", "INT64", [2, 64], ["'pixels'", "expected datatype FP32", "received INT64"]),
+        ("pixels", "FP32", [2, 63], ["'pixels'", "expected shape [-1, 64]", "received [2, 63]"]),
+        ("pixels", "FP32", [9, 64], ["'pixels'", "9 rows", "at most 8", "max batch size"]),
+        ("pixel", "FP32", [1, 64], ["['pixel']", "pixels FP32[-1, 64]"]),
+    ],
+)
+def test_input_header_is_checked_against_signature_and_max_batch(
+    name: str, datatype: str, shape: list[int], needles: list[str]
+) -> None:
+    err = invalid(oip.check_input, SIG, 8, name, datatype, shape)
+    for needle in needles:
+        assert needle in err.message
+    oip.check_input(SIG, 8, "pixels", "FP32", [8, 64])  # the largest accepted header
+
+
+def test_flat_values_are_counted_before_any_is_converted() -> None:
+    # Unconvertible values: the count is what is reported, so none of them was converted.
+    err = invalid(decode_values, "x", "FP32", [2], ["not a number"] * 3)
+    assert "needs 2 values, received 3" in err.message
+
+
+def test_json_booleans_are_refused_unless_the_text_holds_none() -> None:
+    err = invalid(decode_values, "x", "FP32", [2], [1.0, True])
+    assert "not booleans" in err.message
+    assert "not booleans" in invalid(decode_values, "x", "INT32", [1, 2], [[1, False]]).message
+    arr = decode_values("x", "INT32", [2, 2], [[1, 2], [3, 4]], may_hold_bools=False)
+    assert arr.dtype == np.int32
+    np.testing.assert_array_equal(arr, [[1, 2], [3, 4]])
+    assert "not valid FP32" in invalid(decode_values, "x", "FP32", [2, 2], [[1, 2], [3]]).message
+
+
+@pytest.fixture(scope="module")
+def contents_pb() -> SimpleNamespace:
+    from mariner.server import protogen
+
+    protogen.generate()
+    from mariner.server._proto.inference import grpc_service_pb2
+    from mariner.server.protocols.oip import contents
+    from mariner.server.protocols.oip import grpc as grpc_oip
+
+    return SimpleNamespace(m=grpc_service_pb2, decode=contents.decode_contents, shallow=grpc_oip)
+
+
+@pytest.mark.parametrize("datatype", sorted(CONTENTS_FIELD))
+def test_contents_round_trip_every_typed_field(contents_pb: SimpleNamespace, datatype: str) -> None:
+    arr = sample(datatype, (2, 3))
+    message = contents_pb.m.InferTensorContents()
+    getattr(message, CONTENTS_FIELD[datatype]).extend(arr.reshape(-1).tolist())
+    other = "int64_contents" if datatype != "INT64" else "fp64_contents"
+    getattr(message, other).extend([9] * 50)  # another typed field: skipped unread, as before
+    back = contents_pb.decode("t", datatype, (2, 3), message.SerializeToString())
+    assert back.shape == (2, 3)
+    np.testing.assert_array_equal(back.astype(arr.dtype) if datatype != "BYTES" else back, arr)
+
+
+def test_unpacked_float_contents_decode_like_packed(contents_pb: SimpleNamespace) -> None:
+    tag = 6 << 3 | 5  # fp32_contents, one fixed32 element per field
+    blob = b"".join(bytes([tag]) + struct.pack("<f", v) for v in (1.5, -2.0))
+    np.testing.assert_array_equal(contents_pb.decode("t", "FP32", (2,), blob), [1.5, -2.0])
+
+
+@pytest.mark.parametrize(
+    ("datatype", "fields", "needle"),
+    [
+        ("FP32", {"fp32_contents": [1.0] * 3}, "needs 2 values, received 3"),
+        ("INT64", {"int64_contents": [1] * 3}, "needs 2 values, received 3"),
+        ("INT64", {"int64_contents": [1] * 21}, "holds more than the 2 values"),
+        ("UINT8", {"uint_contents": [256, 0]}, "not valid UINT8"),
+        ("INT32", {"int_contents": [1]}, "needs 2 values, received 1"),
+        ("INT8", {"int_contents": [300, 1]}, "not valid INT8"),
+        ("BYTES", {"bytes_contents": [b"a"] * 40}, "more fields than its shape has elements"),
+    ],
+)
+def test_contents_that_disagree_with_the_header_are_refused(
+    contents_pb: SimpleNamespace, datatype: str, fields: dict, needle: str
+) -> None:
+    blob = contents_pb.m.InferTensorContents(**fields).SerializeToString()
+    err = invalid(contents_pb.decode, "t", datatype, (2,), blob)
+    assert "'t'" in err.message
+    assert needle in err.message
+
+
+@pytest.mark.parametrize("blob", [b"\xff", b"\x32\x10\x00", b"\x0f\x00", b"\x1a\x03\xff\xff\xff"])
+def test_garbage_contents_are_invalid_argument(contents_pb: SimpleNamespace, blob: bytes) -> None:
+    assert "'t'" in invalid(contents_pb.decode, "t", "INT64", (1,), blob).message
+
+
+def test_shallow_request_keeps_contents_serialized(contents_pb: SimpleNamespace) -> None:
+    tensor = contents_pb.m.ModelInferRequest.InferInputTensor(name="p", datatype="FP32", shape=[2])
+    tensor.contents.fp32_contents.extend([1.0, 2.0])
+    wire = contents_pb.m.ModelInferRequest(model_name="m", id="i", inputs=[tensor]).SerializeToString()
+    shallow = contents_pb.shallow.ShallowInferRequest.FromString(wire)
+    assert (shallow.model_name, shallow.id, list(shallow.inputs[0].shape)) == ("m", "i", [2])
+    assert shallow.inputs[0].contents == tensor.contents.SerializeToString()
+    assert shallow.SerializeToString() == wire
