@@ -81,6 +81,16 @@ def _gpu_ids(info: ModelInfo) -> list[int]:
     return sorted({int(w.device.partition(":")[2] or 0) for w in info.workers if w.device.startswith("cuda")})
 
 
+def device_type(info: ModelInfo) -> str:
+    """Where the model really runs: its ready workers' devices ("gpu" when any is on a GPU); with
+    none ready, what the settings asked for (else "cpu"). A `deviceType: gpu` model whose worker
+    fell back to the CPU is described as cpu, never as the device it asked for."""
+    ready = [w.device for w in info.workers if w.status == "READY"]
+    if ready:
+        return "gpu" if any(d.startswith("cuda") for d in ready) else "cpu"
+    return info.device_type or ("gpu" if _gpu_ids(info) else "cpu")
+
+
 def describe_model(info: ModelInfo) -> dict[str, Any]:
     """One element of TorchServe 0.12's describe-model list, in its key order, with real values.
 
@@ -108,8 +118,7 @@ def describe_model(info: ModelInfo) -> dict[str, Any]:
         "batchSize": info.batch_size,
         "maxBatchDelay": round(info.max_batch_delay_ms),
         "responseTimeout": round(info.response_timeout_s),
-        # What the settings asked for, else where the workers actually run.
-        "deviceType": info.device_type or ("gpu" if gpus else "cpu"),
+        "deviceType": device_type(info),
     }
     if gpus:
         entry["deviceIds"] = gpus

@@ -8,6 +8,7 @@ from the store, protocols and codes are enums; a client never mints a label valu
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,13 +112,7 @@ class Metrics:
             labels,
             registry=self.registry,
         )
-        self.gpu_memory_bytes = Gauge(
-            "mariner_gpu_memory_allocated_bytes",
-            "torch.cuda.memory_allocated per device (only when CUDA is in use).",
-            ("device",),
-            multiprocess_mode="livesum",
-            registry=self.registry,
-        )
+        self.gpu_memory_bytes = gpu_memory_gauge(self.registry)
         self._call_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     def call_children(self, model: str, version: str, protocol: str, code: str) -> tuple[Any, Any]:
@@ -141,13 +136,47 @@ class Metrics:
         return generate_latest(self.registry)
 
     def _sample_gpu(self) -> None:
-        try:
-            import torch
-        except ImportError:  # pragma: no cover - torch is a hard dependency
-            return
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Only a process that already uses CUDA (a thread-mode server running models) samples;
+        # `is_initialized` never initialises CUDA, `is_available` may (see supervisor.devices).
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
             for i in range(torch.cuda.device_count()):
                 self.gpu_memory_bytes.labels(f"cuda:{i}").set(torch.cuda.memory_allocated(i))
+
+
+GPU_MEMORY_METRIC = "mariner_gpu_memory_allocated_bytes"
+
+
+def gpu_memory_gauge(registry: CollectorRegistry | None) -> Gauge:
+    """torch.cuda.memory_allocated per device. In multiprocess mode each worker process writes its
+    own allocation and /metrics sums the live processes per device (`livesum`): several workers
+    sharing a GPU add up, a dead worker's value goes with it (`mark_process_dead`)."""
+    return Gauge(
+        GPU_MEMORY_METRIC,
+        "torch.cuda.memory_allocated per device (only when CUDA is in use).",
+        ("device",),
+        multiprocess_mode="livesum",
+        registry=registry,
+    )
+
+
+class WorkerGpuGauge:
+    """A model worker's own GPU memory sample, written after each batch (and at load) when the
+    worker runs on a GPU and the server merges metrics over processes; a no-op otherwise."""
+
+    def __init__(self, gpu_id: int | None) -> None:
+        self._gpu_id = gpu_id
+        self._child: Any = None
+        if gpu_id is not None and multiprocess_enabled():
+            self._child = gpu_memory_gauge(None).labels(f"cuda:{gpu_id}")
+        self.sample()
+
+    def sample(self) -> None:
+        if self._child is None:
+            return
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            self._child.set(torch.cuda.memory_allocated(self._gpu_id))
 
 
 def multiprocess_enabled() -> bool:

@@ -10,10 +10,11 @@ context, stream and thread-local torch state stay put), and the event loop only 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import importlib
 import importlib.util
 import itertools
-import json
 import logging
 import os
 import sys
@@ -26,8 +27,22 @@ from typing import Any
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import InstanceFailed
 from mariner.server.core.context import Context
+from mariner.server.core.encoding import encode_output, pretty_json
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.failures import Failure, classify, fatal_reason
+from mariner.server.core.rows import join_rows, max_rows_for, split_rows, splittable
 from mariner.server.core.types import InferRequest, InferResult, instance_id
+
+__all__ = [
+    "ModelHost",
+    "Placement",
+    "Runner",
+    "encode_output",
+    "handler_input",
+    "load_entry_point",
+    "place_instances",
+    "pretty_json",
+]
 
 log = logging.getLogger("mariner.runner")
 _module_ids = itertools.count()
@@ -35,42 +50,69 @@ _module_ids = itertools.count()
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an instance runs: `gpu_id` None means CPU."""
+    """Where an instance runs: `gpu_id` None means CPU. `require_gpu`: the model must not run
+    on the CPU (its deviceType is gpu, or the server runs with --require-gpu); loading it without
+    a usable GPU fails instead of falling back."""
 
     gpu_id: int | None
     torch_threads: int | None = None
+    require_gpu: bool = False
 
     @property
     def device(self) -> str:
         return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
 
 
-def place_instances(count: int, *, device_type: str | None, torch_threads: int | None) -> list[Placement]:
-    """Round-robin instances over visible GPUs; CPU when there are none or the model asks for CPU."""
-    gpus = 0
-    if device_type != "cpu":
-        try:
-            import torch
+def place_instances(
+    count: int,
+    *,
+    device_type: str | None,
+    torch_threads: int | None,
+    require_gpu: bool = False,
+    model_config: Mapping[str, Any] | None = None,
+) -> list[Placement]:
+    """Instances over the visible GPUs, round-robin across every model of this process (see
+    `supervisor.devices`); CPU when there are none or the model asks for CPU. Counting GPUs
+    never initialises CUDA here. The model-config's `deviceIds` limits the GPUs used."""
+    # Imported here: the supervisor package imports the server's config, which imports this.
+    from mariner.server.supervisor.devices import allocator, device_ids_of
 
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:  # pragma: no cover - torch is a hard dependency
-            gpus = 0
-    return [Placement(gpu_id=(i % gpus) if gpus else None, torch_threads=torch_threads) for i in range(count)]
+    try:
+        device_ids = device_ids_of(model_config or {})
+    except ValueError as exc:  # as the supervisor's pool does: say so, use every visible GPU
+        log.warning("%s; using every visible GPU", exc)
+        device_ids = None
+    required = device_type == "gpu" or (require_gpu and device_type != "cpu")
+    gpus = allocator()
+    return [
+        Placement(
+            gpu_id=None if device_type == "cpu" else gpus.next(device_ids),
+            torch_threads=torch_threads,
+            require_gpu=required,
+        )
+        for _ in range(count)
+    ]
 
 
-class _OutOfMemory(Exception):
-    """Internal signal: the handler ran out of (device or host) memory on this batch."""
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
-
-
-def _release_cached_memory(placement: Placement) -> None:
-    if placement.gpu_id is not None:
-        import torch
-
+def _release_cached_memory() -> None:
+    """Give the CUDA caching allocator's free blocks back, when this process uses CUDA at all
+    (`is_initialized` never initialises it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _usable_gpu(gpu_id: int | None) -> str | None:
+    """None when `gpu_id` names a device torch can use in this process, else why not."""
+    if gpu_id is None:
+        return "no GPU is visible to the server"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "CUDA is not available in the worker (no driver, or a CPU-only torch build)"
+    if gpu_id >= torch.cuda.device_count():
+        return f"cuda:{gpu_id} is not one of the {torch.cuda.device_count()} visible devices"
+    return None
 
 
 def handler_input(req: InferRequest) -> Mapping[str, Any]:
@@ -84,110 +126,6 @@ def handler_input(req: InferRequest) -> Mapping[str, Any]:
     if req.tensors is not None:
         return {"tensors": req.tensors}
     return req.data
-
-
-class _NotPlainJson(Exception):
-    """Internal signal: a value `pretty_json` leaves to `json.dumps` (any type but the plain ones)."""
-
-
-_JSON_STR = json.encoder.encode_basestring_ascii  # what json.dumps uses with ensure_ascii
-_FLOAT_REPR = float.__repr__
-_INT_REPR = int.__repr__
-_INF = float("inf")
-_PRETTY_MAX_DEPTH = 64  # deeper values go to json.dumps, which reports cycles and recursion itself
-
-
-def _pretty_scalar(o: Any, t: type) -> str:
-    if t is str:
-        return _JSON_STR(o)
-    if o is None:
-        return "null"
-    if o is True:
-        return "true"
-    if o is False:
-        return "false"
-    if t is int:
-        return _INT_REPR(o)
-    if t is float:
-        if o != o:
-            return "NaN"
-        if o == _INF:
-            return "Infinity"
-        if o == -_INF:
-            return "-Infinity"
-        return _FLOAT_REPR(o)
-    raise _NotPlainJson
-
-
-def _pretty_into(o: Any, out: list[str], level: int) -> None:
-    t = type(o)
-    if t is dict:
-        if not o:
-            out.append("{}")
-            return
-        if level >= _PRETTY_MAX_DEPTH:
-            raise _NotPlainJson
-        nl = "\n" + "  " * (level + 1)
-        opener = "{"
-        for k, v in o.items():
-            if type(k) is not str:
-                raise _NotPlainJson
-            out.append(opener + nl + _JSON_STR(k) + ": ")
-            opener = ","
-            _pretty_into(v, out, level + 1)
-        out.append("\n" + "  " * level + "}")
-    elif t is list or t is tuple:
-        if not o:
-            out.append("[]")
-            return
-        if level >= _PRETTY_MAX_DEPTH:
-            raise _NotPlainJson
-        nl = "\n" + "  " * (level + 1)
-        opener = "["
-        for v in o:
-            out.append(opener + nl)
-            opener = ","
-            _pretty_into(v, out, level + 1)
-        out.append("\n" + "  " * level + "]")
-    else:
-        out.append(_pretty_scalar(o, t))
-
-
-def pretty_json(value: Any) -> str:
-    """`json.dumps(value, indent=2)`, the same text, in about half the time.
-
-    With an indent the standard library encodes in pure Python through nested generators, which
-    was the largest per-request cost of answering a small result. This writes the same layout
-    directly for the plain types (dict with str keys, list, tuple, str, int, float, bool, None,
-    exact types only, using json's own string and float formatting); any other value, including
-    subclasses, non-str keys and very deep nesting, goes to `json.dumps` itself.
-    """
-    out: list[str] = []
-    try:
-        _pretty_into(value, out, 0)
-    except _NotPlainJson:
-        return json.dumps(value, indent=2)
-    return "".join(out)
-
-
-def encode_output(value: Any) -> bytes:
-    """Encode one handler result exactly as TorchServe's Python backend does."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    try:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            import io
-
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            return buf.getvalue()
-    except ImportError:  # pragma: no cover
-        pass
-    return pretty_json(value).encode("utf-8")
 
 
 def load_entry_point(archive: ModelArchive) -> tuple[Any, Any]:
@@ -237,6 +175,8 @@ class ModelHost:
 
     Call `load()` and `run_batch()` from one thread for the instance's whole life (its CUDA
     stream and thread-local torch state stay put). `on_oom` is called once per split.
+    `max_rows` caps the rows of one tensor request per handler call (default: the model-config's
+    `maxRowsPerCall`, else 4 x batch_size; see `core.rows`).
     """
 
     def __init__(
@@ -247,12 +187,14 @@ class ModelHost:
         placement: Placement,
         batch_size: int,
         on_oom: Callable[[], None] | None = None,
+        max_rows: int | None = None,
     ) -> None:
         self.archive = archive
         self.id = id
         self.placement = placement
         self.batch_size = batch_size
         self.on_oom = on_oom
+        self.max_rows = max_rows or max_rows_for(getattr(archive, "model_config", None) or {}, batch_size)
         self.batches = 0
         self.failed = False
         self.load_seconds: float | None = None
@@ -265,6 +207,7 @@ class ModelHost:
         t0 = time.perf_counter()
         import torch
 
+        self._check_device()
         if self.placement.torch_threads and self.placement.gpu_id is None:
             torch.set_num_threads(self.placement.torch_threads)
         if self.placement.gpu_id is not None:
@@ -278,6 +221,8 @@ class ModelHost:
             gpu_id=self.placement.gpu_id,
             model_yaml_config=self.archive.model_config,
         )
+        # Handlers that pick their own device read this: True means "never fall back to the CPU".
+        self._context.system_properties["require_gpu"] = self.placement.require_gpu
         handle, initialize = load_entry_point(self.archive)
         self._run_on_stream(initialize, self._context)
         self._handle = handle
@@ -285,10 +230,46 @@ class ModelHost:
         log.info("instance %s ready on %s in %.2f s", self.id, self.placement.device, self.load_seconds)
         return self.load_seconds
 
+    def _check_device(self) -> None:
+        """Refuse a GPU-bound model without a usable GPU; run a placed-on-GPU model that may use
+        the CPU on the CPU when CUDA turns out unusable here, and say so (describe reports
+        `placement.device`, the device it really runs on)."""
+        if self.placement.gpu_id is None and not self.placement.require_gpu:
+            return
+        why = _usable_gpu(self.placement.gpu_id)
+        if why is None:
+            return
+        if self.placement.require_gpu:
+            config_asks = self.archive.model_config.get("deviceType") == "gpu"
+            asked = "deviceType: gpu" if config_asks else "--require-gpu"
+            raise ServingError(
+                Code.UNAVAILABLE,
+                f"model {self.archive.name} version {self.archive.version} requires a GPU ({asked}) "
+                f"but {why}; it is not served on the CPU",
+            )
+        log.warning("instance %s was placed on %s but %s; it runs on the CPU", self.id,
+                    self.placement.device, why)  # fmt: skip
+        self.placement = dataclasses.replace(self.placement, gpu_id=None)
+
     def unload(self) -> None:
-        # Let the handler and its model go: what they hold is released with them (an AOTInductor
-        # package's extracted .so and its aotinductor_* temp dir are removed only then).
+        """Let the handler, its module, its context and its model go: what they hold is released
+        with them (device memory; an AOTInductor package's extracted .so and its aotinductor_*
+        temp dir are removed only then)."""
+        module = getattr(self._handle, "__module__", None)
         self._handle = None
+        self._context = None
+        self._stream = None
+        if module and module.startswith("mariner_handler_"):
+            sys.modules.pop(module, None)  # module globals may hold the model too
+        # Objects frozen by gc.freeze() are never collected: a model in a reference cycle would
+        # outlive its unregistration. Thaw, collect, and freeze what is still alive again.
+        refreeze = gc.get_freeze_count() > 0
+        if refreeze:
+            gc.unfreeze()
+        gc.collect()
+        if refreeze:
+            gc.freeze()
+        _release_cached_memory()
 
     def _run_on_stream(self, fn: Any, *args: Any) -> Any:
         if self._stream is None:
@@ -301,28 +282,61 @@ class ModelHost:
         return out
 
     def run_batch(self, requests: list[InferRequest]) -> list[InferResult]:
-        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request).
+        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request,
+        then a tensor request's rows). A tensor request of more than `max_rows` rows runs in
+        chunks of `max_rows`.
 
         Raises ServingError for a whole-batch failure, InstanceFailed when the handler ended
-        the instance (SystemExit & co).
+        the instance (SystemExit & co, or a fatal device error).
         """
-        try:
-            return self._handle_batch(requests)
-        except _OutOfMemory:
-            if len(requests) == 1:
-                raise ServingError(
-                    Code.RESOURCE_EXHAUSTED,
-                    "the model ran out of memory on this request alone; send a smaller input",
-                ) from None
-            if self.on_oom is not None:
-                self.on_oom()
-            _release_cached_memory(self.placement)
-            mid = len(requests) // 2
-            log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
-                        len(requests), mid, len(requests) - mid)  # fmt: skip
-            return self.run_batch(requests[:mid]) + self.run_batch(requests[mid:])
+        big = [r.tensors is not None and r.items > self.max_rows for r in requests]
+        if not any(big):
+            return self._run_split(requests)
+        results: list[InferResult | None] = [None] * len(requests)
+        small = [i for i, b in enumerate(big) if not b]
+        if small:
+            for i, res in zip(small, self._run_split([requests[i] for i in small]), strict=True):
+                results[i] = res
+        for i, b in enumerate(big):
+            if b:
+                results[i] = self._run_rows(requests[i], self.max_rows)
+        return [r for r in results if r is not None]
 
-    def _handle_batch(self, requests: list[InferRequest]) -> list[InferResult]:
+    def _run_rows(self, req: InferRequest, rows: int) -> InferResult:
+        chunks = split_rows(req, rows)
+        return join_rows([self._run_split([c])[0] for c in chunks], [c.items for c in chunks])
+
+    def _run_split(self, requests: list[InferRequest]) -> list[InferResult]:
+        outcome = self._handle_batch(requests)
+        if not isinstance(outcome, Failure):
+            return outcome
+        # Here the handler's exception and its traceback are gone (PyTorch's FAQ: frames the
+        # traceback keeps alive hold the batch's tensors), so emptying the cache frees them.
+        _release_cached_memory()
+        if len(requests) == 1 and not splittable(requests[0]):
+            if outcome is Failure.POSSIBLE_OOM:  # the cause is unknown: not "out of memory"
+                raise ServingError(
+                    Code.INTERNAL, "the model's handler failed on this batch; see the server log"
+                )
+            raise ServingError(
+                Code.RESOURCE_EXHAUSTED,
+                "the model ran out of memory on this request alone; send a smaller input",
+            )
+        if self.on_oom is not None:
+            self.on_oom()
+        if len(requests) == 1:
+            req = requests[0]
+            log.warning("instance %s out of memory on one request of %d rows: retrying in halves",
+                        self.id, req.items)  # fmt: skip
+            return [self._run_rows(req, (req.items + 1) // 2)]
+        mid = len(requests) // 2
+        log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
+                    len(requests), mid, len(requests) - mid)  # fmt: skip
+        return self._run_split(requests[:mid]) + self._run_split(requests[mid:])
+
+    def _handle_batch(self, requests: list[InferRequest]) -> list[InferResult] | Failure:
+        """The handler's results, or the out-of-memory kind it failed with (returned, not raised,
+        so the caller recovers outside the `except` block)."""
         ctx = self._context
         if ctx is None or self._handle is None:
             raise ServingError(Code.UNAVAILABLE, f"model instance {self.id} is not loaded")
@@ -330,17 +344,26 @@ class ModelHost:
         request_ids = [req.request_id for req in requests]
         headers = [req.headers for req in requests]
         ctx.begin_batch(request_ids, headers)
+        failure: Failure | None = None
         try:
             outputs = self._run_on_stream(self._handle, data, ctx)
         except ServingError:
             raise
         except Exception as exc:
-            if _is_oom(exc):
-                raise _OutOfMemory from None
-            log.exception("handler of %s raised for a batch of %d", self.id, len(data))
-            raise ServingError(
-                Code.INTERNAL, "the model's handler failed on this batch; see the server log"
-            ) from None
+            failure = classify(exc)
+            if failure is Failure.FATAL_DEVICE:
+                # The device is unusable in this process from now on: end the instance.
+                log.error("handler of %s hit a fatal device error (%s); the instance ends and will be "
+                          "replaced", self.id, fatal_reason(exc), exc_info=exc)  # fmt: skip
+                self.failed = True
+                raise InstanceFailed(f"fatal device error: {fatal_reason(exc)}") from None
+            if failure is Failure.OTHER:
+                log.exception("handler of %s raised for a batch of %d", self.id, len(data))
+                raise ServingError(
+                    Code.INTERNAL, "the model's handler failed on this batch; see the server log"
+                ) from None
+            log.warning("handler of %s: %s on a batch of %d: %s", self.id, failure.value, len(data),
+                        str(exc)[-300:])  # fmt: skip
         except BaseException as exc:  # SystemExit & co: the instance is gone, not just this batch
             log.error(
                 "handler of %s ended its instance (%s); it will be replaced", self.id, type(exc).__name__
@@ -349,6 +372,8 @@ class ModelHost:
             raise InstanceFailed(f"handler raised {type(exc).__name__}") from None
         finally:
             self.batches += 1
+        if failure is not None:
+            return failure
         if not isinstance(outputs, list) or len(outputs) != len(data):
             got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
             log.error("handler of %s returned %s results for a batch of %d", self.id, got, len(data))
@@ -394,12 +419,16 @@ class Runner:
         self.instance = instance
         self.generation = generation
         self.id = instance_id(archive.name, archive.version, instance, generation)
-        self.placement = placement
         self.batch_size = batch_size
         self.status = "LOADING"
         self.load_seconds: float | None = None
         self.host = ModelHost(archive, id=self.id, placement=placement, batch_size=batch_size, on_oom=on_oom)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{self.id}")
+
+    @property
+    def placement(self) -> Placement:
+        """Where the instance runs: where it was placed, or the CPU if it fell back at load."""
+        return self.host.placement
 
     @property
     def batches(self) -> int:

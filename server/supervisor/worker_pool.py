@@ -14,7 +14,7 @@ from pathlib import Path
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.errors import ServingError
 from mariner.server.supervisor.children import Backoff, mark_dead
-from mariner.server.supervisor.devices import visible_gpus
+from mariner.server.supervisor.devices import allocator, device_ids_of
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.workers.api import WorkerSpec
 from mariner.server.workers.process import worker_spec
@@ -40,6 +40,7 @@ class WorkerPool:
         on_change: Callable[[], Awaitable[None]],
         worker_count: Callable[[], int],
         draining: Callable[[], bool],
+        require_gpu: bool = False,
     ) -> None:
         self._torch_threads_flag = torch_threads
         self._socket_dir = socket_dir
@@ -47,8 +48,7 @@ class WorkerPool:
         self._on_change = on_change
         self._worker_count = worker_count
         self._draining = draining
-        self._gpus = visible_gpus()
-        self._next_gpu = 0
+        self._require_gpu = require_gpu
 
     def _torch_threads(self) -> int:
         if self._torch_threads_flag:
@@ -56,12 +56,21 @@ class WorkerPool:
         return max(1, (os.cpu_count() or 1) // max(1, self._worker_count()))
 
     def _gpu_for(self, v: Version) -> int | None:
-        """Round-robin over the visible GPUs; None for CPU models or without GPUs."""
-        if v.settings.device_type == "cpu" or not self._gpus:
+        """The next GPU of the server-wide round-robin (within the model-config's deviceIds);
+        None for CPU models or without GPUs."""
+        if v.settings.device_type == "cpu":
             return None
-        gpu = self._next_gpu % self._gpus
-        self._next_gpu += 1
-        return gpu
+        try:
+            ids = device_ids_of(v.archive.model_config)
+        except ValueError as exc:
+            log.warning("model %s version %s: %s; using every visible GPU", v.name, v.version, exc)
+            ids = None
+        return allocator().next(ids)
+
+    def _needs_gpu(self, v: Version) -> bool:
+        """The worker must refuse to run on the CPU: deviceType gpu, or --require-gpu (unless the
+        model asked for the CPU)."""
+        return v.settings.device_type == "gpu" or (self._require_gpu and v.settings.device_type != "cpu")
 
     def _spec(self, v: Version, inst: Instance, gpu: int | None) -> WorkerSpec:
         return worker_spec(
@@ -72,6 +81,7 @@ class WorkerPool:
             gpu_id=gpu,
             torch_threads=self._torch_threads(),
             socket_dir=self._socket_dir,
+            require_gpu=self._needs_gpu(v),
         )
 
     def add(self, v: Version, count: int) -> list[Instance]:

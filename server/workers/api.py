@@ -20,6 +20,7 @@ class WorkerSpec:
 
     `model_dir` is the archive's unpacked directory (the supervisor unpacked and checked it);
     the worker puts only that directory on its `sys.path`. `gpu_id` None means CPU.
+    `require_gpu`: the worker refuses to load without a usable GPU instead of running on the CPU.
     """
 
     model: str
@@ -35,6 +36,7 @@ class WorkerSpec:
     gpu_id: int | None
     torch_threads: int | None
     socket_path: str
+    require_gpu: bool = False
 
     @property
     def id(self) -> str:

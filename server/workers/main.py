@@ -86,6 +86,9 @@ class Worker:
         self._conns: set[_Conn] = set()
         self._oom_splits = 0
         self.exit_code = 0
+        from mariner.server.control.metrics import WorkerGpuGauge
+
+        self._gpu_gauge = WorkerGpuGauge(host.placement.gpu_id)
 
     def count_oom(self) -> None:  # called on the handler thread; read after the call returns
         self._oom_splits += 1
@@ -103,7 +106,13 @@ class Worker:
         watchdog = loop.create_task(self._watch_parent(parent))
         ready_out.write(
             json.dumps(
-                {"ready": True, "pid": os.getpid(), "device": self.spec.device, "load_seconds": load_seconds}
+                # The device it really runs on (a GPU placement may have fallen back to the CPU).
+                {
+                    "ready": True,
+                    "pid": os.getpid(),
+                    "device": self.host.placement.device,
+                    "load_seconds": load_seconds,
+                }  # fmt: skip
             )
             + "\n"
         )
@@ -205,6 +214,7 @@ class Worker:
             except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
                 outcome = exc
             self._answer(jobs, outcome)
+            self._gpu_gauge.sample()
             if self.exit_code:
                 return
 
@@ -274,7 +284,9 @@ def _load(spec: WorkerSpec) -> tuple[Any, float]:
     host = ModelHost(
         archive,
         id=spec.id,
-        placement=Placement(gpu_id=spec.gpu_id, torch_threads=spec.torch_threads),
+        placement=Placement(
+            gpu_id=spec.gpu_id, torch_threads=spec.torch_threads, require_gpu=spec.require_gpu
+        ),
         batch_size=spec.batch_size,
     )
     return host, host.load()

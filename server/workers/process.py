@@ -1,18 +1,21 @@
 """The supervisor's handle on one model worker process, and `ProcessRunner`, a worker plus its
 connection behind the batcher's runner interface (what a single-process server uses).
 
-A worker is forked by the zygote (`zygote.py`: a fresh interpreter that imported torch once and
-never touches CUDA; a fork of the supervisor would not do, a forked CUDA context is unusable), or,
-with `MARINER_WORKER_START=spawn` or when no zygote can fork it, a fresh interpreter (`python -m
-mariner.server.workers.main`). Either way it runs in a session of its own (a signal to the
-parent's process group does not reach it; we stop it ourselves, and SIGKILL its whole group), its
-fd 1 carries exactly one line, the ready line, and its stderr is the parent's.
+A CPU worker is forked by the zygote (`zygote.py`: a fresh interpreter that imported torch once
+and never touches CUDA; a fork of the supervisor would not do, a forked CUDA context is unusable),
+or, with `MARINER_WORKER_START=spawn` or when no zygote can fork it, a fresh interpreter (`python -m
+mariner.server.workers.main`). A worker placed on a GPU (or required to have one) is always a
+fresh interpreter: it initialises CUDA itself, with nothing inherited from a fork. Either way
+it runs in a session of its own (a signal to the parent's process group does not reach it; we
+stop it ourselves, and SIGKILL its whole group), its fd 1 carries exactly one line, the ready
+line, and its stderr is the parent's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -87,7 +90,7 @@ class WorkerProcess:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         ready_fd: int | None = None
-        if self._env.get(START_ENV, "zygote") != "spawn":
+        if start_method(self._spec, self._env) == "zygote":
             try:
                 async with asyncio.timeout(timeout):
                     ready_fd = await self._fork()
@@ -240,6 +243,15 @@ class WorkerProcess:
         return proc.returncode
 
 
+def start_method(spec: WorkerSpec, env: Mapping[str, str]) -> str:
+    """How `spec`'s worker starts: "spawn" (a fresh interpreter) for a GPU worker, whatever the
+    environment says, since CUDA in a forked child is only safe if nothing before the fork touched
+    it; else "zygote" (fork) unless `MARINER_WORKER_START=spawn`."""
+    if spec.gpu_id is not None or spec.require_gpu:
+        return "spawn"
+    return "spawn" if env.get(START_ENV, "zygote") == "spawn" else "zygote"
+
+
 def _parse_ready(line: bytes) -> dict | None:
     try:
         value = json.loads(line)
@@ -281,6 +293,7 @@ def worker_spec(
     gpu_id: int | None,
     torch_threads: int | None,
     socket_dir: Path,
+    require_gpu: bool = False,
 ) -> WorkerSpec:
     """What a worker needs to load one instance of an opened, checked archive: the one place a
     WorkerSpec is built, for the supervisor's workers and for the in-process ProcessRunner."""
@@ -298,6 +311,7 @@ def worker_spec(
         gpu_id=gpu_id,
         torch_threads=torch_threads,
         socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
+        require_gpu=require_gpu,
     )
 
 
@@ -336,6 +350,7 @@ class ProcessRunner:
             gpu_id=placement.gpu_id,
             torch_threads=placement.torch_threads,
             socket_dir=socket_dir,
+            require_gpu=placement.require_gpu,
         )
         self.process = WorkerProcess(self.spec, env=env)
         self.connection: WorkerConnection | None = None
@@ -364,6 +379,9 @@ class ProcessRunner:
             self.process.kill()
             raise
         self.load_seconds = endpoint.load_seconds
+        if endpoint.device != self.placement.device:  # the worker fell back to the CPU: say so
+            gpu = None if endpoint.device == "cpu" else int(endpoint.device.partition(":")[2] or 0)
+            self.placement = dataclasses.replace(self.placement, gpu_id=gpu)
         self.status = "READY"
         # Notice a worker that dies while idle: the model must not claim a live worker it lacks.
         self._reaper = asyncio.get_running_loop().create_task(self._watch())
