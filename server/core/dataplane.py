@@ -71,6 +71,13 @@ def _load_failure(ep: ModelEndpoint, exc: BaseException) -> ServingError:
     )
 
 
+def _registering(ep: ModelEndpoint) -> bool:
+    """A version added by a register call that has not been ready yet: the call in progress
+    answers for it, so it is not part of the server's readiness (in a frontend too, which learns
+    it from the supervisor's table while its first workers start)."""
+    return not ep.loaded_at_startup and ep.state is ModelState.LOADING
+
+
 def require_management(enabled: bool, what: str) -> None:
     """PERMISSION_DENIED for a model change while model management is off (the secure default)."""
     if not enabled:
@@ -90,7 +97,6 @@ class DataPlane:
         self.management_enabled = settings.management_enabled
         self._endpoints: dict[str, dict[str, ModelEndpoint]] = {}
         self._defaults: dict[str, str] = {}
-        self._registering: set[ModelEndpoint] = set()  # not part of readiness until registered
         self._load_errors: dict[ModelEndpoint, str] = {}  # why a start-up model failed to load
         self.draining = False
         # Accounting for the shutdown proof: every accepted request must be answered.
@@ -229,7 +235,7 @@ class DataPlane:
     def is_ready(self) -> bool:
         """Every model asked for is served and READY (a version still being registered does not
         count yet: a register in progress does not take the server out of rotation)."""
-        eps = [ep for v in self._endpoints.values() for ep in v.values() if ep not in self._registering]
+        eps = [ep for v in self._endpoints.values() for ep in v.values() if not _registering(ep)]
         return not self.draining and bool(eps) and all(ep.state is ModelState.READY for ep in eps)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
@@ -272,7 +278,6 @@ class DataPlane:
         archive = await self._unpack(spec)
         held = self._endpoints.get(archive.name, {}).get(archive.version)
         ep = self._install(archive, spec)  # replaces a FAILED version of that name and version
-        self._registering.add(ep)
         try:
             await ep.load()
         except BaseException as exc:
@@ -283,8 +288,6 @@ class DataPlane:
             if isinstance(exc, Exception):
                 raise _load_failure(ep, exc) from exc
             raise
-        finally:
-            self._registering.discard(ep)
         # A fixed archive registered under a name that failed at start-up supersedes that failure.
         for version, other in list(self._endpoints[ep.name].items()):
             if isinstance(other, FailedEndpoint):

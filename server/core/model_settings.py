@@ -249,6 +249,23 @@ class ServerLayers:
         return (SettingsOverrides.parse(entry, self._source(name, version)), self.flags)
 
 
+def _misspelt(key: str) -> str | None:
+    """The TorchServe key `key` almost is (batch_size, BatchSize -> batchSize), else None."""
+    folded = key.replace("_", "").replace("-", "").lower()
+    return next((ts for ts in TS_KEYS.values() if ts.lower() == folded and ts != key), None)
+
+
 def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> SettingsOverrides:
-    """The archive's model-config YAML as a layer."""
-    return SettingsOverrides.parse(model_config, f"the model-config of {archive_file}")
+    """The archive's model-config YAML as a layer. Keys other than TorchServe's are the
+    handler's, except a near miss of one of ours (`batch_size`): that is a typo that would
+    silently leave the default in place, so it is refused naming the key meant."""
+    source = f"the model-config of {archive_file}"
+    for key in model_config:
+        meant = _misspelt(str(key))
+        if meant is not None:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f"model-config key {key!r} is not one the server reads; did you mean {meant!r}? "
+                f"(from {source})",
+            )
+    return SettingsOverrides.parse(model_config, source)

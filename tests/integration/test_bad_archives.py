@@ -9,7 +9,9 @@ supervisor's side of the same is in tests/e2e/test_bad_store.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.fault_archive import HANDLER, build_fault_archive
 from tests.integration.mariner_inproc import InProcessMariner
+from tests.integration.test_versions_and_management import grpc_management
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +47,16 @@ def init_fault_handler(fault: Path) -> str:
         "        self.initialized = True",
         f"        if os.path.exists({str(fault)!r}):\n"
         "            raise RuntimeError('injected init failure')\n"
+        "        self.initialized = True",
+    )
+
+
+def init_gate_handler(gate: Path) -> str:
+    """The fault handler, whose initialize creates gate/started and waits for gate/release."""
+    return HANDLER.replace(
+        "        self.initialized = True",
+        f"        open(os.path.join({str(gate)!r}, 'started'), 'w').close()\n"
+        f"        wait_for_path(os.path.join({str(gate)!r}, 'release'))\n"
         "        self.initialized = True",
     )
 
@@ -154,13 +167,17 @@ def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(
     work = tmp_path / "work"
     try:
         assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
-        for attempt in range(2):
-            r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
-            assert r.status_code == 400, r.text
-            assert (
-                "initfail version 1.0 failed to load: RuntimeError: injected init failure"
-                in r.json()["message"]
-            )
+        for attempt in ("rest", "grpc"):
+            if attempt == "rest":
+                r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
+                assert r.status_code == 400, r.text
+                message = r.json()["message"]
+            else:
+                with pytest.raises(grpc.RpcError) as info:
+                    grpc_management(srv, "RegisterModel", url="initfail.mar")
+                assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                message = info.value.details()
+            assert "initfail version 1.0 failed to load: RuntimeError: injected init failure" in message
             assert [m.name for m in srv.server.dataplane.models()] == ["good"], attempt
             assert _leftovers(work, "initfail") == [], "a failed register leaves no unpacked dir"
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
@@ -191,4 +208,28 @@ def test_a_model_from_a_renamed_archive_unregisters_by_its_name(tmp_path: Path, 
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
         assert _leftovers(tmp_path / "work", "some-other-file") == []
     finally:
+        srv.stop()
+
+
+def test_a_register_in_progress_keeps_the_server_ready(tmp_path: Path, worker_mode: str) -> None:
+    store = tmp_path / "store"
+    build_fault_archive(store, name="good")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    model = {"modelName": "slow", "modelVersion": "1.0", "handler": "fault_handler.py"}
+    write_mar(store / "slow.mar", model, {"fault_handler.py": init_gate_handler(gate)})
+    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            register = pool.submit(requests.post, f"{srv.management}/models?url=slow.mar", timeout=300)
+            while not (gate / "started").exists() and not register.done():
+                time.sleep(0.01)
+            assert (gate / "started").exists(), register.result().text
+            assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+            assert _health(srv) == health_pb2.HealthCheckResponse.SERVING
+            (gate / "release").write_text("")
+            assert register.result().status_code == 200
+        assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
+    finally:
+        (gate / "release").write_text("")
         srv.stop()

@@ -315,3 +315,15 @@ def test_describe_reports_the_batchers_queue_depth(tmp_path: Path) -> None:
         return during.pending_requests, after.pending_requests
 
     assert asyncio.run(body()) == (3, 0)
+
+
+@pytest.mark.parametrize(("key", "meant"), [("batch_size", "batchSize"), ("MaxBatchDelay", "maxBatchDelay")])
+def test_a_misspelt_model_config_key_is_refused_naming_the_key_meant(key: str, meant: str) -> None:
+    with pytest.raises(ServingError) as info:
+        archive_overrides({key: 4, "handler": {"batch_size": 1}}, "toy.mar")
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert (
+        f"model-config key {key!r} is not one the server reads; did you mean {meant!r}?" in info.value.message
+    )
+    assert "toy.mar" in info.value.message
+    assert archive_overrides({"handler": {"batch_size": 1}, "myKey": 2}, "toy.mar") == SettingsOverrides()
