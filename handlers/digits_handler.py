@@ -9,6 +9,12 @@ that says which artefact format the serialized file is:
     aoti               torch._inductor.aoti_load_package (.pt2 built for `aoti_device`)
     onnx               onnxruntime InferenceSession
 
+Device rules (in `digits_device.py`, shipped beside this file): an archive that must run on a
+GPU (`deviceType: gpu`, or the server's `require_gpu`) fails to initialise rather than serve on
+the CPU; AOTInductor packages and ONNX sessions are checked to run where they were meant to.
+The compiled variant only ever sees the batch sizes warmed up at load (power-of-two buckets up
+to batchSize; a batch is zero-padded to its bucket), so live traffic never compiles or records.
+
 Inputs, one per request (`data` or `body`): a JSON list of 64 pixel intensities in 0..16, an
 8x8 nested list, an array/tensor of either shape, or a PNG/JPEG image (grayscale, resized to
 8x8; dark ink on light paper is inverted to match the training data's light-on-dark). Output:
@@ -50,14 +56,6 @@ def _config_section(context: Any) -> dict[str, Any]:
     return section
 
 
-def _pick_device(context: Any, prefer: str) -> torch.device:
-    """cuda:{gpu_id} when CUDA is usable and the archive allows it, else CPU."""
-    gpu_id = context.system_properties.get("gpu_id")
-    if prefer != "cpu" and torch.cuda.is_available() and gpu_id is not None:
-        return torch.device(f"cuda:{int(gpu_id)}")
-    return torch.device("cpu")
-
-
 def _load_module_from(path: Path, name: str) -> Any:
     """Import a .py file shipped in the archive without touching sys.path."""
     spec = importlib.util.spec_from_file_location(name, path)
@@ -66,6 +64,18 @@ def _load_module_from(path: Path, name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# Beside this file in the repo and in the archive alike (TorchServe does not import it for us).
+_device = _load_module_from(Path(__file__).with_name("digits_device.py"), "mariner_digits_device")
+
+
+def batch_buckets(batch_size: int, explicit: Any = None) -> list[int]:
+    """The batch sizes a padded model runs at: powers of two up to batchSize, and batchSize."""
+    if explicit:
+        return sorted({int(b) for b in explicit})
+    top = max(1, batch_size)
+    return sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
 
 
 def _pixels_from_image(raw: bytes) -> np.ndarray:
@@ -204,6 +214,9 @@ class DigitsHandler:
         self.labels: list[str] = [str(i) for i in range(10)]
         self.topk = 3
         self._ort: Any = None
+        self.buckets: list[int] = [1]
+        self._pad = False  # compiled: run only at the warmed bucket sizes
+        self._staging: Any = None  # one pinned host buffer per worker (GPU instances)
 
     # -- TorchServe contract -------------------------------------------------------------
     def initialize(self, context: Any) -> None:
@@ -228,9 +241,12 @@ class DigitsHandler:
             self.labels = [str(v) for v in json.loads(labels_path.read_text())]
 
         # AOTI packages and dynamic-int8 kernels only run on the device they were built for.
-        self.device = _pick_device(context, str(section.get("device", "any")))
+        self.device = _device.pick_device(context, str(section.get("device", "any")))
+        self.buckets = batch_buckets(int(props.get("batch_size") or 1), section.get("warmup_batch_sizes"))
         self.model = self._load(artefact, model_dir, section)
-        self._warm_up(section, int(props.get("batch_size") or 1))
+        if self.device.type == "cuda" and self.format != "onnx":
+            self._staging = _device.HostStaging(self.buckets[-1], (1, SIDE, SIDE), self.device)
+        self._warm_up()
         self.initialized = True
         log.info(
             "digits handler ready: format=%s device=%s artefact=%s", self.format, self.device, serialized
@@ -296,13 +312,30 @@ class DigitsHandler:
         if self.format == "onnx":
             out = self._ort.run(None, {self._ort_input: x.numpy()})[0]
             return torch.from_numpy(out)
+        if not self._pad:
+            return self._forward(x, len(x))
+        top = self.buckets[-1]  # larger batches (multi-row tensor requests) run as top-size chunks
+        return torch.cat([self._forward(c, self._bucket(len(c))) for c in x.split(top)])
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _forward(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """Run x zero-padded to `rows` rows (padding rows are independent in eval mode)."""
+        n = len(x)
         with torch.inference_mode():
-            if self.device.type == "cuda":
-                x = x.pin_memory().to(self.device, non_blocking=True)
+            if self._staging is not None and rows <= self._staging.rows:
+                x = self._staging.to_device(x, rows)
+            else:  # the CPU, or a batch beyond the staging buffer: one plain copy
+                if rows > n:
+                    x = torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
+                elif self._pad:  # what dynamo guards on stays constant: an inference tensor
+                    x = x.clone()  # at storage offset 0, like every padded batch
+                x = x.to(self.device)
             out = self.model(x)
             if isinstance(out, (tuple, list)):
                 out = out[0]
-            return out.float().cpu()
+            return out[:n].float().cpu()
 
     def predict_topk(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logits = self.logits(self.normalise(pixels))
@@ -320,41 +353,37 @@ class DigitsHandler:
             model.eval().to(self.device)
             if self.format == "compiled":
                 compile_cfg = section.get("compile") or {}
+                # One graph per bucket (and, with mode reduce-overhead, one CUDA graph each), all
+                # made by the warm-up: the cache must hold them all or dynamo falls back to eager.
+                limit = len(self.buckets) + 2
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
                 model = torch.compile(
-                    model, mode=compile_cfg.get("mode", "default"), dynamic=compile_cfg.get("dynamic", True)
+                    model, mode=compile_cfg.get("mode", "default"), dynamic=compile_cfg.get("dynamic", False)
                 )
+                self._pad = True
             return model
         if self.format == "torchscript":
             return torch.jit.load(str(artefact), map_location=self.device).eval()
         if self.format == "aoti":
-            built_for = str(section.get("device", "cpu"))
-            if built_for == "cpu":
-                self.device = torch.device("cpu")
-            return torch._inductor.aoti_load_package(str(artefact))
+            meta = _device.aoti_metadata(artefact)
+            _device.check_aoti_package(meta, self.device, _device.host_cpu_flags(), artefact.name)
+            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
+            return torch._inductor.aoti_load_package(str(artefact), device_index=index)
         # onnx
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = torch.get_num_threads()
-        providers = ["CPUExecutionProvider"]
-        if self.device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
-        else:
-            self.device = torch.device("cpu")
-        self._ort = ort.InferenceSession(str(artefact), sess_options=opts, providers=providers)
+        self._ort = _device.onnx_session(ort, artefact, opts, self.device)
         self._ort_input = self._ort.get_inputs()[0].name
         return self._ort
 
-    def _warm_up(self, section: dict[str, Any], batch_size: int) -> None:
+    def _warm_up(self) -> None:
         """Run every batch-size bucket once so no request pays a compile or a first-call cost.
 
-        For the compiled variant this triggers torch.compile for each distinct graph (batch 1 is
-        specialised; larger sizes share dynamic graphs); for the others it faults in kernels.
+        For the compiled variant these are the only sizes it will ever run (batches are padded
+        to them), so every graph it needs is compiled here; for the others it faults in kernels.
         """
-        sizes = section.get("warmup_batch_sizes")
-        if not sizes:
-            top = max(1, batch_size)
-            sizes = sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
-        zeros = np.zeros((1, PIXELS), dtype=np.float32)
-        for b in sizes:
-            self.logits(self.normalise(np.repeat(zeros, int(b), axis=0)))
+        zeros = np.zeros((self.buckets[-1], PIXELS), dtype=np.float32)
+        for b in self.buckets:
+            self.logits(self.normalise(zeros[:b]))
