@@ -51,6 +51,12 @@ class ServerConfig:
     worker_mode: str = "process"
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
+    # Connection limits of every HTTP listener (see protocols.http_limits), nginx-like defaults.
+    http_max_header_bytes: int = 32 * 1024
+    http_header_timeout_s: float = 20.0
+    http_body_timeout_s: float = 60.0
+    http_keep_alive_s: float = 5.0
+    http_max_connections: int = 1000
     grace_seconds: float = 30.0
     refuse_seconds: float = 1.0
     slo_ms: float = 25.0
@@ -95,6 +101,15 @@ _HELP = {
     "matters; it may be removed if the benchmark shows no clear win",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
+    "http_max_header_bytes": "largest HTTP request line + headers, in bytes (larger: 431 and the connection "
+    "closes)",
+    "http_header_timeout_s": "seconds a client has to send a request's line and headers, from the "
+    "connection's start or the request's first byte (else 408 and close)",
+    "http_body_timeout_s": "seconds a client has to send a request's whole body once its headers are in "
+    "(else 408 and close)",
+    "http_keep_alive_s": "seconds an idle keep-alive HTTP connection stays open",
+    "http_max_connections": "open connections per HTTP listener and process; more are answered 503 and "
+    "closed",
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
     "refuse_seconds": "after draining, keep refusing new calls with UNAVAILABLE this long before closing",
     "slo_ms": "p99 latency SLO: histogram buckets are dense around it",

@@ -2,7 +2,8 @@
 (app.py), the frontends and the supervisor.
 
 Here live the embedded uvicorn server (the caller, not uvicorn, owns SIGTERM), the uvicorn
-config built from the server's settings (TLS, access log, graceful-shutdown bound), the
+config built from the server's settings (TLS, access log, graceful-shutdown bound, and the
+connection limits of protocols.http_limits, which every HTTP listener gets here), the
 host:port split, the sockets we bind ourselves (so a port in use is an error that names the
 address, where uvicorn would `sys.exit`), and the exposure check every process runs before it
 listens.
@@ -13,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import ssl
 from collections.abc import Iterator
 
 import uvicorn
 
 from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.security import Tokens, exposure_problems, load_tokens
+from mariner.server.protocols.http_limits import HttpLimits, limited_protocol
+from mariner.server.security import Tokens, exposure_problems, http_ssl_context, load_tokens
 
 log = logging.getLogger("mariner")
 
@@ -49,20 +50,38 @@ class EmbeddedUvicorn(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def http_limits(cfg: ServerConfig) -> HttpLimits:
+    """The connection limits every HTTP listener enforces (ValueError names a bad setting)."""
+    return HttpLimits(
+        max_header_bytes=cfg.http_max_header_bytes,
+        header_timeout_s=cfg.http_header_timeout_s,
+        body_timeout_s=cfg.http_body_timeout_s,
+        keep_alive_s=cfg.http_keep_alive_s,
+        max_connections=cfg.http_max_connections,
+    )
+
+
 def uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
-    """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS and the access log
-    follow the config, and a graceful shutdown never outlasts the drain's grace period."""
+    """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS (our context: AEAD
+    suites only) and the access log follow the config, a graceful shutdown never outlasts the
+    drain's grace period, and the connection limits are enforced by our protocol class (a fresh
+    one per listener) before uvicorn hands a request to auth or routing. No WebSocket upgrade: no
+    route needs one, and an upgraded connection would leave the limits behind."""
     tls: dict[str, object] = {}
     if cfg.tls_cert_file is not None:
-        tls = {"ssl_certfile": str(cfg.tls_cert_file), "ssl_keyfile": str(cfg.tls_key_file)}
-        if cfg.tls_client_ca_file is not None:
-            tls.update(ssl_ca_certs=str(cfg.tls_client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        assert cfg.tls_key_file is not None, "check_exposure insists on both or neither"
+        context = http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+        tls = {"ssl_context_factory": lambda _config, _default: context}
+    limits = http_limits(cfg)
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="none",
         lifespan="off",
+        http=limited_protocol(limits),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # call_later takes a float
         access_log=cfg.access_log,
         log_level="warning",
         timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.protocols.call import CallerGone, CallPlane, Refused
+from mariner.server.security import CREDENTIAL_HEADERS
 
 T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -153,12 +154,16 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def request_headers(request: Request, limit: int) -> dict[str, str]:
-    """The first `limit` request headers, as the handler sees them."""
+    """The first `limit` request headers, as the handler sees them: credentials (the bearer
+    token, CREDENTIAL_HEADERS) are checked by the server and never reach handler code."""
     # ASGI servers deliver header names lower-cased already (the spec requires it).
     raw = request.scope["headers"]
     if len(raw) > limit:
         raw = raw[:limit]
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+    for name in CREDENTIAL_HEADERS:
+        headers.pop(name, None)
+    return headers
 
 
 async def offload_if_large(

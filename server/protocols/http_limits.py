@@ -1,0 +1,238 @@
+"""Connection-level limits for every HTTP listener, enforced before auth and before routing.
+
+uvicorn's httptools parser accepts request heads of any size (it buffers a header value until it
+ends), waits forever for a head or a body that trickles in, and caps nothing per connection:
+uvicorn's `limit_concurrency` counts tasks, and only once a head is complete. A few clients could
+so grow the process by hundreds of MiB, or hold sockets until the file-descriptor limit, after
+which nothing in the process (HTTP health, gRPC ServerLive) answers. nginx's answers are the model:
+
+- the request head (request line and headers) is capped (`max_header_bytes`, nginx's 4 x 8 KiB):
+  over it the client gets 431 and the connection closes;
+- the head must arrive within `header_timeout_s` of the connection opening or of its first byte,
+  the body within `body_timeout_s` of the head: else 408 and close (a connection that sent
+  nothing at all is closed without an answer, as nginx does, so a browser's unused preconnect is
+  not shown an error);
+- an idle keep-alive connection closes after `keep_alive_s` (uvicorn's own timer);
+- at most `max_connections` connections per listener (per process): one beyond it is answered
+  503 and closed, so sockets never pile up towards the descriptor limit.
+
+The layer is a subclass of uvicorn's HttpToolsProtocol (written against uvicorn 0.54) that sees
+every byte before the parser and the parser's callbacks before uvicorn starts the ASGI app. It adds
+no timer to a request that arrives in one read: timers are armed only while a head or a body is
+incomplete at the end of a read (plus one per connection, for the first request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from asyncio import TimerHandle
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from mariner.server.core.errors import RETRY_AFTER_SECONDS
+
+# How long a connection beyond the cap may take to send its request before it is closed. Its
+# answer (503) is written at once; reading what the client sent before closing lets the kernel
+# end the connection with FIN rather than RST, which would discard the answer. Short, so that
+# connections beyond the cap never accumulate.
+OVER_CAPACITY_WAIT_S = 1.0
+# Bytes a header line costs beyond its name and value (": " and CRLF).
+_HEADER_OVERHEAD = 4
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-listener limits (see the module docstring); ServerConfig's http_* settings."""
+
+    max_header_bytes: int = 32 * 1024
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 1000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            name = f.name
+            if not getattr(self, name) > 0:
+                raise ValueError(f"http_{name} must be positive, got {getattr(self, name)!r}")
+
+
+def raw_response(status: int, reason: str, kind: str, message: str, extra: bytes = b"") -> bytes:
+    """A complete `connection: close` response in TorchServe's error shape, for answers written
+    to the transport directly (no ASGI cycle exists, or it is being abandoned)."""
+    body = (json.dumps({"code": status, "type": kind, "message": message}, indent=2) + "\n").encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n"
+    ).encode()
+    return head + extra + b"\r\n" + body
+
+
+class _Refuse(Exception):
+    """Raised from a parser callback to stop parsing; httptools wraps it in HttpParserCallbackError."""
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits of `limits` (set by `limited_protocol`)."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # waiting for or reading a request head (else reading or past a body)
+        self._in_body = False  # the head is complete, the body is not
+        self._begun = False  # the parser has seen a first byte of the current request
+        self._read_bytes = 0  # bytes read while in the head: bounds what httptools buffers
+        self._head_bytes = 0  # request target + header lines, counted by the parser callbacks
+        self._timer: TimerHandle | None = None
+        self._over_capacity = False
+        self._refusal: bytes | None = None
+
+    # -- connection --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            # Not counted, not handed to uvicorn: answer, then close once the request is read.
+            self._over_capacity = True
+            self.transport = transport
+            transport.write(
+                raw_response(
+                    503,
+                    "Service Unavailable",
+                    "UNAVAILABLE",
+                    f"too many connections (http_max_connections={self.limits.max_connections}); retry later",
+                    f"retry-after: {RETRY_AFTER_SECONDS}\r\n".encode(),
+                )
+            )
+            self._timer = self.loop.call_later(OVER_CAPACITY_WAIT_S, transport.close)
+            return
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._over_capacity:
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._over_capacity:
+            self.transport.close()  # what the client sent is read; its 503 is already written
+            return
+        self._unset_keepalive_if_required()
+        if self._in_head:
+            self._read_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # no WebSocket routes: answered as a plain request
+        except httptools.HttpParserError:
+            if self._refusal is not None:
+                self._answer_and_close(self._refusal)
+                return
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+            return
+        if self._in_head:
+            if self._read_bytes > self.limits.max_header_bytes:
+                self._answer_and_close(self._head_too_large())
+            elif self._begun and self._timer is None:
+                self._arm(self.limits.header_timeout_s, self._head_timed_out)
+        elif self._in_body and self._timer is None:
+            self._arm(self.limits.body_timeout_s, self._body_timed_out)
+
+    # -- parser callbacks --------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._begun = True
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(self._head_too_large())
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + _HEADER_OVERHEAD
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(self._head_too_large())
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._in_body = False, True
+        self._read_bytes = self._head_bytes = 0
+        self._disarm()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_head, self._in_body, self._begun = True, False, False
+        self._disarm()
+        super().on_message_complete()
+
+    # -- limits ------------------------------------------------------------------------------
+    def _head_too_large(self) -> bytes:
+        return raw_response(
+            431,
+            "Request Header Fields Too Large",
+            "HEADERS_TOO_LARGE",
+            f"request line and headers exceed {self.limits.max_header_bytes} bytes (http_max_header_bytes)",
+        )
+
+    def _refuse(self, answer: bytes) -> None:
+        self._refusal = answer
+        raise _Refuse
+
+    def _arm(self, delay: float, handler: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, handler)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if not self._begun:
+            self.transport.close()  # nothing was asked: nothing to answer
+            return
+        self._answer_and_close(
+            self._timeout_answer(f"request headers not received within {self.limits.header_timeout_s:g} s")
+        )
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        self._answer_and_close(
+            self._timeout_answer(f"request body not received within {self.limits.body_timeout_s:g} s")
+        )
+
+    def _timeout_answer(self, what: str) -> bytes:
+        return raw_response(408, "Request Timeout", "REQUEST_TIMEOUT", f"{what} (http_*_timeout_s)")
+
+    def _answer_and_close(self, answer: bytes) -> None:
+        """Write `answer` unless a response has started on this connection, then close it.
+
+        A request whose app is still running sees a disconnect (its later sends are dropped);
+        a response already started or sent is left as it is and only the connection ends.
+        """
+        self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            started = cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if not started and not self.transport.is_closing():
+                self.transport.write(answer)
+        elif not self.transport.is_closing() and (cycle is None or self._in_head):
+            self.transport.write(answer)
+        self.transport.close()
+
+
+def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class for one listener: uvicorn instantiates it per connection; the cap
+    counts that listener's connections (its ServerState)."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})

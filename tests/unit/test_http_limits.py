@@ -1,0 +1,193 @@
+"""The HTTP connection-limit layer driven without sockets (a fake transport), its settings, and the
+credentials that never reach handler code. Real-socket attacks are in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+from uvicorn.server import ServerState
+
+from mariner.server.config import ServerConfig, load_config
+from mariner.server.listeners import uvicorn_config
+from mariner.server.protocols.http_common import request_headers
+from mariner.server.protocols.http_limits import HttpLimits, LimitedHttpToolsProtocol
+from mariner.server.protocols.torchserve.grpc import request_headers as grpc_request_headers
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def connection(
+    cfg: ServerConfig, state: ServerState | None = None
+) -> tuple[LimitedHttpToolsProtocol, FakeTransport]:
+    config = uvicorn_config(ok_app, "127.0.0.1", 0, cfg)
+    config.load()
+    proto = config.http_protocol_class(  # type: ignore[call-arg]
+        config=config, server_state=state or ServerState(), app_state={}, _loop=asyncio.get_running_loop()
+    )
+    assert isinstance(proto, LimitedHttpToolsProtocol)
+    transport = FakeTransport()
+    proto.connection_made(transport)
+    return proto, transport
+
+
+def in_loop(fn: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """A plain test that runs the coroutine `fn` on a fresh event loop."""
+
+    def test() -> None:
+        asyncio.run(fn())
+
+    test.__name__ = fn.__name__
+    test.__doc__ = fn.__doc__
+    return test
+
+
+async def settle(transport: FakeTransport) -> None:
+    """Let the ASGI task the protocol started run to its response (event-gated, bounded)."""
+    for _ in range(1000):
+        if transport.written:
+            return
+        await asyncio.sleep(0)
+
+
+def test_limits_refuse_settings_that_are_not_positive() -> None:
+    with pytest.raises(ValueError, match="http_max_connections must be positive"):
+        HttpLimits(max_connections=0)
+    with pytest.raises(ValueError, match="http_header_timeout_s must be positive"):
+        HttpLimits(header_timeout_s=-1.0)
+
+
+def test_limits_are_flags_environment_and_config_file_keys(tmp_path: Path) -> None:
+    assert ServerConfig().http_max_header_bytes == 32 * 1024, "nginx's 4 x 8 KiB"
+    file = tmp_path / "mariner.yaml"
+    file.write_text("http_max_connections: 64\nhttp_body_timeout_s: 7.5\n")
+    cfg = load_config(
+        ["--config-file", str(file), "--http-header-timeout-s", "3", "--http-max-header-bytes", "4096"],
+        env={"MARINER_HTTP_KEEP_ALIVE_S": "2.5"},
+    )
+    assert (cfg.http_max_connections, cfg.http_body_timeout_s) == (64, 7.5)
+    assert (cfg.http_header_timeout_s, cfg.http_max_header_bytes, cfg.http_keep_alive_s) == (3.0, 4096, 2.5)
+
+
+def test_every_listener_gets_the_limits_and_no_websocket_upgrade() -> None:
+    cfg = replace(ServerConfig(), http_max_connections=7, http_keep_alive_s=2.5)
+    config = uvicorn_config(ok_app, "127.0.0.1", 0, cfg)
+    assert isinstance(config.http, type)
+    assert issubclass(config.http, LimitedHttpToolsProtocol)
+    assert config.http.limits.max_connections == 7
+    assert config.timeout_keep_alive == 2.5
+    assert config.ws == "none"
+    with pytest.raises(ValueError, match="http_body_timeout_s"):
+        uvicorn_config(ok_app, "127.0.0.1", 0, replace(cfg, http_body_timeout_s=0.0))
+
+
+@in_loop
+async def test_a_head_trickled_in_small_reads_is_counted_across_them() -> None:
+    cfg = replace(ServerConfig(), http_max_header_bytes=1024)
+    proto, transport = connection(cfg)
+    proto.data_received(b"GET / HTTP/1.1\r\nX-Pad: ")
+    for _ in range(40):  # 1.2 KiB of one header value, never ended
+        if transport.closed:
+            break
+        proto.data_received(b"a" * 30)
+    assert transport.closed
+    assert transport.written.startswith(b"HTTP/1.1 431 ")
+    proto.connection_lost(None)
+
+
+@in_loop
+async def test_heads_within_the_cap_pass_across_reads_and_keep_alive_requests() -> None:
+    cfg = replace(ServerConfig(), http_max_header_bytes=1024)
+    proto, transport = connection(cfg)
+    head = b"GET / HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"a" * 900 + b"\r\n\r\n"
+    for _ in range(3):  # each request's head is counted on its own, not the connection's total
+        for i in range(0, len(head), 7):
+            proto.data_received(head[i : i + 7])
+        await settle(transport)
+        assert transport.written.startswith(b"HTTP/1.1 200 "), transport.written[:100]
+        transport.written = b""
+    assert not transport.closed
+    proto.connection_lost(None)
+
+
+@in_loop
+async def test_a_connection_beyond_the_cap_is_answered_503_and_never_counted() -> None:
+    cfg = replace(ServerConfig(), http_max_connections=1)
+    state = ServerState()
+    first, first_transport = connection(cfg, state)
+    extra, extra_transport = connection(cfg, state)
+    assert extra_transport.written.startswith(b"HTTP/1.1 503 ")
+    assert b"retry-after: " in extra_transport.written
+    assert len(state.connections) == 1
+    extra.data_received(b"GET / HTTP/1.1\r\n\r\n")
+    assert extra_transport.closed, "closed once its request is read"
+    extra.connection_lost(None)
+    assert not first_transport.closed
+    first.connection_lost(None)
+    assert len(state.connections) == 0
+    _, again = connection(cfg, state)
+    assert not again.written, "a slot freed is a slot available"
+
+
+@in_loop
+async def test_timers_end_a_stalled_head_with_408_and_an_unused_connection_silently() -> None:
+    cfg = replace(ServerConfig(), http_header_timeout_s=0.01)
+    stalled, stalled_transport = connection(cfg)
+    stalled.data_received(b"GET /pi")
+    unused, unused_transport = connection(cfg)
+    for _ in range(10_000):  # bounded: each turn sleeps a little, the timers are 10 ms
+        if stalled_transport.closed and unused_transport.closed:
+            break
+        await asyncio.sleep(0.005)
+    assert stalled_transport.written.startswith(b"HTTP/1.1 408 ")
+    assert unused_transport.closed
+    assert unused_transport.written == b""
+    stalled.connection_lost(None)
+    unused.connection_lost(None)
+
+
+def test_credentials_never_reach_handlers_over_http_or_grpc() -> None:
+    scope = {
+        "type": "http",
+        "headers": [
+            (b"authorization", b"Bearer secret"),
+            (b"proxy-authorization", b"Basic c2VjcmV0"),
+            (b"x-request-id", b"r1"),
+        ],
+    }
+    assert request_headers(Request(scope), 100) == {"x-request-id": "r1"}
+    metadata = [("authorization", "Bearer secret"), ("x-request-id", "r1")]
+    assert grpc_request_headers(metadata) == {"x-request-id": "r1"}
