@@ -4,6 +4,12 @@ All exports start from the same checkpoint, loaded with weights_only=True, and e
 graph-capturing export declares the batch dimension dynamic from the first `torch.export`
 on: PT2E quantization of a statically exported graph specialises the batch size and the
 later export of the converted model then fails.
+
+AOTInductor packages are machine code. The inductor's default is `-march=native` with the build
+CPU's widest vector ISA (AVX-512 or AMX here), which dies with SIGILL on an older serving CPU.
+The pipeline builds them for a portable baseline instead, `-march=x86-64-v3` with AVX2 vectors
+(Haswell/Zen 1 and later), and records that baseline and the CPU flags it needs in the
+package's own metadata, which the handler checks against /proc/cpuinfo before loading.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +25,13 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from mariner.handlers.digits_device import ISA_CPU_FLAGS, MARCH_CPU_FLAGS, META_CPU_FLAGS, META_MARCH
 from mariner.training.model import DigitsCNN
 from mariner.training.train import load_checkpoint
 
 MAX_BATCH = 1024  # upper bound of the dynamic batch dim in exported graphs
+AOTI_MARCH = "x86-64-v3"  # portable CPU baseline for AOTInductor packages (see the docstring)
+AOTI_SIMDLEN = 256  # AVX2 vectors; the inductor would otherwise pick the build CPU's widest
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class Artefact:
     format: str  # eager | compiled | torchscript | aoti | onnx
     device: str  # "any", or the only device the artefact runs on ("cpu")
     seconds: float  # time the export took
+    target: str = "any device"  # what the artefact was built for, as the variant report says it
 
 
 def load_eager(checkpoint: Path) -> tuple[DigitsCNN, dict[str, Any]]:
@@ -90,13 +100,35 @@ def export_torchscript(
     return Artefact(variant, path, "torchscript", device, _timed(run))
 
 
+def aoti_cpu_configs() -> dict[str, Any]:
+    """Inductor settings for a portable CPU package, and the metadata recording them."""
+    flags = MARCH_CPU_FLAGS[AOTI_MARCH] | ISA_CPU_FLAGS["AVX2"]
+    return {
+        "cpp.march": AOTI_MARCH,
+        "cpp.simdlen": AOTI_SIMDLEN,
+        "aot_inductor.metadata": {META_MARCH: AOTI_MARCH, META_CPU_FLAGS: " ".join(sorted(flags))},
+    }
+
+
+def aoti_cpu_package(program: torch.export.ExportedProgram, path: Path) -> None:
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(path), inductor_configs=aoti_cpu_configs()
+    )
+
+
+def aoti_target(path: Path) -> str:
+    """What a package was built for, read back from its own metadata (what the handler checks)."""
+    from mariner.handlers.digits_device import aoti_metadata
+
+    meta = aoti_metadata(path)
+    march = meta.get(META_MARCH, "native")
+    return f"{meta.get('AOTI_DEVICE_KEY')} -march={march} ({meta.get('AOTI_CPU_ISA')})"
+
+
 def export_aoti(program: torch.export.ExportedProgram, path: Path, variant: str) -> Artefact:
-    """AOTInductor package; tied to this torch version and device (CPU here)."""
-
-    def run() -> None:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
-
-    return Artefact(variant, path, "aoti", "cpu", _timed(run))
+    """AOTInductor package; tied to this torch version and to the CPU, built for a baseline ISA."""
+    secs = _timed(lambda: aoti_cpu_package(program, path))
+    return Artefact(variant, path, "aoti", "cpu", secs, aoti_target(path))
 
 
 def export_onnx(model: nn.Module, out: Path) -> Artefact:
@@ -131,9 +163,8 @@ def quantize_dynamic_int8(model: nn.Module, out: Path) -> Artefact:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         qmodel = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
-    return export_torchscript(
-        qmodel, out, name="digits_int8_dynamic.pt", variant="int8_dynamic", device="cpu"
-    )
+    art = export_torchscript(qmodel, out, name="digits_int8_dynamic.pt", variant="int8_dynamic", device="cpu")
+    return replace(art, target="cpu (x86 int8 kernels)")
 
 
 def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -> Artefact:
@@ -155,9 +186,10 @@ def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -
                 prepared(chunk)
         converted = convert_pt2e(prepared)
         program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        aoti_cpu_package(program, path)
 
-    return Artefact("int8_pt2e", path, "aoti", "cpu", _timed(run))
+    secs = _timed(run)
+    return Artefact("int8_pt2e", path, "aoti", "cpu", secs, aoti_target(path))
 
 
 def export_all(

@@ -1,8 +1,9 @@
 """Stage each variant's files and package them as TorchServe .mar archives.
 
 Archives are made by the real `torch-model-archiver`, so stock TorchServe and Mariner load
-the very same bytes. Each archive carries the handler, the artefact, `norm.json`,
-`labels.json`, `model-config.yaml` and the variant's `verification.json`.
+the very same bytes. Each archive carries the handler and its device helper
+(`digits_device.py`, imported by the handler from its own directory), the artefact,
+`norm.json`, `labels.json`, `model-config.yaml` and the variant's `verification.json`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER = ROOT / "handlers" / "digits_handler.py"
+HANDLER_HELPERS = (ROOT / "handlers" / "digits_device.py",)  # beside the handler in every archive
 MODEL_DEF = ROOT / "training" / "model.py"
 ARCHIVE_VERSION = "1.0"
 SIGNATURE: dict[str, Any] = {
@@ -58,9 +60,10 @@ def model_config(
     if fmt in ("eager", "compiled"):
         handler["model_kwargs"] = model_kwargs
     if fmt == "compiled":
-        # dynamic=True: one graph serves batch 2..N (batch 1 is specialised); warm-up
-        # visits every power-of-two bucket so any guard-driven recompiles happen at load.
-        handler["compile"] = {"mode": "default", "dynamic": True}
+        # dynamic=False: the handler pads every batch to a power-of-two bucket up to batchSize
+        # and compiles each bucket at load, so live traffic never compiles (or, with mode
+        # reduce-overhead, records a CUDA graph); static shapes also give the faster kernels.
+        handler["compile"] = {"mode": "default", "dynamic": False}
     cfg: dict[str, Any] = {
         "minWorkers": 1,
         "maxWorkers": 1,
@@ -105,6 +108,9 @@ def stage(
     (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     shutil.copy2(HANDLER, d / HANDLER.name)
     extras = [d / "norm.json", d / "labels.json"]
+    for helper in HANDLER_HELPERS:
+        shutil.copy2(helper, d / helper.name)
+        extras.append(d / helper.name)
     if fmt in ("eager", "compiled"):
         shutil.copy2(MODEL_DEF, d / "digits_model.py")
         extras.append(d / "digits_model.py")
