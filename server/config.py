@@ -205,6 +205,9 @@ def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None
         # The parser checks flags; env and file values are checked here, naming the setting.
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
+    for f in fields(cfg):  # the HTTP connection limits: a zero would refuse or drop every request
+        if f.name.startswith("http_") and not getattr(cfg, f.name) > 0:
+            raise ValueError(f"{f.name} must be positive, got {getattr(cfg, f.name)!r}")
     return cfg
 
 

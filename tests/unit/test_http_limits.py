@@ -100,6 +100,8 @@ def test_limits_are_flags_environment_and_config_file_keys(tmp_path: Path) -> No
     )
     assert (cfg.http_max_connections, cfg.http_body_timeout_s) == (64, 7.5)
     assert (cfg.http_header_timeout_s, cfg.http_max_header_bytes, cfg.http_keep_alive_s) == (3.0, 4096, 2.5)
+    with pytest.raises(ValueError, match="http_header_timeout_s must be positive"):
+        load_config(["--http-header-timeout-s", "0"], env={})
 
 
 def test_every_listener_gets_the_limits_and_no_websocket_upgrade() -> None:
