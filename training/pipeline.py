@@ -102,6 +102,7 @@ def _build_variant(
         test_labels=splits.test.y,
         eager_logits=eager_logits,
         repeats=repeats,
+        target=art.target,
     )
     record = {**asdict(rec), "export_seconds": round(art.seconds, 3)}
     mar = package.archive(staged, package.write_verification(staged, record), store)

@@ -10,12 +10,13 @@ from mariner.training.verify import Verification
 
 def markdown_table(rows: Sequence[Verification]) -> str:
     head = (
-        "| variant | format | max abs dlogit | top-1 agree | accuracy | size (KiB) "
+        "| variant | format | built for | max abs dlogit | top-1 agree | accuracy | size (KiB) "
         "| p50 b=1 (ms) | p50 b=32 (ms) | tolerance | ok |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|\n"
     )
     lines = [
-        f"| {r.variant} | {r.format} | {r.max_abs_logit_diff:.2e} | {r.top1_agreement * 100:.2f}% "
+        f"| {r.variant} | {r.format} | {r.target} "
+        f"| {r.max_abs_logit_diff:.2e} | {r.top1_agreement * 100:.2f}% "
         f"| {r.accuracy * 100:.2f}% | {r.file_bytes / 1024:.0f} | {r.latency_b1_ms:.3f} "
         f"| {r.latency_b32_ms:.3f} | {r.tolerance} | {'yes' if r.passed else 'NO'} |"
         for r in rows

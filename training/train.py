@@ -3,7 +3,9 @@
 `python -m mariner.training.train --out build/train` writes `last.pt` (resume point, every epoch) and
 `best.pt` (best validation accuracy). Both are plain dicts of tensors and builtins so they load
 with `torch.load(..., weights_only=True)`. Two runs with the same seed on CPU give identical
-weights; `--resume` continues a run from `last.pt` bit-for-bit as if never interrupted.
+weights; `--resume` continues a run from `last.pt` bit-for-bit as if never interrupted: the
+checkpoint carries every RNG state the run draws from (torch's CPU generator, the loader's
+shuffling generator and, when training on CUDA, every GPU's generator, which dropout uses there).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import math
 import os
 import random
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,37 @@ def amp_settings(device: torch.device) -> tuple[torch.dtype | None, bool]:
     return torch.float16, True
 
 
+def rng_state(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
+    """Every RNG state a resumed run needs to continue bit-for-bit."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "loader": gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], gen: torch.Generator, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    gen.set_state(state["loader"])
+    if device.type != "cuda":
+        return
+    saved = state.get("cuda")
+    if not saved:
+        warnings.warn(
+            "resuming on CUDA from a checkpoint written without CUDA RNG state (a CPU run): "
+            "dropout draws will differ from an uninterrupted run",
+            stacklevel=2,
+        )
+        return
+    count = torch.cuda.device_count()
+    if len(saved) != count:
+        warnings.warn(
+            f"checkpoint holds RNG state for {len(saved)} GPUs, this machine has {count}; "
+            "restoring the ones both have",
+            stacklevel=2,
+        )
+    torch.cuda.set_rng_state_all(saved[:count])
+
+
 @torch.inference_mode()
 def evaluate(model: nn.Module, loader: Any, device: torch.device) -> EvalResult:
     """Mean loss and accuracy with the model in eval mode (BN running stats, no dropout)."""
@@ -98,6 +132,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
     set_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     amp_dtype, use_scaler = amp_settings(device)
+    pinned = device.type == "cuda"  # page-locked batches, so the copies below can be async
 
     splits = load_splits(seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -107,6 +142,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
         shuffle=True,
         generator=gen,
         workers=cfg.workers,
+        pin_memory=pinned,
     )
     val_dl = make_loader(
         DigitsDataset(splits.val, splits.norm),
@@ -139,8 +175,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
         scaler.load_state_dict(ck["scaler"])
-        torch.set_rng_state(ck["rng"]["torch"])
-        gen.set_state(ck["rng"]["loader"])
+        restore_rng_state(ck["rng"], gen, device)
         start_epoch = ck["epoch"] + 1
         best_acc, best_loss, stale = ck["best"]["acc"], ck["best"]["loss"], ck["best"]["stale"]
         best_state = ck["best"]["model"]
@@ -156,7 +191,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
             break
         model.train()
         for x, y in train_dl:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = x.to(device, non_blocking=pinned), y.to(device, non_blocking=pinned)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)
@@ -179,7 +214,7 @@ def train(cfg: TrainConfig, out: Path, *, resume: bool = False, progress: bool |
             optimizer=optimizer.state_dict(),
             scheduler=scheduler.state_dict(),
             scaler=scaler.state_dict(),
-            rng={"torch": torch.get_rng_state(), "loader": gen.get_state()},
+            rng=rng_state(gen, device),
             best={"acc": best_acc, "loss": best_loss, "stale": stale, "model": best_state},
         )
         torch.save(ck, last_path)

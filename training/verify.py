@@ -4,6 +4,10 @@ Each variant is loaded by `handlers/digits_handler.py` exactly as a server loads
 staged model dir, with a TorchServe-shaped Context), so what is verified is what is served.
 Per variant: max |delta logit| vs eager on the whole test set, top-1 agreement, accuracy,
 file size, and median latency at batch 1 and 32 on this machine.
+
+On a GPU the fp32 tolerance (1e-4) only means something with TF32 off: TF32 matmuls and
+convolutions keep 10 mantissa bits (~1e-3 relative), which would hide a real bug behind the
+format's own rounding. `fp32_math()` turns TF32 off for the comparison and restores it after.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +48,7 @@ class Verification:
     load_seconds: float
     tolerance: str
     passed: bool
+    target: str = "any device"  # what the artefact was built for (AOTI: device, -march and ISA)
 
 
 def load_handler_class() -> type:
@@ -53,14 +60,28 @@ def load_handler_class() -> type:
     return module.DigitsHandler
 
 
-def load_staged(model_dir: Path, manifest: dict[str, Any], model_config: dict[str, Any]) -> Any:
-    """Initialise the real handler on a staged (unarchived) model dir, on CPU."""
+@contextmanager
+def fp32_math() -> Iterator[None]:
+    """TF32 off for CUDA matmuls and cuDNN convolutions while verifying (see the docstring)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def load_staged(
+    model_dir: Path, manifest: dict[str, Any], model_config: dict[str, Any], gpu_id: int | None = None
+) -> Any:
+    """Initialise the real handler on a staged (unarchived) model dir, on CPU or GPU `gpu_id`."""
     ctx = Context(
         manifest["model"]["modelName"],
         str(model_dir),
         manifest,
         batch_size=int(model_config.get("batchSize", 1)),
-        gpu_id=None,
+        gpu_id=gpu_id,
         model_yaml_config=model_config,
     )
     handler = load_handler_class()()
@@ -91,12 +112,15 @@ def verify_variant(
     test_labels: np.ndarray,
     eager_logits: torch.Tensor,
     repeats: int = 50,
+    target: str = "any device",
+    gpu_id: int | None = None,
 ) -> Verification:
     t0 = time.perf_counter()
-    handler = load_staged(model_dir, manifest, model_config)
+    handler = load_staged(model_dir, manifest, model_config, gpu_id)
     load_s = time.perf_counter() - t0
     x = handler.normalise(test_pixels)
-    logits = torch.cat([handler.logits(chunk) for chunk in x.split(32)])
+    with fp32_math():
+        logits = torch.cat([handler.logits(chunk) for chunk in x.split(32)])
     pred, eager_pred = logits.argmax(1).numpy(), eager_logits.argmax(1).numpy()
     acc = float((pred == test_labels).mean())
     eager_acc = float((eager_pred == test_labels).mean())
@@ -121,4 +145,5 @@ def verify_variant(
         load_seconds=load_s,
         tolerance=tolerance,
         passed=passed,
+        target=target,
     )

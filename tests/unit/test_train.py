@@ -269,3 +269,109 @@ def test_best_checkpoint_rebuilds_the_model(run_a: Path) -> None:
     acc = float((pred == splits.val.y).mean())
     assert acc == pytest.approx(ck["val"]["accuracy"])
     assert acc > 0.5  # two epochs of a tiny net already learn a lot more than chance (0.1)
+
+
+# -- CUDA paths, on a CPU machine with fakes ------------------------------------------------
+
+
+class FakeCudaRng:
+    """torch.cuda's RNG API for `count` GPUs, states as ByteTensors like the real ones."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.states = [torch.full((16,), i, dtype=torch.uint8) for i in range(count)]
+        self.restored: list[torch.Tensor] | None = None
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states])
+        mp.setattr(torch.cuda, "set_rng_state_all", lambda states: setattr(self, "restored", list(states)))
+        mp.setattr(torch.cuda, "device_count", lambda: self.count)
+
+
+def test_cuda_rng_state_is_checkpointed_and_restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA run's dropout draws come from the GPU generator: resume must restore it too."""
+    fake = FakeCudaRng(2)
+    fake.install(monkeypatch)
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    torch.save({"rng": train_mod.rng_state(gen, cuda)}, tmp_path / "ck.pt")
+    saved = load_checkpoint(tmp_path / "ck.pt")["rng"]  # weights_only round trip
+    assert [s.tolist() for s in saved["cuda"]] == [s.tolist() for s in fake.states]
+    train_mod.restore_rng_state(saved, torch.Generator(), cuda)
+    assert fake.restored is not None
+    assert [s.tolist() for s in fake.restored] == [s.tolist() for s in fake.states]
+
+
+def test_cpu_run_saves_no_cuda_state_and_a_cuda_resume_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCudaRng(1)
+    fake.install(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    state = train_mod.rng_state(gen, torch.device("cpu"))
+    assert "cuda" not in state
+    with pytest.warns(UserWarning, match="without CUDA RNG state"):
+        train_mod.restore_rng_state(state, gen, torch.device("cuda"))
+    assert fake.restored is None
+
+
+def test_resume_on_fewer_gpus_restores_the_ones_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeCudaRng(1)
+    fake.install(monkeypatch)
+    state = {"torch": torch.get_rng_state(), "loader": torch.Generator().get_state(),
+             "cuda": [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]}  # fmt: skip
+    with pytest.warns(UserWarning, match="2 GPUs, this machine has 1"):
+        train_mod.restore_rng_state(state, torch.Generator(), torch.device("cuda"))
+    assert fake.restored is not None
+    assert [s.tolist() for s in fake.restored] == [[0] * 16]
+
+
+def test_async_copies_only_from_pinned_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """non_blocking=True from pageable memory is a synchronous copy that only looks async:
+    the training loader pins its batches exactly when the copies are non-blocking (CUDA)."""
+    loaders: list[bool] = []
+    real_make_loader = train_mod.make_loader
+
+    def spy_loader(*args: Any, **kwargs: Any) -> Any:
+        loader = real_make_loader(*args, **kwargs)
+        loaders.append(loader.pin_memory)
+        return loader
+
+    copies: list[bool] = []
+    real_to = torch.Tensor.to
+
+    def spy_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if "non_blocking" in kwargs:
+            copies.append(kwargs["non_blocking"])
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "make_loader", spy_loader)
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    train(TrainConfig(epochs=1, width=4, hidden=8, seed=0), tmp_path, progress=False)
+    assert loaders[0] is False  # the training loader, on this CPU-only machine
+    assert copies
+    assert set(copies) == {False}
+
+
+def test_make_loader_pins_when_asked() -> None:
+    from mariner.training.data import DigitsDataset, make_loader
+
+    splits = load_splits(seed=0)
+    ds = DigitsDataset(splits.val, splits.norm)
+    gen = torch.Generator().manual_seed(0)
+    assert make_loader(ds, 8, shuffle=False, generator=gen, workers=0, pin_memory=True).pin_memory is True
+    assert make_loader(ds, 8, shuffle=False, generator=gen, workers=0).pin_memory is False
+
+
+def test_verification_compares_fp32_with_tf32_off_and_restores_it() -> None:
+    from mariner.training.verify import fp32_math
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        with fp32_math():
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
