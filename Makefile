@@ -36,7 +36,7 @@ triton-venv:
 # The store is rebuilt when the training code or the handler changes.
 models: $(STORE)/index.json
 
-$(STORE)/index.json: $(STAMP) $(wildcard training/*.py) handlers/digits_handler.py
+$(STORE)/index.json: $(STAMP) $(wildcard training/*.py) $(wildcard handlers/*.py)
 	$(PY) -m mariner.training.pipeline --store $(STORE)
 
 serve: models protos
