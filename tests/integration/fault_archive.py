@@ -13,6 +13,8 @@ Each request is JSON `{"op": ..., "value": ...}`:
   hang          -> sleeps far past responseTimeout; with a path as `value`, waits until that path
                    exists instead (so the test can prove the answer came before the handler ended)
   exit          -> raises SystemExit: the instance ends and must be replaced
+  cuda_fatal    -> raises RuntimeError("CUDA error: an illegal memory access was encountered"), a
+                   sticky CUDA error: the worker answers, exits and is replaced
   segfault      -> reads address 0 through ctypes: the worker process dies of SIGSEGV
   abort         -> os.abort(): the worker dies of SIGABRT
   os_exit       -> os._exit(3): the worker exits at once, no cleanup
@@ -60,6 +62,8 @@ class FaultHandler:
             raise MemoryError("injected out of memory")
         if "exit" in names:
             raise SystemExit(3)
+        if "cuda_fatal" in names:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if "segfault" in names:
             import ctypes
 

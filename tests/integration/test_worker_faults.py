@@ -11,10 +11,12 @@ worker process behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -194,6 +196,73 @@ def test_an_endless_loop_is_killed_and_leaves_no_process_burning(
     assert during
     assert all(ok for _, _, ok in steady.samples)
     assert worker_pid(server, "faulty") != spinner
+
+
+def test_a_fatal_cuda_error_ends_the_worker_and_a_new_one_serves(server: InProcessMariner) -> None:
+    """A sticky CUDA error (illegal address, device-side assert...) leaves the device unusable in
+    that process: the batch is answered 503, the worker exits on its own (it is not killed for
+    dying) and the pool's replacement, a new process, answers the next requests."""
+    pid_before = worker_pid(server, "faulty")
+    r = post(server, "faulty", "cuda_fatal")
+    assert r.status_code == 503, r.text
+    assert "restarting" in r.json()["message"]
+    assert "illegal" not in r.json()["message"]  # the device's words stay in the log
+    wait_for(lambda: gone(pid_before), "the worker with the broken device is still running")
+    wait_until_ok(server)
+    assert worker_pid(server, "faulty") != pid_before
+    assert post(server, "steady", "ok", 1).json()["echo"] == 1
+
+
+def _with_config(path: Path, extra: str) -> Path:
+    """Rewrite the archive's model-config.yaml with `extra` lines appended."""
+    with zipfile.ZipFile(path) as zf:
+        files = {n: zf.read(n) for n in zf.namelist()}
+    files["model-config.yaml"] += extra.encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return path
+
+
+@pytest.mark.parametrize("how", ["deviceType", "flag"])
+def test_a_gpu_bound_model_without_a_gpu_fails_with_the_reason_and_others_are_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """No silent CPU fallback: a model that needs a GPU (its deviceType, or --require-gpu) is not
+    served on a CPU-only machine; describe says why, and a CPU model next to it answers. The
+    server's own process never asks torch about CUDA (that would initialise it)."""
+    import torch
+
+    def forbidden() -> bool:
+        raise AssertionError("the server process queried CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", forbidden)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever this machine has
+    store = tmp_path / "store"
+    gpu = build_fault_archive(store, name="gpu_bound", response_timeout_s=5)
+    cpu = _with_config(
+        build_fault_archive(store, name="cpu_model", response_timeout_s=5), "deviceType: cpu\n"
+    )
+    overrides: dict[str, Any] = {"enable_model_management": True}
+    if how == "deviceType":
+        _with_config(gpu, "deviceType: gpu\n")
+    else:
+        overrides["require_gpu"] = True
+    srv = InProcessMariner(store, f"{gpu.name},{cpu.name}", **overrides)
+    try:
+        with contextlib.suppress(Exception):  # a model that fails to load may fail the start-up call
+            srv.start()
+        assert post(srv, "cpu_model", "ok", 1).json()["echo"] == 1
+        r = post(srv, "gpu_bound", "ok", 1)
+        assert r.status_code == 503, r.text
+        described = requests.get(f"{srv.management}/models/gpu_bound", timeout=30)
+        text = described.text
+        assert "requires a GPU" in text or "requires a GPU" in r.text, (text, r.text)
+        assert "not served on the CPU" in text or "not served on the CPU" in r.text
+        assert all(w["status"] != "READY" for w in described.json()[0]["workers"])
+        assert not torch.cuda.is_initialized()
+    finally:
+        srv.stop()
 
 
 def test_each_archive_imports_its_own_helper(server: InProcessMariner) -> None:
