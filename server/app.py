@@ -77,6 +77,7 @@ class MarinerServer:
                 management_enabled=cfg.enable_model_management,
                 model_layers=server_layers(cfg),
                 worker_mode=cfg.worker_mode,
+                require_gpu=cfg.require_gpu,
             ),
             self.metrics,
         )

@@ -74,6 +74,8 @@ class PlaneSettings:
     worker_mode: str = "process"
     # How long a worker may take to load its model before it is killed and counted as failed.
     worker_start_timeout_s: float = 600.0
+    # --require-gpu: a model that does not ask for the CPU fails to load without a usable GPU.
+    require_gpu: bool = False
 
     def __post_init__(self) -> None:
         if self.worker_mode not in ("process", "thread"):
@@ -295,7 +297,11 @@ class ArchiveEndpoint(ModelEndpoint):
             # The thread budget is the cores: each worker process takes its share of it.
             torch_threads = max(1, torch_threads // self.min_workers)
         placements = place_instances(
-            self.min_workers, device_type=settings.device_type, torch_threads=torch_threads
+            self.min_workers,
+            device_type=settings.device_type,
+            torch_threads=torch_threads,
+            require_gpu=plane.require_gpu,
+            model_config=archive.model_config,
         )
         self.runners = [self._new_runner(i, p) for i, p in enumerate(placements)]
 

@@ -70,6 +70,7 @@ class ModelRegistry:
             on_change=on_change,
             worker_count=lambda: sum(len(v.instances) for v in self._every()),
             draining=lambda: self.draining,
+            require_gpu=cfg.require_gpu,
         )
         self._layers = server_layers(cfg)
         self._limits = ArchiveLimits()
