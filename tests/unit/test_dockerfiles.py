@@ -558,3 +558,30 @@ def test_models_stage_feeds_the_init_container(dockerignore: DockerIgnore) -> No
 def test_dockerignore_keeps_local_state_out(dockerignore: DockerIgnore) -> None:
     for rel in (".git/HEAD", ".venv/bin/python", "server/_proto/__init__.py", "build/train/best.pt"):
         assert dockerignore.excluded(rel), f"{rel} would be sent to the build"
+
+
+def _venv_commands(dockerfile: Dockerfile) -> list[str]:
+    """The build stage's shell commands, in order, with its ARG defaults filled in."""
+    build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
+    args = _stage_args(build)
+    return [_substitute(cmd.strip(), args) for r in build.all("RUN") for cmd in re.split(r"&&|;", r.args)]
+
+
+def test_gpu_image_swaps_onnxruntime_for_the_gpu_extra(pyproject: dict) -> None:
+    """Dockerfile.gpu installs the serving set, then replaces the CPU onnxruntime with pyproject's
+    `gpu` extra at the same pins (never both in one install: they are the same package)."""
+    commands = _venv_commands(parse_dockerfile(REPO / "Dockerfile.gpu"))
+    serving = commands.index("pip install .")
+    removal = commands.index("pip uninstall -y onnxruntime")
+    extra = [c for c in commands if c.startswith("pip install ") and "onnxruntime-gpu" in c]
+    assert len(extra) == 1, extra
+    pins = sorted(shlex.split(extra[0])[2:])
+    assert pins == sorted(pyproject["project"]["optional-dependencies"]["gpu"])
+    assert serving < removal < commands.index(extra[0])
+    assert not any("onnxruntime" in d for d in pyproject["project"]["optional-dependencies"]["dev"])
+
+
+def test_cpu_image_has_no_gpu_packages() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert "onnxruntime-gpu" not in text
+    assert "nvidia-ml-py" not in text

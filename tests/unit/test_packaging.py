@@ -96,7 +96,9 @@ def test_base_set_carries_no_training_benchmark_or_build_tools(base: set[str], p
     # dev is everything: the Makefile installs it and `make test` needs all of it.
     assert any(r.replace(" ", "").startswith("mariner[") for r in extras["dev"]), extras["dev"]
     dev_extras = next(r for r in extras["dev"] if r.startswith("mariner["))
-    assert set(dev_extras[len("mariner[") : -1].split(",")) == set(extras) - {"dev"}
+    # ...but the GPU image's extra: its onnxruntime-gpu must never sit beside the CPU onnxruntime.
+    assert set(dev_extras[len("mariner[") : -1].split(",")) == set(extras) - {"dev", "gpu"}
+    assert {_dist_name(r) for r in extras["gpu"]} >= {"onnxruntime-gpu"}
 
 
 def _imports(path: Path) -> Iterator[tuple[str, bool]]:
