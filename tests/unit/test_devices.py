@@ -176,3 +176,34 @@ def test_describe_says_the_device_the_model_really_runs_on() -> None:
     assert (on_gpu["deviceType"], on_gpu["deviceIds"]) == ("gpu", [1])
     # Nothing ready yet: what was asked for.
     assert describe.describe_model(info("gpu", ("cpu", "FAILED")))["deviceType"] == "gpu"
+
+
+def test_a_gpu_workers_memory_gauge_reaches_the_merged_metrics(tmp_path: Path) -> None:
+    """A worker on cuda:1 writes its torch.cuda.memory_allocated into the multiprocess files
+    (prometheus_client picks its mode at import, hence a fresh interpreter); the supervisor's
+    merge sums it per device over live processes."""
+    import os
+    import subprocess
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    worker = """
+import torch
+torch.cuda.is_initialized = lambda: True  # a fake device: this torch has no CUDA
+torch.cuda.memory_allocated = lambda device: 4096 * (device + 1)
+from mariner.server.control.metrics import WorkerGpuGauge
+WorkerGpuGauge(1)
+WorkerGpuGauge(None)  # a CPU worker writes nothing
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=300)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    samples = {
+        (s.name, s.labels.get("device")): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == metrics.GPU_MEMORY_METRIC
+    }
+    assert samples == {(metrics.GPU_MEMORY_METRIC, "cuda:1"): 8192.0}
