@@ -25,7 +25,13 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from mariner.handlers.digits_device import ISA_CPU_FLAGS, MARCH_CPU_FLAGS, META_CPU_FLAGS, META_MARCH
+from mariner.handlers.digits_device import (
+    ISA_CPU_FLAGS,
+    MARCH_CPU_FLAGS,
+    META_CPU_FLAGS,
+    META_MARCH,
+    host_cpu_flags,
+)
 from mariner.training.model import DigitsCNN
 from mariner.training.train import load_checkpoint
 
@@ -100,14 +106,27 @@ def export_torchscript(
     return Artefact(variant, path, "torchscript", device, _timed(run))
 
 
+# Build-host flags that -march=native may turn into instructions (recorded when it cannot be avoided).
+_NATIVE_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "bmi", "sse", "ssse", "movbe", "abm", "popcnt")
+
+
 def aoti_cpu_configs() -> dict[str, Any]:
-    """Inductor settings for a portable CPU package, and the metadata recording them."""
-    flags = MARCH_CPU_FLAGS[AOTI_MARCH] | ISA_CPU_FLAGS["AVX2"]
-    return {
-        "cpp.march": AOTI_MARCH,
-        "cpp.simdlen": AOTI_SIMDLEN,
-        "aot_inductor.metadata": {META_MARCH: AOTI_MARCH, META_CPU_FLAGS: " ".join(sorted(flags))},
-    }
+    """Inductor settings for a portable CPU package, and the metadata recording them.
+
+    A torch without the `cpp.march` knob compiles with -march=native: the package then records
+    every vector/bit-manipulation flag of the build CPU, so the handler refuses it on any host
+    lacking one of them rather than risk SIGILL.
+    """
+    if hasattr(torch._inductor.config.cpp, "march"):
+        flags = MARCH_CPU_FLAGS[AOTI_MARCH] | ISA_CPU_FLAGS["AVX2"]
+        return {
+            "cpp.march": AOTI_MARCH,
+            "cpp.simdlen": AOTI_SIMDLEN,
+            "aot_inductor.metadata": {META_MARCH: AOTI_MARCH, META_CPU_FLAGS: " ".join(sorted(flags))},
+        }
+    host = host_cpu_flags() or frozenset()
+    native = sorted(f for f in host if f.startswith(_NATIVE_FLAG_PREFIXES))
+    return {"aot_inductor.metadata": {META_MARCH: "native", META_CPU_FLAGS: " ".join(native)}}
 
 
 def aoti_cpu_package(program: torch.export.ExportedProgram, path: Path) -> None:

@@ -191,6 +191,22 @@ def test_export_builds_for_the_portable_baseline_not_native() -> None:
     assert cfg["aot_inductor.metadata"][dd.META_MARCH] == "x86-64-v3"
 
 
+def test_without_the_march_knob_the_package_records_every_native_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Older torch compiles with -march=native: the package must then demand the build CPU's flags."""
+    monkeypatch.delattr(torch._inductor.config.cpp, "march")
+    monkeypatch.setattr(export, "host_cpu_flags", lambda: HOST_AVX512 | {"fpu", "vme"})
+    cfg = export.aoti_cpu_configs()
+    assert "cpp.march" not in cfg
+    recorded = set(cfg["aot_inductor.metadata"][dd.META_CPU_FLAGS].split())
+    assert dd.ISA_CPU_FLAGS["AVX512"] <= recorded
+    assert not {"fpu", "vme"} & recorded
+    assert cfg["aot_inductor.metadata"][dd.META_MARCH] == "native"
+    with pytest.raises(RuntimeError, match="avx512"):
+        dd.check_aoti_package({"AOTI_DEVICE_KEY": "cpu", **cfg["aot_inductor.metadata"]}, CPU, HOST_AVX2, "p")
+
+
 @pytest.mark.slow
 def test_a_real_package_records_the_baseline_and_passes_the_check(tmp_path: Path) -> None:
     torch.manual_seed(0)
