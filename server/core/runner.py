@@ -99,6 +99,22 @@ def _release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _device_error() -> str | None:
+    """The sticky error a broken CUDA context reports on the next synchronize, else None.
+
+    An AOTInductor model ("API call failed", see core.failures) or a handler that rewords its
+    errors hides an illegal address or a device-side assert; the context stays broken all the
+    same, so a GPU instance probes it after any failure that is not plainly out of memory."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - whatever it raises is classified
+        return fatal_reason(exc) if classify(exc) is Failure.FATAL_DEVICE else None
+    return None
+
+
 def _usable_gpu(gpu_id: int | None) -> str | None:
     """None when `gpu_id` names a device torch can use in this process, else why not."""
     if gpu_id is None:
@@ -308,12 +324,15 @@ class ModelHost:
             raise
         except Exception as exc:
             failure = classify(exc)
-            if failure is Failure.FATAL_DEVICE:
+            reason = fatal_reason(exc) if failure is Failure.FATAL_DEVICE else None
+            if failure in (Failure.OTHER, Failure.POSSIBLE_OOM) and self.placement.gpu_id is not None:
+                reason = _device_error()  # a sticky error the exception's text did not show
+            if reason is not None:
                 # The device is unusable in this process from now on: end the instance.
                 log.error("handler of %s hit a fatal device error (%s); the instance ends and will be "
-                          "replaced", self.id, fatal_reason(exc), exc_info=exc)  # fmt: skip
+                          "replaced", self.id, reason, exc_info=exc)  # fmt: skip
                 self.failed = True
-                raise InstanceFailed(f"fatal device error: {fatal_reason(exc)}") from None
+                raise InstanceFailed(f"fatal device error: {reason}") from None
             if failure is Failure.OTHER:
                 log.exception("handler of %s raised for a batch of %d", self.id, len(data))
                 raise ServingError(

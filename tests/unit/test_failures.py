@@ -268,3 +268,28 @@ def test_an_unloaded_model_is_freed_even_after_gc_freeze(tmp_path: Path) -> None
         assert runner.host._context is None
     finally:
         gc.unfreeze()
+
+
+def test_a_gpu_instance_probes_the_device_after_an_error_that_hides_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AOTInductor's "API call failed" (or a reworded error) can hide an illegal address: a GPU
+    instance asks the device (a synchronize) and ends itself when the context is broken."""
+    host = host_for(tmp_path / "a", BATCH_FAULT.format(limit=0, text=AOTI_TEXT))
+    host.placement = Placement(0)  # as if loaded on cuda:0 (this torch has no CUDA)
+    probes: list[int] = []
+
+    def broken() -> str:
+        probes.append(1)
+        return "an illegal memory access"
+
+    monkeypatch.setattr(runner_mod, "_device_error", broken)
+    with pytest.raises(InstanceFailed, match="illegal memory access"):
+        host.run_batch([ts_request(0), ts_request(1)])
+    assert probes == [1]
+    assert host.failed
+    # A healthy device: the same error is split like an out-of-memory one.
+    monkeypatch.setattr(runner_mod, "_device_error", lambda: None)
+    host = host_for(tmp_path / "b", BATCH_FAULT.format(limit=1, text=AOTI_TEXT))
+    host.placement = Placement(0)
+    assert len(host.run_batch([ts_request(0), ts_request(1)])) == 2
