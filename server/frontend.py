@@ -134,6 +134,8 @@ class RemoteEndpoint(ModelEndpoint):
         if ready:
             self.state = ModelState.READY
             self._ever_ready = True
+        elif self.entry.error is not None:  # a refused archive, or workers that cannot start
+            self.state = ModelState.FAILED
         else:
             self.state = ModelState.RESTARTING if self._ever_ready else ModelState.LOADING
         self._set_ready(ready)

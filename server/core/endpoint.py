@@ -44,6 +44,14 @@ from mariner.server.workers.process import ProcessRunner, socket_dir_for
 log = logging.getLogger("mariner.dataplane")
 
 
+def failed_message(name: str, version: str) -> str:
+    """What a call to a FAILED version hears (the reason is for operators, in describe)."""
+    return (
+        f"model {name} version {version} failed to load and is not served; "
+        "the management API's describe says why"
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model to load: an archive file in the store, the name to serve it under, and the
@@ -213,6 +221,8 @@ class ModelEndpoint:
         raise NotImplementedError
 
     async def infer(self, req: InferRequest) -> InferResult:
+        if self.state is ModelState.FAILED:
+            raise ServingError(Code.UNAVAILABLE, failed_message(self.name, self.version))
         if self.state is not ModelState.READY or self.batcher is None:
             raise ServingError(
                 Code.UNAVAILABLE, f"model {self.name} version {self.version} is {self.state.value}"

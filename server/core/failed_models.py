@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.batcher import BatchRunner
-from mariner.server.core.endpoint import ModelEndpoint, ModelSource
+from mariner.server.core.endpoint import ModelEndpoint, ModelSource, failed_message
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
@@ -104,11 +104,7 @@ class FailedEndpoint(ModelEndpoint):
         self.state = ModelState.FAILED
 
     async def infer(self, req: InferRequest) -> InferResult:
-        raise ServingError(
-            Code.UNAVAILABLE,
-            f"model {self.name} version {self.version} failed to load and is not served; "
-            "the management API's describe says why",
-        )
+        raise ServingError(Code.UNAVAILABLE, failed_message(self.name, self.version))
 
     async def replace_runner(self, old: BatchRunner, reason: str) -> BatchRunner | None:
         return None

@@ -27,6 +27,7 @@ class Instance:
     endpoint: WorkerEndpoint | None = None
     status: str = "LOADING"
     started_at: float | None = None
+    error: str | None = None  # why its last start failed (cleared once it is ready)
     retired: bool = False
     task: asyncio.Task[None] | None = None
     first: asyncio.Future[None] | None = None  # the first start's outcome
@@ -63,6 +64,13 @@ class Version:
         if live and all(i.status == "FAILED" for i in live):
             return ModelState.FAILED
         return ModelState.LOADING
+
+    @property
+    def error(self) -> str | None:
+        """Why a FAILED version is not served: its first live instance's start failure."""
+        if self.state is not ModelState.FAILED:
+            return None
+        return next((i.error for i in self.live_instances() if i.error), None)
 
     def live_instances(self) -> list[Instance]:
         """The instances not being retired, by index."""
@@ -111,6 +119,7 @@ def table_entry(v: Version, is_default: bool) -> ModelEntry:
         is_default=is_default,
         loaded_at_startup=v.spec.loaded_at_startup,
         workers=tuple(workers),
+        error=v.error,
     )
 
 
@@ -129,6 +138,7 @@ def failed_entry(f: FailedModel, is_default: bool) -> ModelEntry:
         is_default=is_default,
         loaded_at_startup=True,
         workers=(),
+        error=f.reason,
     )
 
 
@@ -169,4 +179,5 @@ def model_info(v: Version, is_default: bool) -> ModelInfo:
         signature=v.signature,
         loaded_at_startup=v.spec.loaded_at_startup,
         device_type=s.device_type,
+        error=v.error,
     )

@@ -119,7 +119,7 @@ class WorkerPool:
             except (ServingError, OSError) as exc:
                 reason = exc.message if isinstance(exc, ServingError) else str(exc)
                 log.error("worker %s failed to start: %s; retrying in %.1f s", spec.id, reason, backoff.delay)
-                inst.status = "FAILED"
+                inst.status, inst.error = "FAILED", reason
                 if inst.first is not None and not inst.first.done():
                     inst.first.set_exception(exc)
                 mark_dead(proc.pid)
@@ -127,7 +127,7 @@ class WorkerPool:
                 await backoff.wait()
                 inst.generation += 1
                 continue
-            inst.status, inst.started_at = "READY", time.time()
+            inst.status, inst.started_at, inst.error = "READY", time.time(), None
             if not v.ever_ready:
                 v.ever_ready = True
                 v.load_seconds = time.perf_counter() - v.t0

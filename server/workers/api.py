@@ -77,3 +77,4 @@ class ModelEntry:
     is_default: bool
     loaded_at_startup: bool
     workers: tuple[WorkerEndpoint, ...] = field(default_factory=tuple)
+    error: str | None = None  # why the version is FAILED (a refused archive, workers that cannot start)

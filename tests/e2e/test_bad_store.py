@@ -101,3 +101,37 @@ def test_a_bad_store_serves_the_good_model_and_reports_the_rest(tmp_path: Path) 
     finally:
         srv.kill()
     assert not marker.exists()
+
+
+def test_a_gpu_bound_model_without_a_gpu_is_failed_with_its_reason_under_the_supervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that cannot start (deviceType gpu, no GPU visible) leaves its version FAILED with
+    the worker's reason in describe, and a call to it says it failed to load (not LOADING), while
+    the CPU model next to it answers."""
+    from tests.integration.test_worker_faults import _with_config
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # inherited by `mariner serve` and its workers
+    store = tmp_path / "store"
+    _with_config(build_fault_archive(store, name="gpu_bound", response_timeout_s=5), "deviceType: gpu\n")
+    build_fault_archive(store, name="cpu_model", response_timeout_s=5)
+    srv = ServeProcess(store, "all", tmp_path / "serve.log")
+    try:
+        _wait_ok(srv, f"{srv.url()}/v2/models/cpu_model/ready")
+        r = requests.post(f"{srv.url()}/predictions/cpu_model", data=OK, headers=HDR, timeout=30)
+        assert r.status_code == 200, r.text
+        entry = _describe(srv, "gpu_bound")
+        deadline = 60
+        while entry["mariner"]["state"] != "FAILED" and deadline:  # its first start may still run
+            deadline -= 1
+            __import__("time").sleep(1)
+            entry = _describe(srv, "gpu_bound")
+        assert entry["mariner"]["state"] == "FAILED", entry
+        assert "requires a GPU" in entry["mariner"]["error"]
+        assert all(w["status"] == "FAILED" for w in entry["workers"])
+        r = requests.post(f"{srv.url()}/predictions/gpu_bound", data=OK, headers=HDR, timeout=30)
+        assert r.status_code == 503, r.text
+        assert "failed to load" in r.json()["message"]
+        assert requests.get(f"{srv.url()}/readyz", timeout=30).status_code == 503
+    finally:
+        srv.kill()

@@ -257,8 +257,10 @@ def test_a_gpu_bound_model_without_a_gpu_fails_with_the_reason_and_others_are_se
         assert r.status_code == 503, r.text
         described = requests.get(f"{srv.management}/models/gpu_bound", timeout=30)
         text = described.text
-        assert "requires a GPU" in text or "requires a GPU" in r.text, (text, r.text)
-        assert "not served on the CPU" in text or "not served on the CPU" in r.text
+        assert "failed to load" in r.json()["message"]
+        assert described.json()[0]["mariner"]["state"] == "FAILED"
+        assert "requires a GPU" in described.json()[0]["mariner"]["error"], text
+        assert "not served on the CPU" in text
         assert all(w["status"] != "READY" for w in described.json()[0]["workers"])
         assert not torch.cuda.is_initialized()
     finally:
