@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz
+.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
 
 venv: $(STAMP)
 
@@ -72,6 +72,13 @@ quickbench: models protos java
 MARINER_FUZZ_EXAMPLES ?= 10000
 fuzz: venv protos models
 	MARINER_FUZZ_EXAMPLES=$(MARINER_FUZZ_EXAMPLES) $(PY) -m tests.fuzz_main $(PYTEST_ARGS)
+
+# The GPU checklist (on a machine with an NVIDIA GPU; under 8 minutes): every archive on CUDA vs
+# CPU eager, no recompiles after warm-up, the out-of-memory split, `mariner serve --require-gpu`,
+# a short benchmark -> bench/results-gpu.md. GPU_CHECK_ARGS="--device cpu --quick" is CI's dry run.
+GPU_CHECK_ARGS ?=
+gpu-check: models protos
+	$(PY) -m mariner.loadtest.gpu_check $(GPU_CHECK_ARGS)
 
 lint: venv protos
 	$(VENV)/bin/ruff check .
