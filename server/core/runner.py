@@ -262,6 +262,16 @@ class ModelHost:
         Raises ServingError for a whole-batch failure, InstanceFailed when the handler ended
         the instance (SystemExit & co, or a fatal device error).
         """
+        explain = [r.headers.get("explain") == "True" for r in requests]
+        if any(explain) and not all(explain):
+            # TorchServe handlers ask request 0 whether the whole batch explains (BaseHandler's
+            # _is_explain): explanations and predictions run as separate handler calls.
+            out: list[InferResult | None] = [None] * len(requests)
+            for want in (False, True):
+                idx = [i for i, e in enumerate(explain) if e is want]
+                for i, res in zip(idx, self.run_batch([requests[i] for i in idx]), strict=True):
+                    out[i] = res
+            return [r for r in out if r is not None]
         big = [r.tensors is not None and r.items > self.max_rows for r in requests]
         if not any(big):
             return self._run_split(requests)

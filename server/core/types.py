@@ -21,6 +21,7 @@ class WireProtocol(enum.Enum):
     TS_GRPC = "torchserve-grpc"
     OIP_HTTP = "oip-http"
     OIP_GRPC = "oip-grpc"
+    KSERVE_HTTP = "kserve-v1-http"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The HTTP inference listener (8080): every inference protocol's routes on one Starlette app.
 
-TorchServe's `/ping` and `/predictions` (mariner.server.protocols.torchserve.http), the Open
-Inference Protocol's `/v2` (mariner.server.protocols.oip.http) and the probes `/healthz`,
+TorchServe's `/ping`, `/predictions`, `/explanations` and `/invocations`
+(mariner.server.protocols.torchserve.http), KServe's v1 `/v1/models/...`
+(mariner.server.protocols.kserve_v1), the Open Inference Protocol's `/v2`
+(mariner.server.protocols.oip.http) and the probes `/healthz`,
 `/readyz` (mariner.server.control.health) share the port and the DataPlane. Management (8081)
 and metrics (8082) are apps of their own in mariner.server.control.
 """
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING
 from starlette.applications import Starlette
 
 from mariner.server.control import health
+from mariner.server.control.openapi import api_description_routes
+from mariner.server.protocols import kserve_v1
 from mariner.server.protocols.http_common import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADERS, make_app
 from mariner.server.protocols.oip import http as oip_http
 from mariner.server.protocols.torchserve import http as torchserve_http
@@ -35,4 +39,6 @@ def inference_app(
         torchserve_http.routes(dataplane, **limits)
         + health.http_routes(dataplane)
         + oip_http.routes(dataplane, **limits)
+        + kserve_v1.routes(dataplane, **limits)
+        + api_description_routes("Mariner inference API")  # OPTIONS / and GET /api-description
     )

@@ -1,4 +1,5 @@
-"""TorchServe's REST inference API on Starlette: `/ping` and `/predictions/{model}[/{version}]`.
+"""TorchServe's REST inference API on Starlette: `/ping`, `/predictions/{model}[/{version}]`,
+`/explanations/{model}[/{version}]` and SageMaker's `/invocations` (`/models/{model}/invoke`).
 
 The apps translate HTTP to `InferRequest` and `InferResult`/`ServingError` back; the DataPlane
 decides everything else. Wire shapes follow stock TorchServe 0.12 (checked against its
@@ -18,13 +19,24 @@ Deliberate differences from TorchServe, each for a reason:
 - Registering from a URL is always refused: archives come only from the model store.
 - Cancelled clients are noticed: when the connection drops, the pending inference is cancelled
   so the batcher drops it before it reaches the device.
+
+Explanations are predictions with the request header `explain: True` (predictions carry
+`explain: False`, whatever the client sent), exactly as TorchServe's frontend sets it: a
+BaseHandler-style handler checks `context.get_request_header(0, "explain") == "True"` and takes
+its `explain_handle` path. Explanations and predictions never share a handler call (the runner
+splits a mixed batch), because such handlers decide from request 0 for the whole batch.
+
+`/invocations` (SageMaker's inference route) answers like /predictions for the model named by
+the `model_name` query parameter, else the only model loaded at startup, else a `model_name`
+form field; query parameters reach the handler as extra keys (UTF-8 bytes), as TorchServe passes
+them. `/models/{model}/invoke` is the same with the model in the path.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -43,7 +55,7 @@ from mariner.server.protocols.http_common import (
     read_body,
     request_headers,
 )
-from mariner.server.protocols.torchserve.forms import decode_data
+from mariner.server.protocols.torchserve.forms import MAX_FORM_PARTS, decode_data
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane
@@ -59,6 +71,9 @@ _FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "connection
 _HEALTHY = b'{\n  "status": "Healthy"\n}\n'
 _UNHEALTHY = b'{\n  "status": "Unhealthy"\n}\n'
 _UNHEALTHY_STATUS = STATUS[Code.INTERNAL].http  # TorchServe answers 500 for Unhealthy
+# The request header TorchServe's frontend sets on every prediction and explanation.
+EXPLAIN_HEADER = "explain"
+_MODEL_NAME = "model_name"
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -103,9 +118,33 @@ def routes(
             return Response(_HEALTHY, 200, media_type=JSON)
         return Response(_UNHEALTHY, _UNHEALTHY_STATUS, media_type=JSON)
 
-    async def predict(request: Request) -> Response:
+    def single_startup_model() -> str | None:
+        names = {info.name for info in dataplane.models() if info.loaded_at_startup}
+        return names.pop() if len(names) == 1 else None
+
+    def invocation_target(request: Request, data: dict[str, Any]) -> str:
+        """SageMaker's /invocations model: TorchServe's order of choices (module docstring)."""
+        name = request.query_params.get(_MODEL_NAME) or single_startup_model()
+        field = data.get(_MODEL_NAME)
+        if not name and isinstance(field, (bytes, str)):
+            name = field.decode("utf-8", errors="replace") if isinstance(field, bytes) else field
+        if not name:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                "Parameter model_name is required: more than one model is loaded; "
+                "add ?model_name=<model> or use /predictions/<model>",
+            )
+        return name
+
+    def infer_endpoint(*, explain: bool = False, invocations: bool = False) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await predict(request, explain=explain, invocations=invocations)
+
+        return endpoint
+
+    async def predict(request: Request, *, explain: bool = False, invocations: bool = False) -> Response:
         params = request.path_params
-        model: str = params["model"]
+        model: str = params.get("model", "")
         version: str | None = params.get("version")
         request_id = uuid.uuid4().hex
 
@@ -117,24 +156,34 @@ def routes(
                 )
             content_type = request.headers.get("content-type", "")
             data = await offload_if_large(len(body), decode_data, content_type, body)
+            target = model
+            if invocations:
+                query = list(request.query_params.multi_items())[:MAX_FORM_PARTS]
+                data = {**{k: v.encode("utf-8") for k, v in query}, **data}
+                target = model or invocation_target(request, data)
+            headers = request_headers(request, max_headers)
+            headers[EXPLAIN_HEADER] = "True" if explain else "False"
             req = InferRequest(
-                model=model,
+                model=target,
                 version=version,
                 data=data,
                 protocol=_PROTOCOL,
                 request_id=request_id,
-                headers=request_headers(request, max_headers),
+                headers=headers,
             )
             return _result_response(await infer(req), request_id)
 
+        label = model
+        if invocations and not label:  # the form-field choice is only known once the body is read
+            label = request.query_params.get(_MODEL_NAME) or single_startup_model() or ""
         outcome = await run_call(
             dataplane,
             _PROTOCOL,
-            model,
+            label,
             version,
             work,
             infer=lambda req: infer_unless_client_gone(dataplane, req, request.receive),
-            what="answering a prediction",
+            what="answering an explanation" if explain else "answering a prediction",
         )
         if not isinstance(outcome, Failed):
             return outcome.value
@@ -145,8 +194,14 @@ def routes(
         return error_response(outcome.error, status=outcome.http_status, headers={"x-request-id": request_id})
 
     methods = ["POST", "PUT"]
+    explanation = infer_endpoint(explain=True)
+    invocation = infer_endpoint(invocations=True)
     return [
         Route("/ping", ping, methods=["GET"]),
         Route("/predictions/{model}", predict, methods=methods),
         Route("/predictions/{model}/{version}", predict, methods=methods),
+        Route("/explanations/{model}", explanation, methods=methods),
+        Route("/explanations/{model}/{version}", explanation, methods=methods),
+        Route("/invocations", invocation, methods=methods),
+        Route("/models/{model}/invoke", invocation, methods=methods),
     ]
