@@ -46,6 +46,31 @@ PIXEL_MAX = 16.0
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")
 MAX_IMAGE_PIXELS = 4096 * 4096  # decoding is bounded before PIL allocates anything
 FORMATS = ("eager", "compiled", "torchscript", "aoti", "onnx")
+# Formats whose artefact autograd can differentiate (explanations); AOTI and ONNX cannot.
+EXPLAINABLE = ("eager", "compiled", "torchscript")
+
+
+def _explaining(context: Any) -> bool:
+    """TorchServe's frontend sets `explain: True` on /explanations and KServe `:explain` requests;
+    as in BaseHandler._is_explain, request 0 decides for the batch (Mariner never mixes them)."""
+    getter = getattr(context, "get_request_header", None)
+    return getter is not None and getter(0, "explain") == "True"
+
+
+def _explain_target(row: Any, classes: int) -> int | None:
+    """The class to explain: the request's `target` (beside `data`, or in a JSON body object),
+    or None for the predicted label."""
+    target = row.get("target") if isinstance(row, dict) else None
+    body = row.get("body") if isinstance(row, dict) else None
+    if target is None and isinstance(body, dict):
+        target = body.get("target")
+    if isinstance(target, (bytes, str)) and target.strip().isdigit():
+        target = int(target)
+    if target is None:
+        return None
+    if isinstance(target, bool) or not isinstance(target, int) or not 0 <= target < classes:
+        raise ValueError(f"'target' must be a class index in [0, {classes - 1}], got {str(target)[:20]!r}")
+    return target
 
 
 def _config_section(context: Any) -> dict[str, Any]:
@@ -259,6 +284,8 @@ class DigitsHandler:
         Mariner's Open Inference Protocol path, `{"tensors": {"pixels": array [N, 64]}}`,
         answered with `{"tensors": {"logits", "probabilities", "label"}}` as arrays (no JSON).
         """
+        if _explaining(context):
+            return self.explain_handle(data, context)
         results: list[Any] = [None] * len(data)
         spans: list[tuple[int, int, int, bool]] = []  # (request index, first row, end row, tensor?)
         rows: list[np.ndarray] = []
@@ -299,6 +326,72 @@ class DigitsHandler:
                         for c, p in zip(top_i[a], top_p[a], strict=True)
                     ],
                 }
+        return results
+
+    def explain_handle(self, data: list[Any], context: Any) -> list[Any]:
+        """Input-gradient saliency: d logit[target] / d pixel for each of the 64 raw pixels.
+
+        One request is one image; the answer is `{"label", "target", "method", "saliency"}`
+        with `saliency` as 8x8 rows. Variants without gradients (AOTI, ONNX, dynamic int8)
+        answer 501 per request, a malformed one 400, as predictions do.
+        """
+        results: list[Any] = [None] * len(data)
+        setter = getattr(context, "set_response_status", None)
+
+        def fail(i: int, status: int, message: str) -> None:
+            results[i] = {"error": message, "code": status}
+            if setter is not None:
+                setter(status, message, idx=i)
+
+        cannot = f"the {self.format} variant of this model cannot explain (its artefact has no gradients); "
+        cannot += "use the eager or torchscript archive"
+        if self.format not in EXPLAINABLE:
+            for i in range(len(data)):
+                fail(i, 501, cannot)
+            return results
+        slots: list[int] = []
+        rows: list[np.ndarray] = []
+        targets: list[int | None] = []
+        for i, row in enumerate(data):
+            try:
+                if _is_tensor_request(row):
+                    raise ValueError("explanations take one image per request, not a tensor batch")
+                rows.append(decode_item(row))
+                targets.append(_explain_target(row, len(self.labels)))
+                slots.append(i)
+            except ValueError as exc:
+                fail(i, 400, str(exc))
+                del rows[len(slots) :]
+        if not rows:
+            return results
+        # compiled: differentiate the eager module it wraps, so no graph is compiled at request time
+        model = getattr(self.model, "_orig_mod", self.model)
+        x = self.normalise(np.stack(rows)).to(self.device).requires_grad_(True)
+        try:
+            with torch.enable_grad():
+                out = model(x)
+                logits = (out[0] if isinstance(out, (tuple, list)) else out).float()
+                predicted = logits.argmax(dim=1)
+                wanted = [
+                    t if t is not None else int(p) for t, p in zip(targets, predicted.tolist(), strict=True)
+                ]
+                picked = logits.gather(1, torch.tensor(wanted, device=logits.device)[:, None]).sum()
+                (grad,) = torch.autograd.grad(picked, x)
+        except RuntimeError as exc:  # e.g. dynamic-int8 kernels have no backward
+            if "out of memory" in str(exc).lower():
+                raise
+            log.warning("explanation failed for format %s: %s", self.format, exc)
+            for i in slots:
+                fail(i, 501, cannot)
+            return results
+        saliency = (grad / self.std).reshape(-1, SIDE, SIDE).detach().cpu().numpy()
+        for k, i in enumerate(slots):
+            results[i] = {
+                "label": int(predicted[k]),
+                "target": wanted[k],
+                "method": "input_gradient",
+                "saliency": np.round(saliency[k], 6).tolist(),
+            }
         return results
 
     # -- model API used by verification and by Mariner's tensor path ----------------------
