@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from mariner.server.core.errors import STATUS, Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.protocols.oip.stats import book_of
 
 if TYPE_CHECKING:
     from mariner.server.control.metrics import Metrics
@@ -171,7 +172,9 @@ def _record(
     label_model, label_version = known_labels(plane, model, version)
     count, duration = plane.metrics.call_children(label_model, label_version, protocol.value, code)
     count.inc()
-    duration.observe(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    duration.observe(seconds)
+    book_of(plane.metrics).record(label_model, label_version, code == "200", seconds)
 
 
 async def run_call(

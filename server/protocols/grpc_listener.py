@@ -5,7 +5,7 @@ HealthServicer: "" (overall) and the inference service name are SERVING only whe
 is ready; each model has a service of its own name, SERVING once that model is ready, so a
 load balancer can route per model. With tokens, only "" answers a caller without one (see
 security.GrpcTokenAuth); `List` is answered and `Watch` streams are capped (control.health).
-Server reflection lets grpcurl and friends list the services.
+Server reflection (v1alpha and v1) lets grpcurl and friends list the services.
 
 Message size limits are set explicitly on both directions (grpc's defaults are asymmetric:
 4 MiB in, unlimited out), and SO_REUSEPORT is off, so a second server on the same port (say a
@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from mariner.server.control import management_grpc as grpc_management
 from mariner.server.control.health import GrpcHealth
@@ -34,6 +34,7 @@ from mariner.server.core.types import ModelInfo
 from mariner.server.protocols.grpc_decoding import SafeDecoding
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.oip import grpc as grpc_oip
+from mariner.server.protocols.oip import grpc_ext as oip_ext
 from mariner.server.protocols.torchserve import grpc as grpc_inference
 
 log = logging.getLogger("mariner.grpc")
@@ -128,6 +129,8 @@ class GrpcServers:
         await self.health.set("", overall)
         await self.health.set(grpc_inference.SERVICE_NAME, overall)
         await self.health.set(grpc_oip.SERVICE_NAME, overall)
+        if self.management is not None:  # management answers whether or not models are ready
+            await self.health.set(grpc_management.SERVICE_NAME, SERVING)
         names = {info.name for info in self.dataplane.models()}
         for name in sorted(names):
             await self.health.set(name, SERVING if self.dataplane.model_ready(name) else NOT_SERVING)
@@ -180,11 +183,33 @@ def build_management_server(
         options=_server_options(max_message_bytes), interceptors=[SafeDecoding(), *interceptors]
     )
     grpc_management.add_to_server(plane, management, on_change)
+    # Triton's repository load/unload/index: management calls, so served here (management token).
+    oip_ext.add_repository_to_server(plane, management)
     health_pb2_grpc.add_HealthServicer_to_server(health, management)
-    reflection.enable_server_reflection(
-        (grpc_management.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), management
-    )
+    enable_reflection((grpc_management.SERVICE_NAME, oip_ext.SERVICE_NAME, HEALTH_SERVICE_NAME), management)
     return management
+
+
+# grpcio-reflection serves only v1alpha; v1 (what current grpcurl and Postman ask first) has the
+# same messages with the same field numbers under another package, so the v1alpha servicer
+# answers it too, registered under v1's service name.
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(services: Sequence[str], server: grpc.aio.Server) -> None:
+    """Server reflection, v1alpha and v1, listing `services` and both reflection services."""
+    names = (*services, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE_NAME, v1),))
+    server.add_registered_method_handlers(REFLECTION_V1_SERVICE_NAME, v1)
 
 
 def bind_port(
@@ -226,8 +251,13 @@ def build_grpc_servers(
     # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
     grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health, inference)
-    reflection.enable_server_reflection(
-        (grpc_inference.SERVICE_NAME, grpc_oip.SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME),
+    enable_reflection(
+        (
+            grpc_inference.SERVICE_NAME,
+            grpc_oip.SERVICE_NAME,
+            grpc_oip.TORCHSERVE_SERVICE_NAME,
+            HEALTH_SERVICE_NAME,
+        ),
         inference,
     )
 

@@ -37,6 +37,7 @@ from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import Failed, Infer, Ok, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
 from mariner.server.protocols.oip import codec as oip
+from mariner.server.protocols.oip import grpc_ext as ext
 from mariner.server.protocols.oip.contents import decode_contents
 from mariner.server.protocols.torchserve.grpc import request_headers
 from mariner.server.protogen import stubs_missing
@@ -179,6 +180,31 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(**t) for t in meta["outputs"]],
         )
 
+    # -- Triton's extensions (grpc_ext) ----------------------------------------------------
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def make() -> Any:
+            return ext.config_response(self._plane, request)
+
+        return await ext.answer(context, "reading the model configuration", make)
+
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def make() -> Any:
+            return ext.statistics_response(self._plane, request)
+
+        return await ext.answer(context, "reading statistics", make)
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def make() -> Any:
+            return ext.index_response(self._plane, request)
+
+        return await ext.answer(context, "listing the repository", make)
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context, ext.refuse_on_inference_port("model loading"))
+
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(context, ext.refuse_on_inference_port("model unloading"))
+
     # -- inference ----------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         outcome = await self._call(request, context.invocation_metadata(), context.time_remaining())
@@ -275,14 +301,53 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         )
 
 
+# TorchServe's own copy of the protocol (its open_inference_grpc.proto): same messages, field
+# names and numbers as ours except that its InferParameter lacks double_param (4) and
+# uint64_param (5), which Mariner never sends in a response, and no ModelStreamInfer. Its clients
+# call this service name, so the same handlers answer under it.
+TORCHSERVE_SERVICE_NAME = "org.pytorch.serve.grpc.openinference.GRPCInferenceService"
+TORCHSERVE_METHODS = (
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelInfer",
+)
+
+
+class _Recorder:
+    """Passes registrations on to the server and keeps the method handlers it was given."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._server.add_registered_method_handlers(service, handlers)
+        self.handlers = dict(handlers)
+
+
 def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int) -> OipServicer:
-    """Register GRPCInferenceService on `server`; returns the servicer (tests poke at it)."""
+    """Register GRPCInferenceService on `server`, under our (KServe's) service name and under
+    TorchServe's; returns the servicer (tests poke at it)."""
     servicer = OipServicer(dataplane, max_message_bytes=max_message_bytes)
     parse = ShallowInferRequest.FromString
+    recorder = _Recorder(server)
     register(
-        server,
+        recorder,  # type: ignore[arg-type]
         pb_grpc.add_GRPCInferenceServiceServicer_to_server,
         servicer,
         {"ModelInfer": parse, "ModelStreamInfer": parse},
     )
+    torchserve = {name: recorder.handlers[name] for name in TORCHSERVE_METHODS}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(TORCHSERVE_SERVICE_NAME, torchserve),)
+    )
+    server.add_registered_method_handlers(TORCHSERVE_SERVICE_NAME, torchserve)
     return servicer

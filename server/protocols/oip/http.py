@@ -13,7 +13,9 @@ speaks it (binary is its default):
   (tritonclient sets it when it requests no outputs). Binary outputs carry
   `parameters.binary_data_size` instead of `data` and follow the JSON, in output order, with
   `Inference-Header-Content-Length` on the response; otherwise the answer is plain JSON.
-- errors: `{"error": message}` (what tritonclient reads), status from `mariner.server.core.errors.STATUS`.
+- errors: `{"error": message}` (what tritonclient reads), status from `mariner.server.core.errors.STATUS`,
+  for every `/v2` path: an unknown one is a 404 and a wrong method a 405 in that shape too.
+- Triton's statistics, configuration and repository extensions: `http_ext`.
 - `Content-Encoding: gzip|deflate` request bodies are inflated (bounded by the body limit);
   responses are never compressed, which the protocol allows.
 
@@ -349,10 +351,13 @@ def routes(
             return Response(status_code=CANCELLED_STATUS)  # nobody reads it
         return error_response(outcome.error, outcome.http_status)
 
+    from mariner.server.protocols.oip import http_ext  # it builds on this module's helpers
+
     get = ["GET"]
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
-    return [
+    # The extensions first: /v2/models/stats is statistics, not the metadata of a model "stats".
+    own = http_ext.inference_routes(dataplane) + [
         Route("/v2", _guarded("reading server metadata", server_metadata), methods=get),
         Route("/v2/health/live", _guarded("checking liveness", live), methods=get),
         Route("/v2/health/ready", _guarded("checking readiness", ready), methods=get),
@@ -363,3 +368,4 @@ def routes(
         Route(f"{model}/infer", infer, methods=["POST"]),
         Route(f"{versioned}/infer", infer, methods=["POST"]),
     ]
+    return [*own, http_ext.fallback(own)]
