@@ -7,16 +7,21 @@ TorchServe does), so the two can never disagree about a model. Every value comes
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any, Protocol
 
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import ModelInfo, WorkerInfo
+from mariner.server.core.types import InferResult, ModelInfo, WireProtocol, WorkerInfo
 
 # TorchServe caps a list-models page at 100 entries.
 MAX_PAGE = 100
+# TorchServe's default max_retry_timeout_in_sec; Mariner has no such limit (describe_model).
+TORCHSERVE_MAX_RETRY_TIMEOUT_S = 300
+# TorchServe's default startup_timeout, for a plane that does not say its own.
+TORCHSERVE_STARTUP_TIMEOUT_S = 120
 
 
 class Describable(Protocol):
@@ -25,6 +30,14 @@ class Describable(Protocol):
     def models(self) -> list[ModelInfo]: ...
 
     def describe(self, model: str, version: str | None = None) -> list[ModelInfo]: ...
+
+
+class CustomDescribable(Describable, Protocol):
+    """A plane that can also ask a model's handler to describe itself."""
+
+    async def customized_metadata(
+        self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
+    ) -> InferResult: ...
 
 
 def model_url(info: ModelInfo) -> str:
@@ -91,17 +104,24 @@ def device_type(info: ModelInfo) -> str:
     return info.device_type or ("gpu" if _gpu_ids(info) else "cpu")
 
 
-def describe_model(info: ModelInfo) -> dict[str, Any]:
-    """One element of TorchServe 0.12's describe-model list, in its key order, with real values.
+def describe_model(
+    info: ModelInfo, startup_timeout_s: float = TORCHSERVE_STARTUP_TIMEOUT_S
+) -> dict[str, Any]:
+    """One element of TorchServe 0.12's describe-model list, with every key stock TorchServe
+    sends, in its order.
 
-    Keys stock TorchServe sends that are left out, because Mariner has no true value for them:
-    - startupTimeout, maxRetryTimeoutInSec, clientTimeoutInMills: Mariner enforces no such
-      limits (a failed worker is retried with backoff until the model is unregistered);
-    - parallelType, parallelLevel: no model-parallel (pipeline/tensor) execution;
-    - sequenceMaxIdleMSec, sequenceTimeoutMSec, maxNumSequence, maxSequenceJobQueueSize: no
-      sequence batching (`stateful` is false);
-    - per worker, startTime / memoryUsage / pid when the DataPlane does not know them.
-    gpuUsage is "N/A", TorchServe's own answer when it cannot read a GPU's utilisation.
+    Mariner's own values: batchSize, maxBatchDelay, responseTimeout, min/maxWorkers,
+    deviceType, loadedAtStartup, workers, jobQueueStatus; startupTimeout is the time a worker
+    process is given to start and load its handler (`startup_timeout_s`, the plane's).
+    TorchServe's values for a feature Mariner does not have (so its answer is the one TorchServe
+    gives with the feature off): maxRetryTimeoutInSec 300 (Mariner retries a failed worker with
+    backoff until the model is unregistered; TorchServe's default is kept so scripts comparing
+    it see no difference), clientTimeoutInMills 0 (no per-model client timeout; deadlines come
+    with each call), parallelType "" and parallelLevel 0 (no model-parallel execution),
+    continuousBatching / useJobTicket / useVenv / stateful false, and the sequence-batching
+    limits sequenceMaxIdleMSec, sequenceTimeoutMSec, maxNumSequence, maxSequenceJobQueueSize 0.
+    Per worker, startTime / memoryUsage / pid are left out when the DataPlane does not know
+    them; gpuUsage is "N/A", TorchServe's own answer when it cannot read a GPU's utilisation.
 
     Added: deviceIds (the GPUs the workers run on, as TorchServe's model config names them)
     when any worker is on a GPU, and "mariner" with facts TorchServe has no key for (exact
@@ -118,6 +138,11 @@ def describe_model(info: ModelInfo) -> dict[str, Any]:
         "batchSize": info.batch_size,
         "maxBatchDelay": round(info.max_batch_delay_ms),
         "responseTimeout": round(info.response_timeout_s),
+        "startupTimeout": round(startup_timeout_s),
+        "maxRetryTimeoutInSec": TORCHSERVE_MAX_RETRY_TIMEOUT_S,
+        "clientTimeoutInMills": 0,
+        "parallelType": "",
+        "parallelLevel": 0,
         "deviceType": device_type(info),
     }
     if gpus:
@@ -128,6 +153,10 @@ def describe_model(info: ModelInfo) -> dict[str, Any]:
             "useJobTicket": False,
             "useVenv": False,
             "stateful": False,
+            "sequenceMaxIdleMSec": 0,
+            "sequenceTimeoutMSec": 0,
+            "maxNumSequence": 0,
+            "maxSequenceJobQueueSize": 0,
             "loadedAtStartup": info.loaded_at_startup,
             "workers": [_worker(w) for w in info.workers],
             "jobQueueStatus": {
@@ -166,5 +195,39 @@ def select_versions(plane: Describable, model: str, version: str | None) -> list
 
 
 def describe_models(plane: Describable, model: str, version: str | None) -> list[dict[str, Any]]:
-    """TorchServe's describe-model document (a list, one entry per version described)."""
-    return [describe_model(i) for i in select_versions(plane, model, version)]
+    """TorchServe's describe-model document (a list, one entry per version described).
+
+    startupTimeout is the plane's `startup_timeout_s` (the worker start timeout it enforces)."""
+    startup = getattr(plane, "startup_timeout_s", TORCHSERVE_STARTUP_TIMEOUT_S)
+    return [describe_model(i, startup) for i in select_versions(plane, model, version)]
+
+
+def _metadata(body: bytes) -> Any:
+    """TorchServe's customizedMetadata: the handler's answer as JSON when it is JSON, else text."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def describe_customized(
+    plane: CustomDescribable,
+    model: str,
+    version: str | None,
+    headers: Mapping[str, str],
+    protocol: WireProtocol,
+) -> tuple[list[dict[str, Any]], int]:
+    """TorchServe's `customized=true` describe: one version's document with the handler's
+    `describe_handle` output under "customizedMetadata" (left out when the handler returned
+    nothing), and the status the handler set (TorchServe answers REST with it).
+
+    "all" versions are described without asking any handler, as TorchServe does.
+    """
+    if version == "all":
+        return describe_models(plane, model, version), 200
+    doc = describe_models(plane, model, version)  # NOT_FOUND before any worker is asked
+    result = await plane.customized_metadata(model, version, headers, protocol)
+    if result.body and len(doc) == 1:
+        doc[0]["customizedMetadata"] = _metadata(result.body)
+    return doc, result.status

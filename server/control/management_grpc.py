@@ -1,10 +1,16 @@
 """TorchServe's gRPC management API (`org.pytorch.serve.grpc.management.ManagementAPIsService`).
 
 Read-only calls (ListModels, DescribeModel) answer with the JSON documents stock TorchServe
-returns, key for key, so scripts that parse them keep working. Changing calls (Register,
-Unregister, ScaleWorker, SetDefault) are delegated to the DataPlane, which refuses them with
-PERMISSION_DENIED unless management was enabled and only ever loads archives from the model
-store (a URL is never fetched). Answers of changing calls are TorchServe's status sentences.
+returns, key for key, so scripts that parse them keep working; DescribeModel with `customized`
+asks the handler's `describe_handle` (customizedMetadata). Changing calls are delegated to the
+DataPlane: as in TorchServe, RegisterModel and UnregisterModel are refused (PERMISSION_DENIED)
+unless management was enabled, and archives only ever come from the model store (a URL is
+never fetched); ScaleWorker and SetDefault work whenever this API is reachable. Answers of
+changing calls are TorchServe's status sentences.
+
+One deliberate difference: RegisterModel and ScaleWorker always wait for the workers. proto3
+cannot tell an unset `synchronous` from false, and stock TorchServe's gRPC then answers before
+the workers started, hiding a model that fails to load; REST honours `synchronous` as TorchServe.
 """
 
 from __future__ import annotations
@@ -12,15 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
-from mariner.server.core.errors import STATUS, Code, ServingError, abort, as_serving_error
+from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
+from mariner.server.core.errors import Code, ServingError, abort, as_serving_error
 from mariner.server.core.model_settings import register_call_overrides
-from mariner.server.core.types import ModelInfo
+from mariner.server.core.types import InferResult, ModelInfo, WireProtocol
 from mariner.server.protogen import stubs_missing
 
 try:
@@ -51,6 +57,10 @@ class ManagementPlane(Protocol):
     async def set_default(self, model: str, version: str) -> None: ...
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None: ...
+
+    async def customized_metadata(
+        self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
+    ) -> InferResult: ...
 
 
 def list_models_json(models: Sequence[ModelInfo], limit: int, next_page_token: int) -> str:
@@ -132,15 +142,15 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
     async def DescribeModel(
         self, request: management_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
     ) -> management_pb2.ManagementResponse:
-        if request.customized and request.model_version != "all":
-            await context.abort(
-                STATUS[Code.UNIMPLEMENTED].grpc,
-                "customized (handler-provided) model metadata is not supported; "
-                "call DescribeModel without customized",
-            )
-
         async def describe() -> str:
-            return describe_json(self._plane, request.model_name, request.model_version or None)
+            version = request.model_version or None
+            if request.customized:  # TorchServe answers OK whatever status the handler set
+                headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+                doc, _ = await describe_customized(
+                    self._plane, request.model_name, version, headers, WireProtocol.TS_GRPC
+                )
+                return json.dumps(doc, indent=2)
+            return describe_json(self._plane, request.model_name, version)
 
         msg = await self._call(context, "describing the model", describe)
         return management_pb2.ManagementResponse(msg=msg)
@@ -185,7 +195,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         version = request.model_version or None
 
         async def scale() -> str:
-            if self._plane.management_enabled and max_workers < min_workers:
+            if max_workers < min_workers:
                 raise ServingError(
                     Code.INVALID_ARGUMENT, f"max_worker ({max_workers}) must be >= min_worker ({min_workers})"
                 )
@@ -201,7 +211,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         self, request: management_pb2.SetDefaultRequest, context: grpc.aio.ServicerContext
     ) -> management_pb2.ManagementResponse:
         async def set_default() -> str:
-            if self._plane.management_enabled and not (request.model_name and request.model_version):
+            if not (request.model_name and request.model_version):
                 raise ServingError(Code.INVALID_ARGUMENT, "model_name and model_version are both required")
             await self._plane.set_default(request.model_name, request.model_version)
             await self._changed()

@@ -1,16 +1,20 @@
 """TorchServe's management REST API (8081): list, describe, register, unregister, scale,
-set-default, with TorchServe's list/describe/status JSON.
+set-default, with TorchServe's list/describe/status JSON and status codes.
 
-Reads always work; changes go to the DataPlane, which refuses them (403) unless the server was
-started with model management enabled. Registering from a URL is always refused: archives come
-only from the model store, by file name.
+As in TorchServe 0.11+, only what loads or drops code is gated: register and unregister answer
+405 unless the server was started with model management enabled (TorchServe's
+`enable_model_api`); scale and set-default work whenever this API is reachable (with its token).
+Registering from a URL is always refused: archives come only from the model store, by file name.
+`synchronous=false` answers 202 at once, as TorchServe does; a scale without `synchronous=true`
+too (TorchServe's default for scaling).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
@@ -18,9 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.control.describe import MAX_PAGE, describe_models, list_models
+from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
+from mariner.server.control.openapi import api_description_routes
+from mariner.server.protocols.oip import http_ext as oip_http_ext
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import register_call_overrides
+from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.http_common import (
     JSON,
     BodyTooLarge,
@@ -65,26 +72,84 @@ def _lenient_int(params: Mapping[str, str], key: str, default: int) -> int:
 
 _guarded = make_guard("management", log, error_response)
 
+# TorchServe's answer to a change it accepted and carries on with after answering.
+ACCEPTED_STATUS = "Processing worker updates..."
+
+
+def _true(value: object, default: bool) -> bool:
+    """Java's Boolean.parseBoolean, as TorchServe reads `synchronous`: only "true" (any case) is
+    true; a JSON body may carry a real boolean."""
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() == "true"
+
+
+def _not_allowed(what: str) -> Response:
+    """TorchServe's 405 for register/unregister while its model API is off."""
+    message = (
+        f"{what} is disabled: start the server with --enable-model-management to allow it "
+        "(archives are then taken only from the model store)"
+    )
+    return json_response({"code": 405, "type": "METHOD_NOT_ALLOWED", "message": message}, status=405)
+
 
 def management_app(dataplane: DataPlane) -> Starlette:
-    """TorchServe's management API: list, describe, register, unregister, scale, set-default.
+    """TorchServe's management API: list, describe, register, unregister, scale, set-default,
+    and the OpenAPI description of these routes (`OPTIONS /`, `GET /api-description`).
 
-    Reads always work; changes go to the DataPlane, which refuses them (403) unless the server
-    was started with model management enabled. Registering from a URL is refused regardless:
-    archives are only taken from the model store, by file name.
+    Register and unregister answer 405 unless model management is enabled; scale and
+    set-default are always allowed (see the module docstring). Registering from a URL is
+    refused regardless: archives are only taken from the model store, by file name.
     """
+    background: set[asyncio.Task[None]] = set()  # accepted (202) changes still in progress
+
+    async def accepted(change: Callable[[], Awaitable[None]], what: str) -> Response:
+        """Start `change` and answer 202; a refusal it raises before its first wait (unknown
+        model, bad count, not supported here) is still the caller's answer."""
+
+        async def run() -> None:
+            try:
+                await change()
+            except Exception as exc:
+                if not first_step_done:
+                    raise
+                why = exc.message if isinstance(exc, ServingError) else repr(exc)
+                log.error("%s failed after it was accepted: %s", what, why)
+
+        first_step_done = False
+        task = asyncio.create_task(run())
+        await asyncio.sleep(0)  # one step: synchronous refusals surface now
+        first_step_done = True
+        if task.done():
+            task.result()  # raises the refusal, if any
+        else:
+            background.add(task)
+            task.add_done_callback(background.discard)
+        return json_response({"status": ACCEPTED_STATUS}, status=202)
 
     async def list_models_page(request: Request) -> Response:
+        """List the models served (their default versions), paginated."""
         q = request.query_params
         limit = _lenient_int(q, "limit", MAX_PAGE)
         start = _lenient_int(q, "next_page_token", 0)
         return json_response(list_models(dataplane.models(), limit, start))
 
     async def describe(request: Request) -> Response:
+        """Describe a model's default version, one version, or every version ("all")."""
         p = request.path_params
+        if _true(request.query_params.get("customized"), False):  # the handler's describe_handle
+            doc, status = await describe_customized(
+                dataplane, p["name"], p.get("version"), request.headers, WireProtocol.TS_HTTP
+            )
+            return json_response(doc, status=status)
         return json_response(describe_models(dataplane, p["name"], p.get("version")))
 
     async def register(request: Request) -> Response:
+        """Register an archive from the model store (needs model management)."""
+        if not dataplane.management_enabled:
+            return _not_allowed("model registration")
         params: dict[str, Any] = dict(request.query_params)
         if mime_type(request.headers.get("content-type", "")) == JSON:  # TorchServe also takes a JSON body
             try:
@@ -126,7 +191,10 @@ def management_app(dataplane: DataPlane) -> Starlette:
         ).given()
         if params.get("model_name"):
             overrides["name"] = str(params["model_name"])
-        # `synchronous` is accepted and moot: Mariner answers after the model has loaded.
+        if not _true(params.get("synchronous"), True):
+            # Only passed when asked for, so planes that predate it see the call unchanged.
+            await dataplane.register(url, synchronous=False, **overrides)
+            return json_response({"status": ACCEPTED_STATUS}, status=202)
         infos = await dataplane.register(url, **overrides)
         i = infos[0]
         n = sum(1 for w in i.workers if w.status == "READY")
@@ -135,22 +203,32 @@ def management_app(dataplane: DataPlane) -> Starlette:
         )
 
     async def unregister(request: Request) -> Response:
+        """Stop serving a model version (needs model management)."""
+        if not dataplane.management_enabled:
+            return _not_allowed("model unregistration")
         p = request.path_params
         await dataplane.unregister(p["name"], p.get("version"))
         return json_response({"status": f'Model "{p["name"]}" unregistered'})
 
     async def scale(request: Request) -> Response:
+        """Set a model version's worker count; 202 at once unless synchronous=true."""
         p, q = request.path_params, request.query_params
         version = p.get("version") or q.get("model_version")
         min_workers = _lenient_int(q, "min_worker", 1)
         max_workers = _lenient_int(q, "max_worker", min_workers)
         if max_workers < min_workers:
             raise ServingError(Code.INVALID_ARGUMENT, "max_worker cannot be less than min_worker")
+        if not _true(q.get("synchronous"), False):
+            dataplane.describe(p["name"], version)  # an unknown model is a 404 now, not in the log
+            return await accepted(
+                lambda: dataplane.scale(p["name"], version, min_workers, max_workers), "scaling workers"
+            )
         await dataplane.scale(p["name"], version, min_workers, max_workers)
         msg = f"Workers scaled to {min_workers} for model: {p['name']}"
         return json_response({"status": msg + (f", version: {version}" if version else "")})
 
     async def set_default(request: Request) -> Response:
+        """Make a version the one calls without a version reach."""
         p = request.path_params
         await dataplane.set_default(p["name"], p["version"])
         return json_response(
@@ -172,4 +250,6 @@ def management_app(dataplane: DataPlane) -> Starlette:
             methods=["PUT"],
         ),
     ]
-    return make_app(routes)
+    # Triton's repository extension (load/unload/index) is a management call: served here.
+    repository = oip_http_ext.repository_routes(dataplane)
+    return make_app([*routes, *api_description_routes("Mariner management API"), *repository])

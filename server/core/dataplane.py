@@ -22,7 +22,7 @@ from mariner.server.core.endpoint import ArchiveEndpoint, ModelEndpoint, ModelSp
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedEndpoint, FailedModel
 from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
+from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WireProtocol
 
 __all__ = ["DataPlane", "ModelEndpoint", "ModelSpec", "PlaneSettings"]
 
@@ -105,6 +105,7 @@ class DataPlane:
         self.answered_ok = 0
         self._inflight = 0
         self._idle: asyncio.Event | None = None
+        self._background: set[asyncio.Task[None]] = set()  # asynchronous registers still loading
 
     # -- loading --------------------------------------------------------------------------
     async def open_models(self, specs: Sequence[ModelSpec]) -> None:
@@ -164,8 +165,9 @@ class DataPlane:
         try:
             held = self._endpoints.get(archive.name, {}).get(archive.version)
             if held is not None and not isinstance(held, FailedEndpoint):  # a FAILED one is replaced
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+                raise ServingError(  # TorchServe's 409 ConflictStatusException, same sentence
+                    Code.ALREADY_EXISTS,
+                    f"Model version {archive.version} is already registered for model {archive.name}",
                 )
             ep = ArchiveEndpoint.from_archive(archive, spec, self.settings, self.metrics)
         except BaseException:
@@ -202,6 +204,11 @@ class DataPlane:
         return ep
 
     # -- lookups --------------------------------------------------------------------------
+    @property
+    def startup_timeout_s(self) -> float:
+        """How long a worker may take to start and load its handler (describe's startupTimeout)."""
+        return self.settings.worker_start_timeout_s
+
     def resolve(self, model: str, version: str | None = None) -> ModelEndpoint:
         return resolve_version(self._endpoints, self._defaults, model, version)
 
@@ -266,9 +273,15 @@ class DataPlane:
     def _require_management(self, what: str) -> None:
         require_management(self.management_enabled, what)
 
-    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+    async def register(
+        self, archive_name: str, *, synchronous: bool = True, **overrides: Any
+    ) -> list[ModelInfo]:
         """Open, check and load one archive; all or nothing: when any step fails, nothing of it
-        is left (no version, no worker, no unpacked directory) and readiness is as before."""
+        is left (no version, no worker, no unpacked directory) and readiness is as before.
+
+        With `synchronous=False` (TorchServe's `synchronous=false`) the archive is opened and
+        checked before this returns, and the load finishes in the background (a failure there
+        is logged and leaves nothing, as above)."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         # Keyword overrides are checked here like every other layer (SettingsOverrides does it).
@@ -278,6 +291,24 @@ class DataPlane:
         archive = await self._unpack(spec)
         held = self._endpoints.get(archive.name, {}).get(archive.version)
         ep = self._install(archive, spec)  # replaces a FAILED version of that name and version
+        if not synchronous:
+            task = asyncio.create_task(self._load_in_background(ep, held))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return [self._info(ep)]
+        await self._load_registered(ep, held)
+        return [self._info(ep)]
+
+    async def _load_in_background(self, ep: ArchiveEndpoint, held: ModelEndpoint | None) -> None:
+        """An asynchronous register's second half: nobody waits for it, so a failure is logged."""
+        try:
+            await self._load_registered(ep, held)
+        except Exception as exc:
+            why = exc.message if isinstance(exc, ServingError) else repr(exc)
+            log.error("model %s version %s failed to load after registering: %s", ep.name, ep.version, why)
+
+    async def _load_registered(self, ep: ArchiveEndpoint, held: ModelEndpoint | None) -> None:
+        """Load a just-installed version; on failure put back what it replaced and raise."""
         try:
             await ep.load()
         except BaseException as exc:
@@ -292,7 +323,33 @@ class DataPlane:
         for version, other in list(self._endpoints[ep.name].items()):
             if isinstance(other, FailedEndpoint):
                 self.remove_endpoint(ep.name, version)
-        return [self._info(ep)]
+
+    async def customized_metadata(
+        self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
+    ) -> InferResult:
+        """The handler's own description of the model (TorchServe's `describe_handle`), asked of
+        one ready instance as a handler call of its own, bounded by the response timeout."""
+        from mariner.server.workers.protocol import ask_describe, describe_request
+
+        ep = self.resolve(model, version)
+        ready = [r for r in getattr(ep, "runners", ()) if r.status == "READY"]
+        if not ready:
+            raise ServingError(
+                Code.UNAVAILABLE, f'Model "{ep.name}" has no worker to serve inference request'
+            )
+        request = describe_request(ep.name, ep.version, headers, protocol)
+        timeout = ep.response_timeout_s
+        spec = getattr(ready[0], "spec", None)
+        if spec is not None:  # a worker process: ask it on its socket
+            return await ask_describe(spec.socket_path, request, timeout)
+        try:  # a thread runner: its one handler thread runs it between batches
+            async with asyncio.timeout(timeout):
+                (result,) = await ready[0].run([request])
+        except TimeoutError:
+            raise ServingError(
+                Code.DEADLINE_EXCEEDED, f"the handler did not describe the model within {timeout:g} s"
+            ) from None
+        return result
 
     async def unregister(self, model: str, version: str | None = None) -> None:
         """Stop serving one version (the default one when `version` is None), found by model name
@@ -304,12 +361,14 @@ class DataPlane:
         await ep.close(timeout=ep.response_timeout_s)
 
     async def set_default(self, model: str, version: str) -> None:
-        self._require_management("changing the default version")
+        """Allowed without model management, as in TorchServe: it loads no code."""
         self.resolve(model, version)
         self._defaults[model] = version
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
-        self._require_management("scaling workers")
+        """Not gated by model management (TorchServe allows it: no new code is loaded), but a
+        single-process server cannot scale yet; the supervisor (`mariner serve`) can."""
+        self.resolve(model, version)
         raise ServingError(
             Code.UNIMPLEMENTED,
             "scaling a loaded model is not supported yet; restart with --min-workers instead",
@@ -322,6 +381,8 @@ class DataPlane:
     async def close(self, grace: float) -> None:
         """Finish accepted requests within `grace` seconds, then stop every runner."""
         self.draining = True
+        for task in list(self._background):
+            task.cancel()
         deadline = time.monotonic() + grace
         if self._inflight:
             # Wait for every accepted request (queued, running, or between admission and the

@@ -23,6 +23,7 @@ class Code(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     UNIMPLEMENTED = "unimplemented"
     PERMISSION_DENIED = "permission_denied"
+    ALREADY_EXISTS = "already_exists"  # TorchServe's 409 for a model version registered twice
     CANCELLED = "cancelled"
     INTERNAL = "internal"
 
@@ -42,6 +43,7 @@ STATUS: dict[Code, StatusPair] = {
     Code.UNAUTHENTICATED: StatusPair(grpc.StatusCode.UNAUTHENTICATED, 401),
     Code.UNIMPLEMENTED: StatusPair(grpc.StatusCode.UNIMPLEMENTED, 501),
     Code.PERMISSION_DENIED: StatusPair(grpc.StatusCode.PERMISSION_DENIED, 403),
+    Code.ALREADY_EXISTS: StatusPair(grpc.StatusCode.ALREADY_EXISTS, 409),
     Code.CANCELLED: StatusPair(grpc.StatusCode.CANCELLED, 499),
     Code.INTERNAL: StatusPair(grpc.StatusCode.INTERNAL, 500),
 }

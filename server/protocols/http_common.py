@@ -11,6 +11,7 @@ TorchServe port (and Starlette's 404/405 on all of them) answers with it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -106,6 +107,7 @@ def make_guard(
     and answered as a sanitized INTERNAL error naming `what` the route was doing."""
 
     def guard(what: str, fn: Endpoint) -> Endpoint:
+        @functools.wraps(fn)  # keeps fn's docstring for the generated API description
         async def endpoint(request: Request) -> Response:
             try:
                 return await fn(request)

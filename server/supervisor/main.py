@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from mariner.server.config import ServerConfig, frontend_count, model_specs, pinned_digests
 from mariner.server.control import health
+from mariner.server.control.management_grpc import SERVICE_NAME as MANAGEMENT_SERVICE
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
@@ -93,6 +94,7 @@ class Supervisor:
             health_pb2.HealthCheckResponse.NOT_SERVING,
         )
         await self._health.set("", serving if reg.is_ready() else not_serving)
+        await self._health.set(MANAGEMENT_SERVICE, serving)  # answers whether or not models are ready
         names = {i.name for i in reg.models()}
         for name in sorted(names):
             await self._health.set(

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,11 @@ from mariner.server.core.endpoint import ModelSpec, resolve_model
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
 from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.core.types import ModelInfo, ModelState
+from mariner.server.core.types import InferResult, ModelInfo, ModelState, WireProtocol
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
-from mariner.server.supervisor.worker_pool import WorkerPool
+from mariner.server.supervisor.worker_pool import WORKER_START_TIMEOUT_S, WorkerPool
 from mariner.server.workers.api import ModelEntry
+from mariner.server.workers.protocol import ask_describe, describe_request
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -63,6 +64,7 @@ class ModelRegistry:
         self._defaults: dict[str, str] = {}
         self._failed = FailedModels()  # asked for at start-up, refused (see core.failed_models)
         self._registering: set[tuple[str, str]] = set()  # not part of readiness until registered
+        self._background: set[asyncio.Task[None]] = set()  # asynchronous registers still starting
         self._workers = WorkerPool(
             cfg.torch_threads,
             socket_dir,
@@ -98,8 +100,9 @@ class ModelRegistry:
         unpacked directory is removed and nothing is left behind."""
         try:
             if archive.version in self._versions.get(archive.name, {}):
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"model {archive.name} version {archive.version} is loaded twice"
+                raise ServingError(  # TorchServe's 409 ConflictStatusException, same sentence
+                    Code.ALREADY_EXISTS,
+                    f"Model version {archive.version} is already registered for model {archive.name}",
                 )
             # The one resolution, shared with the single-process server's endpoints.
             settings, signature = resolve_model(
@@ -144,6 +147,8 @@ class ModelRegistry:
     async def close(self, grace: float) -> None:
         """Stop every worker (after the frontends have drained) and remove unpacked archives."""
         self.draining = True
+        for task in list(self._background):
+            task.cancel()
         every = self._every()
         await self._workers.stop([i for v in every for i in v.instances.values()], grace)
         for v in every:
@@ -174,6 +179,8 @@ class ModelRegistry:
         )
 
     # -- lookups (the management apps' slice of the DataPlane) ----------------------------------
+    startup_timeout_s = WORKER_START_TIMEOUT_S  # describe's startupTimeout: what WorkerPool enforces
+
     def resolve(self, model: str, version: str | None = None) -> Version:
         return resolve_version(self._versions, self._defaults, model, version)
 
@@ -237,9 +244,16 @@ class ModelRegistry:
                     raise r
                 raise ServingError(Code.INTERNAL, f"a model worker failed to start: {r}")
 
-    async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
+    async def register(
+        self, archive_name: str, *, synchronous: bool = True, **overrides: Any
+    ) -> list[ModelInfo]:
         """Open, check and start one archive; all or nothing: when any step fails, nothing of it
-        is left (no version, no worker, no unpacked directory) and readiness is as before."""
+        is left (no version, no worker, no unpacked directory) and readiness is as before.
+
+        With `synchronous=False` (TorchServe's `synchronous=false`) the archive is still opened
+        and checked before this returns (a bad or duplicate archive is refused to the caller),
+        but the workers' start is awaited in the background; a failure there removes the
+        version and is logged, as TorchServe unregisters a model whose workers failed."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         spec = ModelSpec(
@@ -247,6 +261,16 @@ class ModelRegistry:
         )
         v = self._install(await self._unpack(spec), spec)
         self._registering.add((v.name, v.version))
+        if not synchronous:
+            task = asyncio.create_task(self._start_in_background(v))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return [self._info(v)]
+        await self._start_registered(v)
+        return [self._info(v)]
+
+    async def _start_registered(self, v: Version) -> None:
+        """Start a just-installed version's workers; on failure remove all of it and raise."""
         try:
             added = self._workers.add(v, v.settings.min_workers)
             await self._changed()
@@ -259,7 +283,14 @@ class ModelRegistry:
         # A fixed archive registered under a name that failed at start-up supersedes that failure.
         if self._failed.clear(v.name):
             await self._changed()
-        return [self._info(v)]
+
+    async def _start_in_background(self, v: Version) -> None:
+        """An asynchronous register's second half: nobody waits for it, so a failure is logged."""
+        try:
+            await self._start_registered(v)
+        except Exception as exc:
+            why = exc.message if isinstance(exc, ServingError) else repr(exc)
+            log.error("model %s version %s failed to start after registering: %s", v.name, v.version, why)
 
     async def _remove(self, v: Version) -> None:
         versions = self._versions.get(v.name, {})
@@ -282,15 +313,29 @@ class ModelRegistry:
             return
         await self._remove(self.resolve(model, version))
 
+    async def customized_metadata(
+        self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
+    ) -> InferResult:
+        """The handler's own description of the model (TorchServe's `describe_handle`), asked of
+        one ready worker process on its socket, bounded by the version's response timeout."""
+        v = self.resolve(model, version)
+        ready = [i.endpoint for i in v.instances.values() if i.status == "READY" and i.endpoint is not None]
+        if not ready:
+            raise ServingError(Code.UNAVAILABLE, f'Model "{v.name}" has no worker to serve inference request')
+        request = describe_request(v.name, v.version, headers, protocol)
+        return await ask_describe(ready[0].socket_path, request, v.settings.response_timeout_s)
+
     async def set_default(self, model: str, version: str) -> None:
-        self._require_management("changing the default version")
+        """Allowed without model management, as in TorchServe: it loads no code."""
         self.resolve(model, version)
         self._defaults[model] = version
         await self._changed()
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
-        """Start or stop worker processes until the version has `min_workers` of them."""
-        self._require_management("scaling workers")
+        """Start or stop worker processes until the version has `min_workers` of them.
+
+        Allowed without model management, as in TorchServe: it loads no new code, only more or
+        fewer processes of an archive already served."""
         if min_workers < 1:
             raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
         v = self.resolve(model, version)

@@ -71,6 +71,7 @@ class _Job:
     conn: _Conn
     batch: Any  # protocol.Batch
     items: int = field(default=0)
+    solo: bool = False  # a describe call: its own handler call, never merged with a batch
 
 
 class Worker:
@@ -163,6 +164,10 @@ class Worker:
         try:
             while True:  # until the frontend closes, also while stopping (see _finish_conns)
                 msg = await protocol.read_message(reader)
+                if isinstance(msg, protocol.Describe):
+                    self._jobs.append(_Job(conn, protocol.Batch(msg.id, (msg.request,)), 1, solo=True))
+                    self._wake.set()
+                    continue
                 if not isinstance(msg, protocol.Batch):
                     raise protocol.FrameError(f"unexpected message {type(msg).__name__}")
                 self._jobs.append(_Job(conn, msg, sum(r.items for r in msg.requests)))
@@ -192,10 +197,12 @@ class Worker:
             if not job.conn.open:
                 self._jobs.popleft()
                 continue
-            if jobs and items + job.items > self.spec.batch_size:
+            if jobs and (job.solo or items + job.items > self.spec.batch_size):
                 break
             jobs.append(self._jobs.popleft())
             items += job.items
+            if job.solo:
+                break
         return jobs
 
     async def _dispatch(self) -> None:

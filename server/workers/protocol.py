@@ -19,12 +19,13 @@ import contextlib
 import os
 import pickle
 import struct
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 
 # Buffers this large or larger travel through shared memory instead of the socket.
 SHM_THRESHOLD = 256 * 1024
@@ -43,6 +44,16 @@ class Batch:
 
     id: int
     requests: tuple[InferRequest, ...]
+
+
+@dataclass(frozen=True)
+class Describe:
+    """Ask the handler for its customized metadata (TorchServe's DESCRIBE command): the worker
+    runs `request` (headers carry `describe: True`) as a handler call of its own, never merged
+    with inference batches, and answers `Result(id)` with its one result."""
+
+    id: int
+    request: InferRequest
 
 
 @dataclass(frozen=True)
@@ -236,3 +247,52 @@ async def write_message(
             unlink_segments(r.name for r in refs)
         raise
     return refs
+
+
+async def ask_describe(socket_path: str, request: InferRequest, timeout_s: float) -> InferResult:
+    """Send one `Describe` on a connection of its own to the worker at `socket_path` and return
+    the handler's result; bounded by `timeout_s` (DEADLINE_EXCEEDED beyond it). A failure the
+    worker reports comes back as the ServingError it names."""
+    from mariner.server.core.errors import Code, ServingError
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_unix_connection(socket_path)
+            try:
+                await write_message(writer, Describe(0, request))
+                answer = await read_message(reader)
+            finally:
+                writer.close()
+    except TimeoutError:
+        raise ServingError(
+            Code.DEADLINE_EXCEEDED, f"the handler did not describe the model within {timeout_s:g} s"
+        ) from None
+    except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
+        raise ServingError(Code.UNAVAILABLE, f"the model's worker could not be asked: {exc}") from None
+    if not isinstance(answer, Result) or answer.id != 0:
+        raise ServingError(Code.INTERNAL, "the model's worker answered a describe call with something else")
+    if answer.error is not None:
+        codes = {c.value: c for c in Code}
+        raise ServingError(codes.get(answer.error.code, Code.INTERNAL), answer.error.message)
+    if len(answer.results) != 1:
+        raise ServingError(Code.INTERNAL, "the handler's describe call did not return exactly one result")
+    return answer.results[0]
+
+
+def describe_request(
+    model: str, version: str, headers: Mapping[str, str], protocol: WireProtocol
+) -> InferRequest:
+    """The request a describe call hands the handler, as TorchServe builds it: no data, the
+    caller's headers (credentials left out, as for inference) and `describe: True`, which
+    TorchServe's BaseHandler checks to call `describe_handle`."""
+    from mariner.server.security import CREDENTIAL_HEADERS
+
+    kept = {k.lower(): v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
+    return InferRequest(
+        model=model,
+        version=version,
+        data={},
+        protocol=protocol,
+        request_id=uuid.uuid4().hex,
+        headers={**kept, "describe": "True"},
+    )

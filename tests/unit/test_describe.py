@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +20,7 @@ from mariner.server import protogen
 from mariner.server.control.describe import describe_model, list_models
 from mariner.server.control.management_http import management_app
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import ModelInfo, WorkerInfo
+from mariner.server.core.types import InferResult, ModelInfo, WireProtocol, WorkerInfo
 from tests.unit.fakes import make_info
 
 pytestmark = pytest.mark.unit
@@ -55,17 +56,21 @@ STOCK_KEYS = [
     "jobQueueStatus",
 ]
 STOCK_WORKER_KEYS = ["id", "startTime", "status", "memoryUsage", "pid", "gpu", "gpuUsage"]
-# What describe_model's docstring says it leaves out, because Mariner has no true value for it.
-OMITTED = {
-    "startupTimeout",
-    "maxRetryTimeoutInSec",
-    "clientTimeoutInMills",
-    "parallelType",
-    "parallelLevel",
-    "sequenceMaxIdleMSec",
-    "sequenceTimeoutMSec",
-    "maxNumSequence",
-    "maxSequenceJobQueueSize",
+# Stock TorchServe 0.12's values for the features Mariner does not have (describe_model's
+# docstring): what TorchServe itself answers with each of them off.
+TORCHSERVE_DEFAULTS = {
+    "maxRetryTimeoutInSec": 300,
+    "clientTimeoutInMills": 0,
+    "parallelType": "",
+    "parallelLevel": 0,
+    "continuousBatching": False,
+    "useJobTicket": False,
+    "useVenv": False,
+    "stateful": False,
+    "sequenceMaxIdleMSec": 0,
+    "sequenceTimeoutMSec": 0,
+    "maxNumSequence": 0,
+    "maxSequenceJobQueueSize": 0,
 }
 
 
@@ -117,9 +122,20 @@ class Plane:
         ]
     )
     management_enabled: bool = False
+    startup_timeout_s: float = 77.0  # the plane's worker start timeout: describe's startupTimeout
+    described: list[tuple[str, str | None, dict[str, str]]] = field(default_factory=list)
+    handler_answer: InferResult = field(
+        default_factory=lambda: InferResult(body=b'{\n  "labels": [0, 1]\n}', status=200)
+    )
 
     def models(self) -> list[ModelInfo]:
         return list(self.infos)
+
+    async def customized_metadata(
+        self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
+    ) -> InferResult:
+        self.described.append((model, version, dict(headers)))
+        return self.handler_answer
 
     def describe(self, model: str, version: str | None = None) -> list[ModelInfo]:
         found = [i for i in self.infos if i.name == model and version in (None, "all", i.version)]
@@ -175,6 +191,9 @@ class Context:
 
     async def abort(self, code: Any, details: str) -> None:
         raise AbortCalled(code, details)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("x-trace", "t1"),)
 
 
 def grpc_describe(pb: SimpleNamespace, plane: Plane, name: str, version: str = "") -> Any:
@@ -235,14 +254,56 @@ def test_rest_and_grpc_list_are_equal(pb: SimpleNamespace) -> None:
     }
 
 
-def test_describe_follows_stock_torchserve_key_order_and_omits_only_what_it_says() -> None:
+def test_describe_has_every_stock_torchserve_key_in_its_order() -> None:
     for model in Plane().infos:
         entry = describe_model(model)
         ours = [k for k in entry if k != "mariner"]
-        assert ours == [k for k in STOCK_KEYS if k in ours], "not in stock TorchServe's order"
-        assert set(STOCK_KEYS) - set(ours) == OMITTED | ({"deviceIds"} if "deviceIds" not in ours else set())
+        expected = [
+            k for k in STOCK_KEYS if k != "deviceIds" or any(w.device != "cpu" for w in model.workers)
+        ]
+        assert ours == expected
+        for key, value in TORCHSERVE_DEFAULTS.items():
+            assert entry[key] == value, key
+            assert type(entry[key]) is type(value), key
         for worker in entry["workers"]:
             assert list(worker) == STOCK_WORKER_KEYS
+
+
+def test_startup_timeout_is_the_planes_worker_start_timeout(pb: SimpleNamespace) -> None:
+    plane = Plane()
+    status, rest = asyncio.run(rest_get(management_app(plane), "/models/echo"))  # type: ignore[arg-type]
+    assert status == 200
+    assert rest[0]["startupTimeout"] == 77
+    assert grpc_describe(pb, plane, "echo")[0]["startupTimeout"] == 77
+
+
+def test_customized_describe_asks_the_handler_on_both_paths(pb: SimpleNamespace) -> None:
+    plane = Plane()
+    status, rest = asyncio.run(
+        rest_get(management_app(plane), "/models/echo/2.0", "customized=true")  # type: ignore[arg-type]
+    )
+    assert status == 200
+    (entry,) = rest
+    assert list(entry)[-1] == "customizedMetadata"  # after jobQueueStatus (and ours), as stock
+    assert entry["customizedMetadata"] == {"labels": [0, 1]}  # the handler's JSON, parsed
+    servicer = pb.grpc.ManagementServicer(plane)
+    request = pb.management.DescribeModelRequest(model_name="echo", model_version="2.0", customized=True)
+    (g,) = json.loads(asyncio.run(servicer.DescribeModel(request, Context())).msg)
+    assert g["customizedMetadata"] == {"labels": [0, 1]}
+    assert [(m, v) for m, v, _ in plane.described] == [("echo", "2.0"), ("echo", "2.0")]
+    assert plane.described[1][2] == {"x-trace": "t1"}  # the call's metadata reach the handler
+
+    # "all" never asks a handler (TorchServe's rule); customized=false neither.
+    asyncio.run(rest_get(management_app(plane), "/models/echo/all", "customized=true"))  # type: ignore[arg-type]
+    asyncio.run(rest_get(management_app(plane), "/models/echo", "customized=false"))  # type: ignore[arg-type]
+    assert len(plane.described) == 2
+
+    # A handler that is not JSON is kept as text; its status is REST's status, as in TorchServe.
+    plane.handler_answer = InferResult(body=b"not json", status=400)
+    status, rest = asyncio.run(
+        rest_get(management_app(plane), "/models/echo", "customized=true")  # type: ignore[arg-type]
+    )
+    assert (status, rest[0]["customizedMetadata"]) == (400, "not json")
 
 
 def test_describe_reports_real_facts_from_model_info() -> None:

@@ -134,12 +134,10 @@ class FakePlane:
         self._require_management("model unregistration")
         self.management_calls.append(("unregister", model, version))
 
-    async def set_default(self, model: str, version: str) -> None:
-        self._require_management("changing the default version")
+    async def set_default(self, model: str, version: str) -> None:  # not gated, as in TorchServe
         self.management_calls.append(("set_default", model, version))
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
-        self._require_management("scaling workers")
         self.management_calls.append(("scale", model, version, min_workers, max_workers))
 
 
@@ -518,16 +516,23 @@ def test_describe_model_torchserve_shape(plane: FakePlane, management_url: str) 
 
 
 def test_changes_are_refused_unless_management_is_enabled(plane: FakePlane, management_url: str) -> None:
+    # TorchServe's answer while its model API is off: 405 for register and unregister only.
     for method, path in [
         ("POST", "/models?url=digits.mar"),
         ("DELETE", "/models/digits"),
         ("DELETE", "/models/digits/2.0"),
-        ("PUT", "/models/digits?min_worker=2"),
-        ("PUT", "/models/digits/2.0/set-default"),
     ]:
         resp = requests.request(method, f"{management_url}{path}", timeout=TIMEOUT)
-        assert "enable-model-management" in assert_error(resp, 403, Code.PERMISSION_DENIED)["message"]
+        assert resp.status_code == 405, resp.text
+        assert resp.json()["code"] == 405
+        assert "enable-model-management" in resp.json()["message"]
     assert plane.management_calls == []
+    # Scale and set-default load no code: TorchServe allows them with the model API off.
+    resp = requests.put(f"{management_url}/models/digits?min_worker=2&synchronous=true", timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text
+    resp = requests.put(f"{management_url}/models/digits/2.0/set-default", timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text
+    assert plane.management_calls == [("scale", "digits", None, 2, 2), ("set_default", "digits", "2.0")]
 
 
 def test_register_from_url_is_always_refused(plane: FakePlane, management_url: str) -> None:
@@ -572,7 +577,9 @@ def test_register_when_enabled(plane: FakePlane, management_url: str) -> None:
 
 def test_scale_unregister_set_default_when_enabled(plane: FakePlane, management_url: str) -> None:
     plane.management_enabled = True
-    resp = requests.put(f"{management_url}/models/digits?min_worker=2&max_worker=3", timeout=TIMEOUT)
+    resp = requests.put(
+        f"{management_url}/models/digits?min_worker=2&max_worker=3&synchronous=true", timeout=TIMEOUT
+    )
     assert resp.json() == {"status": "Workers scaled to 2 for model: digits"}
     resp = requests.put(f"{management_url}/models/digits?min_worker=3&max_worker=2", timeout=TIMEOUT)
     assert_error(resp, 400, Code.INVALID_ARGUMENT)
