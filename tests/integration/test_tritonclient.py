@@ -64,7 +64,8 @@ def report(
     np.savez(data, pixels=pixels, logits=logits)
 
     protogen.generate()
-    srv = InProcessMariner(model_store, f"{MODEL}.mar").start()
+    # Model management on: the repository checks load and unload a model on the management ports.
+    srv = InProcessMariner(model_store, f"{MODEL}.mar", enable_model_management=True).start()
     try:
         done = subprocess.run(
             [
@@ -74,6 +75,10 @@ def report(
                 srv.grpc_target,
                 "--http",
                 srv.http.removeprefix("http://"),
+                "--grpc-management",
+                srv.grpc_management_target,
+                "--http-management",
+                srv.management.removeprefix("http://"),
                 "--model",
                 MODEL,
                 "--data",

@@ -10,12 +10,14 @@ Every client uses tritonclient's DEFAULT options, as a user's code would: binary
 HTTP client, raw contents on gRPC. Nothing here imports the project: `CHECKS` is importable
 without tritonclient so the test can tell a missing check from a failed one.
 
-Usage: triton_conformance.py --grpc HOST:PORT --http HOST:PORT --model NAME --data FILE.npz
+Usage: triton_conformance.py --grpc HOST:PORT --http HOST:PORT --grpc-management HOST:PORT
+    --http-management HOST:PORT --model NAME --data FILE.npz (model management on)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -51,7 +53,22 @@ CHECKS: tuple[str, ...] = (
     "http.unknown_model_not_found",
     "http.wrong_shape_invalid_argument",
     "http.wrong_datatype_invalid_argument",
+    "grpc.model_config",
+    "grpc.statistics",
+    "grpc.repository_index",
+    "grpc.unknown_model_config_error",
+    "grpc.load_refused_on_inference_port",
+    "grpc.load_unload_on_management_port",
+    "http.model_config",
+    "http.statistics",
+    "http.repository_index",
+    "http.unknown_model_config_error",
+    "http.unknown_route_error",
+    "http.load_refused_on_inference_port",
+    "http.load_unload_on_management_port",
 )
+# A model of the store that the server does not load at start (load_model brings it in).
+LOADABLE = "digits_onnx"
 
 LOGIT_TOL = 1e-4
 STREAM_TIMEOUT_S = 30.0
@@ -82,6 +99,8 @@ class Env:
     model: str
     pixels: Any  # (N, 64) float32
     logits: Any  # (N, 10) float32, the eager model's
+    gm: Any = None  # tritonclient.grpc client on the gRPC management port
+    hm: Any = None  # tritonclient.http client on the HTTP management port
 
 
 def _close(env: Env, got: Any, want: Any, what: str) -> None:
@@ -365,6 +384,115 @@ def stream_infer_error(env: Env, t: str) -> None:
     _close(env, result.as_numpy("logits"), env.logits[:1], "stream logits after an error")
 
 
+# -- Triton's extensions: configuration, statistics, repository ------------------------------
+def _as_dict(env: Env, t: str, message: Any) -> Any:
+    if t == "http":
+        return message
+    from google.protobuf import json_format
+
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def model_config(env: Env, t: str) -> None:
+    c = env.gc if t == "grpc" else env.hc
+    got = c.get_model_config(env.model)
+    config = _as_dict(env, t, got.config if t == "grpc" else got)
+    expect(config.get("name") == env.model, f"config names {config.get('name')!r}")
+    inputs = {i["name"]: (i["data_type"], [int(d) for d in i["dims"]]) for i in config.get("input", [])}
+    expect(inputs == {"pixels": ("TYPE_FP32", [64])}, f"config inputs {inputs}")
+    outputs = {o["name"]: o["data_type"] for o in config.get("output", [])}
+    expect(
+        outputs == {"logits": "TYPE_FP32", "probabilities": "TYPE_FP32", "label": "TYPE_INT64"}, str(outputs)
+    )
+    expect(int(config.get("max_batch_size", 0)) > 1, f"max_batch_size {config.get('max_batch_size')}")
+
+
+def statistics(env: Env, t: str) -> None:
+    """Counts move by exactly what this check sends: 3 calls of 2 rows, 1 failed call."""
+    mod, c = (env.grpc, env.gc) if t == "grpc" else (env.http, env.hc)
+
+    def stats() -> dict[str, Any]:
+        got = _as_dict(env, t, c.get_inference_statistics(env.model))
+        entries = got.get("model_stats", [])
+        expect(len(entries) == 1, f"{len(entries)} model_stats entries for one model")
+        return entries[0]
+
+    def num(entry: dict[str, Any], *path: str) -> int:
+        for key in path:
+            entry = entry.get(key, {}) if isinstance(entry, dict) else {}
+        return int(entry or 0)
+
+    before = stats()
+    for _ in range(3):
+        c.infer(env.model, _inputs(env, mod, env.pixels[:2]))
+    with contextlib.suppress(env.exc):
+        c.infer(env.model, _inputs(env, mod, env.np.zeros((1, 63), dtype=env.np.float32)))
+    after = stats()
+    expect(
+        after["name"] == env.model and after.get("version"),
+        f"entry {after.get('name')}/{after.get('version')}",
+    )
+    for phase, want in (("success", 3), ("fail", 1), ("queue", 3)):
+        got = num(after, "inference_stats", phase, "count") - num(before, "inference_stats", phase, "count")
+        expect(got == want, f"{phase}.count grew by {got}, expected {want}")
+        ns = num(after, "inference_stats", phase, "ns") - num(before, "inference_stats", phase, "ns")
+        expect(ns > 0, f"{phase}.ns grew by {ns}")
+    items = num(after, "inference_count") - num(before, "inference_count")
+    expect(items == 6, f"inference_count grew by {items}, expected 6 (3 calls x 2 rows)")
+    runs = num(after, "execution_count") - num(before, "execution_count")
+    expect(1 <= runs <= 3, f"execution_count grew by {runs}, expected 1..3 batches")
+    computed = num(after, "inference_stats", "compute_infer", "count")
+    expect(
+        computed - num(before, "inference_stats", "compute_infer", "count") == runs,
+        "compute_infer.count != batches",
+    )
+    expect(num(after, "last_inference") > 0, "last_inference is unset")
+
+
+def _index(env: Env, t: str, c: Any) -> dict[str, str]:
+    got = c.get_model_repository_index()
+    entries = got if t == "http" else _as_dict(env, t, got).get("models", [])
+    return {e["name"]: e.get("state", "") for e in entries}
+
+
+def repository_index(env: Env, t: str) -> None:
+    index = _index(env, t, env.gc if t == "grpc" else env.hc)
+    expect(index.get(env.model) == "READY", f"index {index}")
+
+
+def unknown_model_config_error(env: Env, t: str) -> None:
+    c = env.gc if t == "grpc" else env.hc
+    msg = _expect_error(env, lambda: c.get_model_config("no_such_model"), "StatusCode.NOT_FOUND", "404", t)
+    expect("no_such_model" in msg, f"message does not name the model: {msg}")
+
+
+def unknown_route_error(env: Env, t: str) -> None:
+    """A /v2 route Mariner lacks (CUDA shared memory) is a 404 tritonclient can read."""
+    msg = _expect_error(env, env.hc.get_cuda_shared_memory_status, "", "404", t)
+    expect("/v2/cudasharedmemory" in msg, f"message does not name the path: {msg}")
+
+
+def load_refused_on_inference_port(env: Env, t: str) -> None:
+    c = env.gc if t == "grpc" else env.hc
+    msg = _expect_error(env, lambda: c.load_model(LOADABLE), "StatusCode.PERMISSION_DENIED", "403", t)
+    expect("management" in msg, f"message does not say where to load: {msg}")
+
+
+def load_unload_on_management_port(env: Env, t: str) -> None:
+    m = env.gm if t == "grpc" else env.hm
+    expect(LOADABLE not in _index(env, t, m), f"{LOADABLE} is served before load_model")
+    m.load_model(LOADABLE)
+    expect(_index(env, t, m).get(LOADABLE) == "READY", f"after load_model: {_index(env, t, m)}")
+    c, mod = (env.gc, env.grpc) if t == "grpc" else (env.hc, env.http)
+    expect(c.is_model_ready(LOADABLE), f"{LOADABLE} is not ready on the inference port after load_model")
+    out = c.infer(LOADABLE, _inputs(env, mod, env.pixels[:2])).as_numpy("logits")
+    expect(out is not None and out.shape == (2, 10), f"logits of the loaded model: {out}")
+    m.unload_model(LOADABLE)
+    expect(LOADABLE not in _index(env, t, m), f"after unload_model: {_index(env, t, m)}")
+    msg = _expect_error(env, lambda: m.unload_model(LOADABLE), "StatusCode.NOT_FOUND", "404", t)
+    expect(LOADABLE in msg, f"unloading it twice: {msg}")
+
+
 def run_checks(env: Env) -> list[dict[str, Any]]:
     report = []
     for name in CHECKS:
@@ -384,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grpc", required=True, help="OIP gRPC address HOST:PORT")
     p.add_argument("--http", required=True, help="OIP HTTP address HOST:PORT (no scheme)")
+    p.add_argument("--grpc-management", required=True, help="gRPC management address HOST:PORT")
+    p.add_argument("--http-management", required=True, help="HTTP management address HOST:PORT")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help=".npz with 'pixels' (N,64) float32 and 'logits' (N,10)")
     args = p.parse_args(argv)
@@ -398,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     data = np.load(args.data)
     gc = tgrpc.InferenceServerClient(args.grpc)
     hc = thttp.InferenceServerClient(args.http)
+    gm = tgrpc.InferenceServerClient(args.grpc_management)
+    hm = thttp.InferenceServerClient(args.http_management)
     try:
         env = Env(
             np,
@@ -410,11 +542,13 @@ def main(argv: list[str] | None = None) -> int:
             args.model,
             data["pixels"].astype(np.float32),
             data["logits"].astype(np.float32),
+            gm,
+            hm,
         )
         report = run_checks(env)
     finally:
-        gc.close()
-        hc.close()
+        for client in (gc, hc, gm, hm):
+            client.close()
     json.dump({"tritonclient": version("tritonclient"), "checks": report}, sys.stdout)
     return 0 if all(r["ok"] for r in report) else 1
 
