@@ -46,6 +46,7 @@ class StatusReport:
             ("gRPC calls", "grpc:"),
             ("HTTP requests", "http:"),
             ("ModelStreamInfer answers, in-stream", "grpc-stream:"),
+            ("multipart/form-data requests (among the HTTP ones)", "multipart:"),
             ("known findings among them (each pinned by a strict xfail test)", "known finding: "),
         ):
             group = {k.removeprefix(prefix): n for k, n in sorted(counts.items()) if k.startswith(prefix)}
