@@ -10,11 +10,12 @@ removed disappears. Each operation's summary is the first line of its endpoint's
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterator, Sequence
 from importlib import metadata
 from typing import Any
 
-from starlette.convertors import FloatConvertor, IntegerConvertor
+from starlette.convertors import FloatConvertor, IntegerConvertor, PathConvertor
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -25,6 +26,7 @@ OPENAPI_VERSION = "3.0.1"  # what TorchServe 0.12 declares
 
 # Methods Starlette adds on its own (HEAD beside every GET) are not operations of ours.
 _IMPLICIT = frozenset({"HEAD"})
+_CONVERTOR = re.compile(r"\{(\w+):[^}]+\}")
 _ERROR = {"description": "Error, as JSON: {code, type, message}"}
 
 
@@ -52,9 +54,16 @@ def _param_schema(convertor: Any) -> dict[str, str]:
 
 
 def _walk(routes: Sequence[BaseRoute], prefix: str = "") -> Iterator[tuple[str, Route]]:
+    """Every Route with its OpenAPI path template (`{times:int}` becomes `{times}`). A catch-all
+    (a `path` parameter, which matches across slashes) only shapes the errors for what is not
+    served: it is no operation, and OpenAPI has no template for it."""
     for route in routes:
+        if isinstance(route, Route) and any(
+            isinstance(c, PathConvertor) for c in route.param_convertors.values()
+        ):
+            continue
         if isinstance(route, Route):
-            yield prefix + route.path, route
+            yield _CONVERTOR.sub(r"{\1}", prefix + route.path), route
         elif isinstance(route, Mount):
             yield from _walk(route.routes, prefix + route.path)
 

@@ -33,6 +33,10 @@ from mariner.server.workers.protocol import ask_describe, describe_request
 
 log = logging.getLogger("mariner.supervisor")
 
+# Scaling needs no model management (as in TorchServe), so one call must not be able to start
+# an unbounded number of processes: each worker holds a copy of the model.
+MAX_SCALE_WORKERS = 64
+
 
 class ModelRegistry:
     """Every model version, its worker processes, and the management API over them.
@@ -336,8 +340,11 @@ class ModelRegistry:
 
         Allowed without model management, as in TorchServe: it loads no new code, only more or
         fewer processes of an archive already served."""
-        if min_workers < 1:
-            raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
+        if not 1 <= min_workers <= MAX_SCALE_WORKERS:
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f"min_worker must be between 1 and {MAX_SCALE_WORKERS}, got {min_workers}",
+            )
         v = self.resolve(model, version)
         live = v.live_instances()
         v.settings = dataclasses.replace(v.settings, min_workers=min_workers, max_workers=max_workers)

@@ -181,7 +181,7 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
 
         # ScaleWorker: up to 2 worker processes, then down to 1; the model answers throughout.
         mgmt = srv.url("mgmt")
-        r = session.put(f"{mgmt}/models/{MODEL}?min_worker=2", timeout=CAP_S)
+        r = session.put(f"{mgmt}/models/{MODEL}?min_worker=2&synchronous=true", timeout=CAP_S)
         assert r.status_code == 200, r.text
         wait_for("2 workers", lambda: len(worker_pids(srv.proc.pid)) == 2)
         described = session.get(f"{mgmt}/models/{MODEL}", timeout=30).json()[0]
@@ -189,7 +189,7 @@ def test_two_frontends_share_traffic_survive_a_kill_scale_and_drain(
         assert {w["pid"] for w in described["workers"]} == worker_pids(srv.proc.pid)
         for _ in range(10):
             assert predict_http() == expected
-        r = session.put(f"{mgmt}/models/{MODEL}?min_worker=1", timeout=CAP_S)
+        r = session.put(f"{mgmt}/models/{MODEL}?min_worker=1&synchronous=true", timeout=CAP_S)
         assert r.status_code == 200, r.text
         wait_for("1 worker", lambda: len(worker_pids(srv.proc.pid)) == 1)
         for _ in range(10):
