@@ -217,3 +217,64 @@ def test_torchserve_and_oip_requests_share_batches(mariner: InProcessMariner, pb
     batches, items = after[0] - before[0], after[1] - before[1]
     assert items == n_ts + n_oip * rows
     assert batches < n_ts + n_oip, f"{n_ts + n_oip} concurrent requests ran in {batches} batches"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/v2/no/such/route", 404, None),
+        ("POST", "/v2/systemsharedmemory/register", 404, None),
+        ("PUT", "/v2/health/live", 405, "GET, HEAD"),
+        ("GET", "/v2/models/digits_onnx/infer", 405, "POST"),
+        ("GET", "/v2/repository/index", 405, "POST"),
+    ],
+)
+def test_every_v2_error_is_oip_shaped(
+    mariner: InProcessMariner, method: str, path: str, status: int, allow: str | None
+) -> None:
+    """tritonclient reads only {"error": message}: the /v2 prefix's own 404 and 405 included."""
+    resp = requests.request(method, mariner.http + path, timeout=30)
+    assert resp.status_code == status
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert path in body["error"]
+    assert resp.headers.get("allow") == allow
+
+
+def test_model_config_is_the_same_over_rest_and_grpc(mariner: InProcessMariner, stub, pb) -> None:
+    from google.protobuf import json_format
+
+    rest = requests.get(f"{mariner.http}/v2/models/digits_onnx/config", timeout=30)
+    assert rest.status_code == 200, rest.text
+    config = rest.json()
+    assert config["input"] == [{"name": "pixels", "data_type": "TYPE_FP32", "dims": [64]}]
+    assert config["max_batch_size"] > 1
+    over_grpc = stub.ModelConfig(pb.m.ModelConfigRequest(name="digits_onnx"), timeout=30).config
+    parsed = json_format.ParseDict(config, type(over_grpc)())
+    assert over_grpc == parsed
+
+
+@pytest.mark.parametrize("action", ["load", "unload"])
+def test_repository_changes_are_refused_while_model_management_is_off(
+    mariner: InProcessMariner, pb, action: str
+) -> None:
+    """Same refusal as the management API's own register/unregister, on the management ports;
+    the inference port sends the caller there."""
+    resp = requests.post(f"{mariner.management}/v2/repository/models/digits_onnx/{action}", timeout=30)
+    assert resp.status_code == 403
+    assert "--enable-model-management" in resp.json()["error"]
+    resp = requests.post(f"{mariner.http}/v2/repository/models/digits_onnx/{action}", timeout=30)
+    assert resp.status_code == 403
+    assert "management address" in resp.json()["error"]
+    with grpc.insecure_channel(mariner.grpc_management_target) as channel:
+        stub = pb.stub(channel)
+        call = stub.RepositoryModelLoad if action == "load" else stub.RepositoryModelUnload
+        request = (
+            pb.m.RepositoryModelLoadRequest if action == "load" else pb.m.RepositoryModelUnloadRequest
+        )(model_name="digits_onnx")
+        with pytest.raises(grpc.RpcError) as caught:
+            call(request, timeout=30)
+    assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "--enable-model-management" in caught.value.details()
+    index = requests.post(f"{mariner.management}/v2/repository/index", timeout=30).json()
+    assert sorted(e["name"] for e in index) == sorted(MODELS)  # nothing changed
