@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
+.PHONY: venv protos java k8s-tools triton-venv kserve-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ k8s-tools:
 # tritonclient has its own venv: it needs protobuf < 7, and its `inference` stubs clash with ours.
 triton-venv:
 	PYTHON=$(PYTHON) bash scripts/ensure_triton_venv.sh
+
+# KServe's SDK has its own venv too: it pins its own fastapi/pydantic/protobuf stack.
+kserve-venv:
+	PYTHON=$(PYTHON) bash scripts/ensure_kserve_venv.sh
 
 # The store is rebuilt when the training code or the handler changes.
 models: $(STORE)/index.json
@@ -88,7 +92,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv protos java k8s-tools triton-venv models lint
+test: venv protos java k8s-tools triton-venv kserve-venv models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
