@@ -209,8 +209,8 @@ def test_grpc_health_and_metadata(pb: SimpleNamespace) -> None:
         status = await health.Check(pb.health.HealthCheckRequest(service=pb.service))
         assert status.status == pb.health.HealthCheckResponse.SERVING
         # A Triton RPC we do not serve is UNIMPLEMENTED, and the server carries on.
-        config = channel.unary_unary("/inference.GRPCInferenceService/ModelConfig")
-        assert (await grpc_error(config(b""))).code() is grpc.StatusCode.UNIMPLEMENTED
+        shm = channel.unary_unary("/inference.GRPCInferenceService/SystemSharedMemoryStatus")
+        assert (await grpc_error(shm(b""))).code() is grpc.StatusCode.UNIMPLEMENTED
         assert (await stub.ServerLive(pb.m.ServerLiveRequest())).live
 
     run_grpc(pb, plane, body)

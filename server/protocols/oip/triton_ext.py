@@ -67,6 +67,8 @@ def _tensor(spec: Any, batched: bool) -> dict[str, Any]:
 
 def model_config(plane: oip.OipPlane, model: str, version: str | None) -> dict[str, Any]:
     """ModelConfig of one version (the default one when `version` is None); unknown: NOT_FOUND."""
+    if not model:
+        raise ServingError(Code.INVALID_ARGUMENT, "name is required: name a model this server serves")
     handle = plane.resolve(model, version)
     info = next(i for i in plane.describe(handle.name, handle.version))
     batched = handle.batch_size > 1
