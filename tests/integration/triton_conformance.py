@@ -174,6 +174,8 @@ def server_metadata(env: Env, t: str) -> None:
     expect(bool(name), f"server metadata has no name: {m}")
     expect(bool(version), f"server metadata has no version: {m}")
     expect(isinstance(ext, list), f"extensions is not a list: {ext!r}")
+    for served in ("binary_tensor_data", "model_configuration", "statistics", "model_repository"):
+        expect(served in ext, f"extensions {ext} do not list {served}")
 
 
 def model_metadata(env: Env, t: str) -> None:

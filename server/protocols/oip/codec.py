@@ -51,9 +51,10 @@ log = logging.getLogger("mariner.oip")
 SERVER_NAME = "mariner"
 # What ModelMetadata reports as `platform`: TorchServe-contract handlers running in Mariner.
 PLATFORM = "pytorch_torchserve"
-# Extensions of the protocol Mariner really implements (REST binary tensors). Shared memory,
-# classification, sequences, statistics and model repository are not, so they are not listed.
-EXTENSIONS: tuple[str, ...] = ("binary_tensor_data",)
+# Extensions of the protocol Mariner really implements (REST binary tensors; Triton's model
+# configuration, statistics and repository, see `triton_ext`). Shared memory, classification
+# and sequences are not, so they are not listed.
+EXTENSIONS: tuple[str, ...] = ("binary_tensor_data", "model_configuration", "statistics", "model_repository")
 # A client-chosen request id is echoed and logged; beyond this length it is refused.
 MAX_ID_CHARS = 256
 # Parameters that ask for features Mariner lacks; silently ignoring them would return wrong data.
