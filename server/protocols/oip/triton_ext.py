@@ -176,9 +176,10 @@ def _check_name(model: str) -> str:
 
 
 async def load(plane: RepositoryPlane, model: str) -> None:
-    """Serve `<model>.mar` from the model store; a model already served is left as it is."""
+    """Serve `<model>.mar` from the model store; a model already served is left as it is (one
+    that failed is registered again, which replaces the failure)."""
     require_management(plane.management_enabled, "model loading")
-    if any(i.name == model for i in plane.models()):
+    if any(i.name == model and i.state is not ModelState.FAILED for i in plane.models()):
         return
     await plane.register(f"{_check_name(model)}.mar")
 
