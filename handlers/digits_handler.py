@@ -343,8 +343,10 @@ class DigitsHandler:
             if setter is not None:
                 setter(status, message, idx=i)
 
-        cannot = f"the {self.format} variant of this model cannot explain (its artefact has no gradients); "
-        cannot += "use the eager or torchscript archive"
+        cannot = (
+            f"the {self.format} variant of this model cannot explain (its artefact has no gradients, "
+            "e.g. AOTInductor, ONNX or dynamic-int8 kernels); use the eager or fp32 torchscript archive"
+        )
         if self.format not in EXPLAINABLE:
             for i in range(len(data)):
                 fail(i, 501, cannot)

@@ -199,9 +199,10 @@ def test_invocations_needs_a_model_name_when_several_are_loaded(tmp_path: Path) 
 @pytest.fixture(scope="module")
 def digits(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
     store = tmp_path_factory.mktemp("digits")
-    for name in ("digits_torchscript.mar", "digits_onnx.mar"):
+    names = ("digits_torchscript.mar", "digits_onnx.mar", "digits_int8_dynamic.mar")
+    for name in names:
         current_digits_archive(model_store, name, store)
-    srv = InProcessMariner(store, "digits_torchscript.mar,digits_onnx.mar").start()
+    srv = InProcessMariner(store, ",".join(names)).start()
     try:
         yield srv
     finally:
@@ -234,11 +235,15 @@ def test_digits_explanation_is_a_saliency_map(digits: InProcessMariner, eager_re
     assert not np.allclose(np.asarray(other.json()["saliency"]), saliency)
 
 
-def test_digits_variant_without_gradients_answers_501(digits: InProcessMariner, eager_reference: Any) -> None:
+@pytest.mark.parametrize(
+    ("model", "variant"), [("digits_onnx", "onnx"), ("digits_int8_dynamic", "torchscript")]
+)
+def test_digits_variant_without_gradients_answers_501(
+    digits: InProcessMariner, eager_reference: Any, model: str, variant: str
+) -> None:
+    """ONNX has no autograd at all; the dynamic-int8 TorchScript's quantized linear has no backward."""
     px = eager_reference.test_pixels[0].tolist()
-    resp = explain_digit(digits, "digits_onnx", px)
+    resp = explain_digit(digits, model, px)
     assert resp.status_code == 501
-    assert "onnx variant of this model cannot explain" in resp.json()["error"]
-    assert (
-        requests.post(f"{digits.http}/predictions/digits_onnx", json=px, timeout=TIMEOUT).status_code == 200
-    )
+    assert f"{variant} variant of this model cannot explain" in resp.json()["error"]
+    assert requests.post(f"{digits.http}/predictions/{model}", json=px, timeout=TIMEOUT).status_code == 200
