@@ -60,6 +60,7 @@ class ServerConfig:
     grace_seconds: float = 30.0
     refuse_seconds: float = 1.0
     slo_ms: float = 25.0
+    metrics_config: Path | None = None
     enable_model_management: bool = False
     log_level: str = "INFO"
     access_log: bool = False
@@ -114,6 +115,8 @@ _HELP = {
     "grace_seconds": "on SIGTERM, how long accepted requests may take to finish",
     "refuse_seconds": "after draining, keep refusing new calls with UNAVAILABLE this long before closing",
     "slo_ms": "p99 latency SLO: histogram buckets are dense around it",
+    "metrics_config": "TorchServe metrics.yaml naming the TorchServe metrics served on /metrics beside "
+    "mariner_* (default: TorchServe's default metrics.yaml)",
     "enable_model_management": "allow register/unregister/scale (archives from the model store only)",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
     "access_log": "log one line per HTTP request",

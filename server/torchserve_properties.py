@@ -39,6 +39,7 @@ _DIFFERENT = {
     "allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "use_env_allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "enable_metrics_api": "Mariner always serves /metrics on metrics_address (see --open-metrics)",
+    "metrics_mode": "Mariner serves metrics in Prometheus mode only (TorchServe's names on /metrics)",
     "cors_allowed_origin": "Mariner sends no CORS headers: browsers on other origins are refused",
     "max_request_size": "use --max-request-bytes",
     "max_response_size": "use --max-request-bytes (it bounds gRPC messages both ways)",
@@ -149,6 +150,7 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
         ("load_models", "models"),
         ("default_workers_per_model", "min_workers"),
         ("enable_model_api", "enable_model_management"),
+        ("metrics_config", "metrics_config"),
     ):
         if ts_key in props:
             out[ours] = props[ts_key]
@@ -156,6 +158,8 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
     if "models" in props:
         out["model_overrides"] = json.loads(props["models"])
         used.add("models")
+    if props.get("metrics_mode", "prometheus").strip().lower() == "prometheus":
+        used.add("metrics_mode")  # what Mariner serves; "log"/"legacy" are warned about below
     if _true(props.get("disable_token_authorization", "false")):
         # No TorchServe tokens, as asked; Mariner's own rule still refuses exposure without tokens.
         used.add("disable_token_authorization")

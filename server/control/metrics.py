@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
+
+from mariner.server.control import ts_metrics
 
 # prometheus_client's multiprocess mode: every process writes its samples to files in this dir,
 # and the supervisor's /metrics merges them. It must be set before prometheus_client is imported.
@@ -113,6 +116,8 @@ class Metrics:
             registry=self.registry,
         )
         self.gpu_memory_bytes = gpu_memory_gauge(self.registry)
+        # TorchServe's names beside ours (see ts_metrics), fed from the same measurements.
+        self.ts = ts_metrics.TsFrontendMetrics(self.registry)
         self._call_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     def call_children(self, model: str, version: str, protocol: str, code: str) -> tuple[Any, Any]:
@@ -132,8 +137,18 @@ class Metrics:
 
     def render(self) -> bytes:
         """This process's samples (the single-process server; a frontend's own view)."""
+        return self.exposition()[0]
+
+    def exposition(self, accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
+        """This process's samples, handler metrics and host metrics included, in the format
+        `accept` asks for (OpenMetrics or Prometheus text), restricted to `names` if any."""
         self._sample_gpu()
-        return generate_latest(self.registry)
+        from mariner.server.control.ts_handler_metrics import handler_registry
+
+        spec = self.ts.spec
+        families = [*self.registry.collect(), *handler_registry().collect()]
+        families.extend(ts_metrics.SystemMetrics(spec).collect())
+        return encode(families, spec, accept, names)
 
     def _sample_gpu(self) -> None:
         # Only a process that already uses CUDA (a thread-mode server running models) samples;
@@ -183,19 +198,40 @@ def multiprocess_enabled() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
+def encode(families: list[Any], spec: ts_metrics.TsMetricsSpec, accept: str | None,
+           names: Sequence[str]) -> tuple[bytes, str]:  # fmt: skip
+    """Families in the negotiated format, TorchServe's names restored (see ts_metrics.expose)."""
+    encoder, content_type = choose_encoder(accept or "")
+    openmetrics = content_type.startswith("application/openmetrics-text")
+    exposed = ts_metrics.expose(families, spec, openmetrics=openmetrics, names=names)
+    if openmetrics:
+        return encoder(ts_metrics.Families(exposed)), content_type
+    return ts_metrics.text_exposition(exposed), content_type
+
+
 def render_multiprocess() -> bytes:
     """Every process's samples merged (the supervisor's /metrics): counters and histograms are
     summed over processes, gauges as their `multiprocess_mode` says (queue depth summed over the
     live frontends, model readiness the max over live frontends)."""
+    return exposition_multiprocess()[0]
+
+
+def exposition_multiprocess(accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
+    """`render_multiprocess` in the negotiated format, restricted to `names` if any; the host
+    metrics are sampled here, by the process that serves /metrics."""
     from prometheus_client import multiprocess
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
-    return generate_latest(registry)
+    spec = ts_metrics.current_spec()
+    families = list(multiprocess.MultiProcessCollector(None).collect())
+    families.extend(ts_metrics.SystemMetrics(spec).collect())
+    return encode(families, spec, accept, names)
 
 
 class MultiprocessMetrics:
-    """What the /metrics app needs (`render`) over every process's samples."""
+    """What the /metrics app needs (`render`, `exposition`) over every process's samples."""
 
     def render(self) -> bytes:
         return render_multiprocess()
+
+    def exposition(self, accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
+        return exposition_multiprocess(accept, names)

@@ -1,4 +1,5 @@
-"""Prometheus metrics over HTTP (8082): GET /metrics renders `dataplane.metrics`."""
+"""Prometheus metrics over HTTP (8082): GET /metrics renders `dataplane.metrics` (TorchServe's
+`name[]=` filter and OpenMetrics negotiation included)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.control import metrics as metrics_mod
 from mariner.server.protocols.http_common import make_app
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ def metrics_app(dataplane: DataPlane) -> Starlette:
     metrics = dataplane.metrics
 
     async def scrape(request: Request) -> Response:
-        return Response(await run_in_threadpool(metrics.render), media_type=metrics_mod.CONTENT_TYPE)
+        # TorchServe's filter (`?name[]=a&name[]=b`) and the scraper's format (OpenMetrics or text).
+        names = request.query_params.getlist("name[]")
+        accept = request.headers.get("accept")
+        body, content_type = await run_in_threadpool(metrics.exposition, accept, names)
+        return Response(body, headers={"content-type": content_type})
 
     return make_app([Route("/metrics", scrape, methods=["GET"])])

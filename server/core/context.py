@@ -2,9 +2,10 @@
 
 Handlers written for TorchServe read `context.system_properties`, `context.manifest` and
 `context.model_yaml_config`, and per request call `get_request_header`,
-`set_response_status` and `set_response_content_type`. This class offers the same surface so
-the same archive runs unchanged on stock TorchServe and on Mariner (and in our verification
-harness).
+`set_response_status` and `set_response_content_type`, and record metrics through
+`context.metrics` (TorchServe's metrics API, served on /metrics under the handler's names).
+This class offers the same surface so the same archive runs unchanged on stock TorchServe and
+on Mariner (and in our verification harness).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from mariner.server.control.ts_handler_metrics import HandlerMetrics
 
 
 @dataclass
@@ -48,7 +51,8 @@ class Context:
             "server_version": server_version,
             "limit_max_image_pixels": True,
         }
-        self.metrics = None
+        # TorchServe's `context.metrics` API; the metrics appear on /metrics (see the module).
+        self.metrics: Any = HandlerMetrics(model_name)
         self.stopping_criteria = None
         self.request_ids: dict[int, str] = {}
         self._request_headers: list[dict[str, str]] = []

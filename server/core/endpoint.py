@@ -130,6 +130,7 @@ class MetricsObserver:
         self._queue = metrics.queue_duration.labels(model, version)
         self._compute = metrics.compute_duration.labels(model, version)
         self._size = metrics.batch_size.labels(model, version)
+        self._ts, self._model, self._version = metrics.ts, model, version
 
     def queue_depth(self, items: int) -> None:
         self._depth.set(items)
@@ -138,9 +139,11 @@ class MetricsObserver:
         self._size.observe(items)
         for w in queue_waits:
             self._queue.observe(w)
+        self._ts.record_batch(self._model, self._version, queue_waits)
 
     def batch_finished(self, seconds: float) -> None:
         self._compute.observe(seconds)
+        self._ts.record_compute(self._model, self._version, seconds)
 
 
 def resident_bytes(pid: int | None = None) -> int | None:

@@ -175,6 +175,7 @@ def _record(
     seconds = time.perf_counter() - start
     duration.observe(seconds)
     book_of(plane.metrics).record(label_model, label_version, code == "200", seconds)
+    plane.metrics.ts.record_call(label_model, label_version, code, seconds)  # TorchServe's names
 
 
 async def run_call(

@@ -342,6 +342,9 @@ def run_worker(spec: WorkerSpec) -> int:
         ready_out.flush()
         return EXIT_LOAD_FAILED
     worker = Worker(spec, host, executor)
+    from mariner.server.control.ts_metrics import record_worker_load
+
+    record_worker_load(f"W-{spec.id}", load_seconds)  # TorchServe's WorkerLoadTime
     host.on_oom = worker.count_oom
     # torch and the model leave a large heap of long-lived objects; every batch allocates many
     # short-lived ones, so without freezing the former, each full collection walks them all

@@ -1,0 +1,266 @@
+"""`context.metrics` for handlers: TorchServe's metrics API, without the `ts` package.
+
+A TorchServe handler records its own metrics through `context.metrics` (`add_counter`,
+`add_time`, `add_size`, `add_percent`, `add_metric`, and the newer `add_metric_to_cache` /
+`get_metric(...).add_or_update(value, dimension_values)`). TorchServe prints them to its log
+and its frontend turns them into Prometheus metrics labelled by the metric's dimension names
+plus `Hostname`. Here they become prometheus_client metrics directly: in a worker process they
+are written to the multiprocess files and appear in the supervisor's merged /metrics; in the
+single-process server they live in `HANDLER_REGISTRY`, which `Metrics` renders.
+
+A bad call (wrong number of dimension values, a negative counter increment, a name Prometheus
+cannot carry) is logged and dropped, as TorchServe does: a metric never fails an inference.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mariner.server.control.ts_metrics import HOSTNAME, MetricSpec, TsMetricsSpec, current_spec, make_metric
+
+log = logging.getLogger("mariner.handler_metrics")
+
+_registry: Any = None
+_lock = threading.RLock()
+
+
+def handler_registry() -> Any:
+    """The process-wide registry of handler metrics (created on first use)."""
+    global _registry
+    with _lock:
+        if _registry is None:
+            from prometheus_client import CollectorRegistry
+
+            _registry = CollectorRegistry(auto_describe=True)
+        return _registry
+
+
+class MetricTypes(enum.Enum):
+    """TorchServe's `ts.metrics.metric_type_enum.MetricTypes`; theirs is accepted too."""
+
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class Dimension:
+    """TorchServe's `ts.metrics.dimension.Dimension`: a (name, value) pair."""
+
+    def __init__(self, name: str, value: str) -> None:
+        self.name = name
+        self.value = value
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.value}"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"Name": self.name, "Value": self.value}
+
+
+class MetricsCacheKeyError(KeyError):
+    """get_metric on a metric that was never declared nor added (TorchServe's error name)."""
+
+
+_UNITS = {"ms": "Milliseconds", "s": "Seconds", "percent": "Percent", "count": "Count",
+          "MB": "Megabytes", "GB": "Gigabytes", "kB": "Kilobytes", "B": "Bytes"}  # fmt: skip
+
+
+def _kind(metric_type: Any) -> str:
+    value = getattr(metric_type, "value", metric_type)
+    if value not in ("counter", "gauge", "histogram"):
+        raise ValueError(f"metric_type must be a MetricTypes member, not {metric_type!r}")
+    return str(value)
+
+
+def _dimension(d: Any) -> tuple[str, str]:
+    if isinstance(d, Mapping):
+        return str(d["Name"]), str(d["Value"])
+    if isinstance(d, tuple):
+        return str(d[0]), str(d[1])
+    return str(d.name), str(d.value)
+
+
+class HandlerMetric:
+    """One metric as `get_metric` / `add_metric_to_cache` return it."""
+
+    def __init__(self, name: str, unit: str, dimension_names: Sequence[str], kind: str) -> None:
+        self.metric_name = name
+        self.unit = unit
+        self.dimension_names = list(dimension_names)
+        self.metric_type = MetricTypes(kind)
+        spec = MetricSpec(name, kind, _UNITS.get(unit, unit), tuple(self.dimension_names))
+        self._metric: Any = make_metric(spec, (*self.dimension_names, "Hostname"), handler_registry())
+
+    def add_or_update(self, value: float, dimension_values: Sequence[str] = (), request_id: str = "") -> None:
+        """Counters add `value`, gauges are set to it, histograms observe it."""
+        values = [str(v) for v in dimension_values or ()]
+        if len(values) != len(self.dimension_names):
+            log.error("metric %s: dimension values %s do not match its dimensions %s; dropped",
+                      self.metric_name, values, self.dimension_names)  # fmt: skip
+            return
+        child = self._metric.labels(*values, HOSTNAME)
+        if self.metric_type is MetricTypes.COUNTER:
+            if value < 0:
+                log.error("metric %s: a counter cannot decrease (%s); dropped", self.metric_name, value)
+                return
+            child.inc(value)
+        elif self.metric_type is MetricTypes.GAUGE:
+            child.set(value)
+        else:
+            child.observe(value)
+
+    def update(self, value: float, request_id: str = "", dimensions: Sequence[Any] = ()) -> None:
+        """TorchServe's older form: dimensions as Dimension objects, in the declared order."""
+        self.add_or_update(value, [_dimension(d)[1] for d in dimensions], request_id)
+
+
+class HandlerMetrics:
+    """`context.metrics`: one per model instance; metrics are shared by name within a process."""
+
+    def __init__(self, model_name: str, spec: TsMetricsSpec | None = None) -> None:
+        self.model_name = model_name
+        self.request_ids: Any = None
+        self._spec = spec
+        self._cache: dict[tuple[str, str], HandlerMetric] = {}
+        self._declared = False
+
+    def _declare(self) -> None:
+        # The yaml's model_metrics exist before any handler writes them, as in TorchServe.
+        self._declared = True
+        for m in (self._spec or current_spec()).model:
+            self._put(m.name, m.unit, m.dimensions, m.kind)
+
+    def _put(self, name: str, unit: str, dims: Sequence[str], kind: str) -> HandlerMetric | None:
+        try:
+            metric = _shared(name, unit, tuple(dims), kind)
+        except ValueError as exc:  # an invalid Prometheus name or a clash with another type
+            log.error("metric %s (%s) cannot be exposed: %s; dropped", name, kind, exc)
+            return None
+        self._cache[(kind, name)] = metric
+        return metric
+
+    # -- the newer API ----------------------------------------------------------------------
+    def add_metric_to_cache(
+        self,
+        metric_name: str,
+        unit: str,
+        dimension_names: Sequence[str] = (),
+        metric_type: Any = MetricTypes.COUNTER,
+    ) -> HandlerMetric | None:
+        if not self._declared:
+            self._declare()
+        return self._put(
+            str(metric_name), str(unit), [str(d) for d in dimension_names or ()], _kind(metric_type)
+        )
+
+    def get_metric(self, metric_name: str, metric_type: Any = MetricTypes.COUNTER) -> HandlerMetric:
+        if not self._declared:
+            self._declare()
+        try:
+            return self._cache[(_kind(metric_type), metric_name)]
+        except KeyError:
+            raise MetricsCacheKeyError(
+                f"Metric of type '{_kind(metric_type)}' and name '{metric_name}' doesn't exist"
+            ) from None
+
+    # -- the classic API -------------------------------------------------------------------
+    def add_metric(
+        self,
+        name: str,
+        value: float,
+        unit: str = "",
+        idx: Any = None,
+        dimensions: Sequence[Any] | None = None,
+        metric_type: Any = MetricTypes.COUNTER,
+    ) -> None:
+        self._add(name, value, unit, dimensions, _kind(metric_type), model_level=True)
+
+    def add_counter(
+        self, name: str, value: float, idx: Any = None, dimensions: Sequence[Any] | None = None
+    ) -> None:
+        self._add(name, value, "count", dimensions, "counter", model_level=True)
+
+    def add_time(
+        self,
+        name: str,
+        value: float,
+        idx: Any = None,
+        unit: str = "ms",
+        dimensions: Sequence[Any] | None = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
+        if unit not in ("ms", "s"):
+            raise ValueError("the unit for a timed metric should be one of ['ms', 's']")
+        self._add(name, value, unit, dimensions, _kind(metric_type), model_level=True)
+
+    def add_size(
+        self,
+        name: str,
+        value: float,
+        idx: Any = None,
+        unit: str = "MB",
+        dimensions: Sequence[Any] | None = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
+        if unit not in ("MB", "kB", "GB", "B"):
+            raise ValueError("The unit for size based metric is one of ['MB','kB', 'GB', 'B']")
+        self._add(name, value, unit, dimensions, _kind(metric_type), model_level=True)
+
+    def add_percent(
+        self,
+        name: str,
+        value: float,
+        idx: Any = None,
+        dimensions: Sequence[Any] | None = None,
+        metric_type: Any = MetricTypes.GAUGE,
+    ) -> None:
+        self._add(name, value, "percent", dimensions, _kind(metric_type), model_level=True)
+
+    def add_error(self, name: str, value: float, dimensions: Sequence[Any] | None = None) -> None:
+        self._add(name, value, "", dimensions, "counter", model_level=False)
+
+    def _add(
+        self,
+        name: str,
+        value: float,
+        unit: str,
+        dimensions: Sequence[Any] | None,
+        kind: str,
+        *,
+        model_level: bool,
+    ) -> None:
+        """TorchServe adds ModelName and Level=Model (Level=Error for add_error) unless given."""
+        dims = dict(_dimension(d) for d in dimensions or ())
+        if model_level:
+            dims.setdefault("ModelName", self.model_name)
+            dims.setdefault("Level", "Model")
+        else:
+            dims.setdefault("Level", "Error")
+        if not self._declared:
+            self._declare()
+        metric = self._cache.get((kind, name))
+        if metric is None or metric.dimension_names != list(dims):
+            metric = self._put(name, unit, list(dims), kind)
+        if metric is not None:
+            metric.add_or_update(value, [dims[n] for n in metric.dimension_names])
+
+
+_shared_metrics: dict[tuple[str, str], HandlerMetric] = {}
+
+
+def _shared(name: str, unit: str, dims: tuple[str, ...], kind: str) -> HandlerMetric:
+    """One prometheus_client metric per name and type in a process (instances of one model, or
+    a re-declared metric, share it); a re-declaration with other dimensions is refused."""
+    with _lock:
+        existing = _shared_metrics.get((kind, name))
+        if existing is not None:
+            if tuple(existing.dimension_names) != dims:
+                raise ValueError(f"already declared with dimensions {existing.dimension_names}")
+            return existing
+        metric = HandlerMetric(name, unit, dims, kind)
+        _shared_metrics[(kind, name)] = metric
+        return metric

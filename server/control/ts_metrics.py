@@ -1,0 +1,419 @@
+"""TorchServe's metric names on Mariner's /metrics, so dashboards, alerts and autoscaling rules
+written for TorchServe keep working after the switch.
+
+TorchServe (metrics_mode=prometheus) exposes the metrics its `metrics.yaml` declares: the
+frontend's (`ts_metrics`: ts_inference_requests_total, Requests2XX, QueueTime, system metrics...)
+and the handlers' (`model_metrics`: HandlerTime, PredictionTime and whatever a handler adds
+through `context.metrics`). Names, types and label names are the contract; we keep them exactly,
+including TorchServe's quirks: counters whose sample is the bare name (`Requests2XX`, not
+`Requests2XX_total`) and declared metrics listed (HELP/TYPE) before they have a sample.
+
+prometheus_client appends `_total` to every counter sample and, in multiprocess mode, merges
+only what the processes wrote. So TorchServe counters are created under an internal name
+(`<name>:ts`: a colon never appears in a TorchServe name and stops prometheus_client from
+stripping a `_total` the name itself ends with), and `expose` renames them back when /metrics
+is rendered, adds the declared families nobody has written yet, and applies TorchServe's
+`name[]=` filter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mariner.metrics")
+
+# Set by the supervisor (from --metrics-config / metrics_config) so frontends and workers, which
+# inherit the environment, read the same file.
+METRICS_CONFIG_ENV = "MARINER_METRICS_CONFIG"
+COUNTER_SUFFIX = ":ts"
+HOSTNAME = socket.gethostname()
+KINDS = ("counter", "gauge", "histogram")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of a metrics.yaml: its name, Prometheus type, unit and label names."""
+
+    name: str
+    kind: str
+    unit: str
+    dimensions: tuple[str, ...]
+
+    @property
+    def help(self) -> str:
+        return f"TorchServe-compatible {self.kind} metric with unit: {self.unit}"
+
+
+_LH = ("Level", "Hostname")
+_MVH = ("model_name", "model_version", "hostname")
+
+
+def _m(name: str, kind: str, unit: str, dims: tuple[str, ...]) -> MetricSpec:
+    return MetricSpec(name, kind, unit, dims)
+
+
+# TorchServe 0.12's default ts/configs/metrics.yaml, as data (used when no metrics_config is set).
+DEFAULT_FRONTEND: tuple[MetricSpec, ...] = (
+    _m("Requests2XX", "counter", "Count", _LH),
+    _m("Requests4XX", "counter", "Count", _LH),
+    _m("Requests5XX", "counter", "Count", _LH),
+    _m("ts_inference_requests_total", "counter", "Count", _MVH),
+    _m("ts_inference_latency_microseconds", "counter", "Microseconds", _MVH),
+    _m("ts_queue_latency_microseconds", "counter", "Microseconds", _MVH),
+    _m("OpenSessions", "counter", "Count", ("hostname",)),
+    _m("QueueTime", "gauge", "Milliseconds", _LH),
+    _m("WorkerThreadTime", "gauge", "Milliseconds", _LH),
+    _m("WorkerLoadTime", "gauge", "Milliseconds", ("WorkerName", *_LH)),
+    _m("CPUUtilization", "gauge", "Percent", _LH),
+    _m("MemoryUsed", "gauge", "Megabytes", _LH),
+    _m("MemoryAvailable", "gauge", "Megabytes", _LH),
+    _m("MemoryUtilization", "gauge", "Percent", _LH),
+    _m("DiskUsage", "gauge", "Gigabytes", _LH),
+    _m("DiskUtilization", "gauge", "Percent", _LH),
+    _m("DiskAvailable", "gauge", "Gigabytes", _LH),
+    _m("GPUMemoryUtilization", "gauge", "Percent", ("Level", "DeviceId", "Hostname")),
+    _m("GPUMemoryUsed", "gauge", "Megabytes", ("Level", "DeviceId", "Hostname")),
+    _m("GPUUtilization", "gauge", "Percent", ("Level", "DeviceId", "Hostname")),
+)
+DEFAULT_MODEL: tuple[MetricSpec, ...] = (
+    _m("HandlerTime", "gauge", "ms", ("ModelName", "Level")),
+    _m("PredictionTime", "gauge", "ms", ("ModelName", "Level")),
+)
+
+
+@dataclass(frozen=True)
+class TsMetricsSpec:
+    """The frontend (`ts_metrics`) and model (`model_metrics`) sections of a metrics.yaml."""
+
+    frontend: tuple[MetricSpec, ...] = DEFAULT_FRONTEND
+    model: tuple[MetricSpec, ...] = DEFAULT_MODEL
+
+    def frontend_metric(self, name: str) -> MetricSpec | None:
+        return next((m for m in self.frontend if m.name == name), None)
+
+    def model_metric(self, name: str) -> MetricSpec | None:
+        return next((m for m in self.model if m.name == name), None)
+
+
+def _section(doc: Mapping[str, Any], key: str) -> tuple[MetricSpec, ...]:
+    section = doc.get(key) or {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"metrics config: '{key}' must map counter/gauge/histogram to lists")
+    out: list[MetricSpec] = []
+    for kind, entries in section.items():
+        if kind not in KINDS:
+            raise ValueError(f"metrics config: '{key}.{kind}' is not one of {', '.join(KINDS)}")
+        for entry in entries or ():
+            try:
+                dims = tuple(str(d) for d in entry.get("dimensions") or ())
+                out.append(MetricSpec(str(entry["name"]), kind, str(entry.get("unit", "")), dims))
+            except (KeyError, AttributeError, TypeError) as exc:
+                raise ValueError(f"metrics config: bad entry under '{key}.{kind}': {entry!r}") from exc
+    return tuple(out)
+
+
+def load_spec(path: str | Path | None) -> TsMetricsSpec:
+    """TorchServe's metrics.yaml format (its anchors included); the default without a path."""
+    if not path:
+        return TsMetricsSpec()
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"metrics config {path}: not a YAML mapping")
+    return TsMetricsSpec(_section(doc, "ts_metrics"), _section(doc, "model_metrics"))
+
+
+@lru_cache(maxsize=4)
+def _spec_for(path: str) -> TsMetricsSpec:
+    return load_spec(path or None)
+
+
+def use_metrics_config(path: str | Path | None) -> None:
+    """Serve the metrics.yaml at `path` (checked now, so a bad file fails the start with its
+    reason); the frontends and workers started later inherit it through the environment."""
+    if not path:
+        return
+    resolved = str(Path(path).resolve())
+    load_spec(resolved)
+    os.environ[METRICS_CONFIG_ENV] = resolved
+
+
+def current_spec() -> TsMetricsSpec:
+    """The spec this process serves: the file named by MARINER_METRICS_CONFIG, else the default."""
+    return _spec_for(os.environ.get(METRICS_CONFIG_ENV, ""))
+
+
+def label_values(dims: Sequence[str], known: Mapping[str, str]) -> tuple[str, ...]:
+    """A metric's label values by dimension name (a custom yaml may reorder or drop them)."""
+    return tuple(known.get(d, "") for d in dims)
+
+
+def make_metric(spec: MetricSpec, labelnames: Sequence[str], registry: Any) -> Any:
+    """The prometheus_client metric behind a TorchServe one (counters under their internal name).
+
+    Gauges keep the most recent value written by any process, as TorchServe's gauges do.
+    """
+    from prometheus_client import Counter, Gauge, Histogram
+
+    if spec.kind == "counter":
+        return Counter(spec.name + COUNTER_SUFFIX, spec.help, labelnames, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, labelnames, multiprocess_mode="mostrecent", registry=registry)
+    return Histogram(spec.name, spec.help, labelnames, registry=registry)
+
+
+class TsFrontendMetrics:
+    """The frontend's TorchServe metrics, fed from the measurements Mariner already takes."""
+
+    def __init__(self, registry: Any, spec: TsMetricsSpec | None = None) -> None:
+        self.spec = spec or current_spec()
+        self._metrics: dict[str, tuple[MetricSpec, Any]] = {}
+        for m in self.spec.frontend:
+            if m.name in SYSTEM_METRICS or m.name.startswith("GPU"):
+                continue  # sampled at scrape time by SystemMetrics
+            self._metrics[m.name] = (m, make_metric(m, m.dimensions, registry))
+        for m in self.spec.model:
+            if m.name == "PredictionTime":
+                self._metrics[m.name] = (m, make_metric(m, (*m.dimensions, "Hostname"), registry))
+        self._calls: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self._batches: dict[tuple[str, str], tuple[Any, ...]] = {}
+
+    def _child(self, name: str, known: Mapping[str, str]) -> Any:
+        entry = self._metrics.get(name)
+        if entry is None:
+            return None
+        spec, metric = entry
+        dims = spec.dimensions if name != "PredictionTime" else (*spec.dimensions, "Hostname")
+        return metric.labels(*label_values(dims, known))
+
+    def _known(self, model: str, version: str) -> dict[str, str]:
+        return {
+            "Level": "Host",
+            "Hostname": HOSTNAME,
+            "hostname": HOSTNAME,
+            "model_name": model,
+            "model_version": version,
+            "ModelName": model,
+        }
+
+    def record_call(self, model: str, version: str, code: str, seconds: float) -> None:
+        """One answered inference call: Requests<N>XX always; the per-model counters when the
+        model is served (TorchServe counts latency for answered requests only)."""
+        key = (model, version, code)
+        children = self._calls.get(key)
+        if children is None:
+            known = self._known(model, version)
+            klass = f"Requests{code[:1]}XX" if code[:1] in "245" else ""
+            served = model != "unknown"
+            children = (
+                self._child(klass, known) if klass else None,
+                self._child("ts_inference_requests_total", known) if served else None,
+                self._child("ts_inference_latency_microseconds", known) if served and code == "200" else None,
+            )
+            self._calls[key] = children
+        status, requests, latency = children
+        if status is not None:
+            status.inc()
+        if requests is not None:
+            requests.inc()
+        if latency is not None:
+            latency.inc(seconds * 1e6)
+
+    def record_batch(self, model: str, version: str, queue_waits: Sequence[float]) -> None:
+        """A batch left the queue: its requests' waits (QueueTime keeps the last, in ms)."""
+        key = (model, version)
+        children = self._batches.get(key)
+        if children is None:
+            known = self._known(model, version)
+            children = (self._child("ts_queue_latency_microseconds", known), self._child("QueueTime", known))
+            self._batches[key] = children
+        total, last = children
+        if queue_waits:
+            if total is not None:
+                total.inc(sum(queue_waits) * 1e6)
+            if last is not None:
+                last.set(round(queue_waits[-1] * 1000.0, 3))
+
+    def record_compute(self, model: str, version: str, seconds: float) -> None:
+        """A batch's handler time as the frontend measured it (TorchServe's PredictionTime and
+        WorkerThreadTime are both per-batch times in ms)."""
+        known = {**self._known(model, version), "Level": "Model"}
+        child = self._child("PredictionTime", known)
+        if child is not None:
+            child.set(round(seconds * 1000.0, 2))
+
+    def record_load(self, worker: str, seconds: float) -> None:
+        child = self._child("WorkerLoadTime", {**self._known("", ""), "WorkerName": worker})
+        if child is not None:
+            child.set(round(seconds * 1000.0))
+
+
+SYSTEM_METRICS = (
+    "CPUUtilization",
+    "MemoryUsed",
+    "MemoryAvailable",
+    "MemoryUtilization",
+    "DiskUsage",
+    "DiskUtilization",
+    "DiskAvailable",
+)
+
+
+class SystemMetrics:
+    """TorchServe's host metrics, sampled when /metrics is scraped (TorchServe samples them once
+    a minute in a subprocess). GPU metrics stay declared without samples: the supervisor that
+    serves /metrics never touches CUDA (see TRAPS.md), and Mariner's own per-device
+    mariner_gpu_memory_allocated_bytes comes from the workers that use the GPU."""
+
+    def __init__(self, spec: TsMetricsSpec, disk_path: str = "/") -> None:
+        self.spec = spec
+        self.disk_path = disk_path
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        values = _host_values(self.disk_path)
+        for m in self.spec.frontend:
+            if m.name not in values:
+                continue
+            family = GaugeMetricFamily(m.name, m.help, labels=m.dimensions)
+            family.add_metric(label_values(m.dimensions, {"Level": "Host", "Hostname": HOSTNAME}),
+                              values[m.name])  # fmt: skip
+            yield family
+
+
+def _host_values(disk_path: str) -> dict[str, float]:
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with the server's dependencies
+        return {}
+    mem = psutil.virtual_memory()
+    disk = psutil.disk_usage(disk_path)
+    return {
+        "CPUUtilization": float(psutil.cpu_percent(interval=None)),
+        "MemoryUsed": mem.used / 1024**2,
+        "MemoryAvailable": mem.available / 1024**2,
+        "MemoryUtilization": float(mem.percent),
+        "DiskUsage": disk.used / 1024**3,
+        "DiskUtilization": float(disk.percent),
+        "DiskAvailable": disk.free / 1024**3,
+    }
+
+
+def expose(
+    families: Iterable[Any], spec: TsMetricsSpec, *, openmetrics: bool, names: Sequence[str] = ()
+) -> list[Any]:
+    """Collected families as TorchServe names them, plus its declared families not yet written,
+    filtered to `names` (TorchServe's `name[]=`; a `mariner_*` counter matches with or without
+    `_total`) when any are given.
+
+    In OpenMetrics a counter's sample must end in `_total`, so a TorchServe counter whose name does
+    not (`Requests2XX`) is typed `unknown` there: the series keeps its exact name, which is what
+    dashboards query; in the text format it stays a `counter`, as TorchServe serves it.
+    """
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.samples import Sample
+
+    out: list[Any] = []
+    seen: dict[str, Any] = {}
+    for family in families:
+        if family.type == "counter" and family.name.endswith(COUNTER_SUFFIX):
+            name = family.name[: -len(COUNTER_SUFFIX)]
+            fixed = _ts_counter(name, family.documentation, openmetrics)
+            fixed.samples = [
+                Sample(name, s.labels, s.value, s.timestamp, s.exemplar)
+                for s in family.samples
+                if s.name.endswith("_total")
+            ]
+            family = fixed
+        first = seen.get(family.name)
+        if first is not None:  # declared in two registries (the single-process server): one family
+            first.samples.extend(family.samples)
+            continue
+        seen[family.name] = family
+        out.append(family)
+    for m in (*spec.frontend, *spec.model):
+        if m.name not in seen and not (openmetrics and m.name.endswith("_total") and m.name[:-6] in seen):
+            out.append(
+                _ts_counter(m.name, m.help, openmetrics)
+                if m.kind == "counter"
+                else Metric(m.name, m.help, m.kind)
+            )
+    if names:
+        wanted = set(names)
+        out = [
+            f for f in out if f.name in wanted or f"{f.name}_total" in wanted or _exposed_name(f) in wanted
+        ]
+    return out
+
+
+def _ts_counter(name: str, documentation: str, openmetrics: bool) -> Any:
+    from prometheus_client.metrics_core import Metric
+
+    if not openmetrics:
+        # prometheus_client's text encoder writes a counter's HELP/TYPE as `<name>_total`;
+        # `text_exposition` writes these under their own name (see there).
+        family = Metric(name, documentation, "unknown")
+        family.ts_counter = True  # type: ignore[attr-defined]
+        return family
+    if name.endswith("_total"):
+        return Metric(name[: -len("_total")], documentation, "counter")
+    return Metric(name, documentation, "unknown")
+
+
+def _exposed_name(family: Any) -> str:
+    return family.samples[0].name if family.samples else family.name
+
+
+def text_exposition(families: Sequence[Any]) -> bytes:
+    """The Prometheus text format (0.0.4), with TorchServe's counters typed `counter` under
+    their exact names, as TorchServe serves them (`# TYPE Requests2XX counter` then
+    `Requests2XX{...} 13.0`), which prometheus_client's encoder never writes."""
+    from prometheus_client.exposition import generate_latest
+
+    out: list[bytes] = []
+    plain: list[Any] = []
+    for family in families:
+        if not getattr(family, "ts_counter", False):
+            plain.append(family)
+            continue
+        if plain:
+            out.append(generate_latest(Families(plain)))
+            plain = []
+        text = generate_latest(Families([family]))
+        untyped = f"# TYPE {family.name} untyped\n".encode()
+        out.append(text.replace(untyped, f"# TYPE {family.name} counter\n".encode(), 1))
+    if plain:
+        out.append(generate_latest(Families(plain)))
+    return b"".join(out)
+
+
+class Families:
+    """A registry-shaped holder of already-collected families, for prometheus_client's encoders."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
+
+
+def record_worker_load(worker: str, seconds: float) -> None:
+    """A model worker process's load time as TorchServe's WorkerLoadTime (ms), written to the
+    multiprocess files the supervisor's /metrics merges; nothing without multiprocess mode."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    spec = current_spec().frontend_metric("WorkerLoadTime")
+    if spec is None:
+        return
+    gauge = make_metric(spec, spec.dimensions, None)
+    known = {"Level": "Host", "Hostname": HOSTNAME, "hostname": HOSTNAME, "WorkerName": worker}
+    gauge.labels(*label_values(spec.dimensions, known)).set(round(seconds * 1000.0))
