@@ -88,11 +88,17 @@ def test_management_takes_archives_from_the_store_only(server: InProcessMariner)
 
 
 def test_management_is_refused_when_not_enabled(store: Path) -> None:
+    """TorchServe's answer while its model API is off: 405 for register and unregister."""
     srv = InProcessMariner(store, "digits_v1.mar").start()
     try:
         r = requests.post(f"{srv.management}/models", params={"url": "extra.mar"}, timeout=30)
-        assert r.status_code == 403
+        assert r.status_code == 405
         assert "--enable-model-management" in r.json()["message"]
+        (served,) = requests.get(f"{srv.management}/models", timeout=30).json()["models"]
+        gone = requests.delete(f"{srv.management}/models/{served['modelName']}", timeout=30)
+        assert gone.status_code == 405
+        url = f"{srv.http}/predictions/{served['modelName']}"
+        assert requests.post(url, data=BODY, headers=HDR, timeout=30).status_code == 200  # still served
     finally:
         srv.stop()
 
