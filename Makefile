@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools triton-venv kserve-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
+.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ java:
 # kubectl renders the kustomizations in the manifest tests (offline; no cluster needed).
 k8s-tools:
 	bash scripts/ensure_kubectl.sh
+
+# promtool lints the live /metrics exposition in the tests (binary only, into .tools/bin).
+promtool:
+	bash scripts/ensure_promtool.sh
 
 # tritonclient has its own venv: it needs protobuf < 7, and its `inference` stubs clash with ours.
 triton-venv:
@@ -92,7 +96,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: venv protos java k8s-tools triton-venv kserve-venv models lint
+test: venv protos java k8s-tools promtool triton-venv kserve-venv models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
