@@ -252,3 +252,104 @@ def test_mariner_bad_request_matches_torchserve(torchserve: StockTorchServe, mar
     ours = requests.post(f"{mariner.http}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
     assert ts.status_code == ours.status_code == 400
     assert ours.content == ts.content
+
+
+# -- Management: the same archive registered the same way is described and managed the same way --
+
+# Keys whose values must be equal on both servers. startupTimeout (TorchServe's 120 s default;
+# the worker start timeout Mariner enforces) and per-worker ids, pids, times and memory differ by
+# nature; maxRetryTimeoutInSec & co are TorchServe's defaults for features Mariner does not have.
+EQUAL_KEYS = (
+    "modelName", "modelVersion", "modelUrl", "runtime", "minWorkers", "maxWorkers", "batchSize",
+    "maxBatchDelay", "responseTimeout", "maxRetryTimeoutInSec", "clientTimeoutInMills", "parallelType",
+    "parallelLevel", "deviceType", "continuousBatching", "useJobTicket", "useVenv", "stateful",
+    "sequenceMaxIdleMSec", "sequenceTimeoutMSec", "maxNumSequence", "maxSequenceJobQueueSize",
+    "loadedAtStartup",
+)  # fmt: skip
+MANAGED = "digits_onnx"
+
+
+@pytest.fixture(scope="module")
+def managed_mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
+    """Mariner with model management, `MANAGED` registered exactly as the oracle registered it
+    (batch size 8, delay 20 ms, one worker, through the management API)."""
+    from tests.integration.mariner_inproc import InProcessMariner
+
+    srv = InProcessMariner(model_store, "digits_torchscript.mar", enable_model_management=True).start()
+    try:
+        params = {"url": f"{MANAGED}.mar", "batch_size": 8, "max_batch_delay": 20, "initial_workers": 1}
+        r = requests.post(f"{srv.management}/models", params=params, timeout=120)
+        assert r.status_code == 200, r.text
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _management(base: str, method: str, path: str, **params: Any) -> requests.Response:
+    return requests.request(method, f"{base}{path}", params=params or None, timeout=120)
+
+
+def test_describe_has_torchserves_keys_order_and_values(
+    torchserve: StockTorchServe, managed_mariner: Any
+) -> None:
+    (stock,) = _management(torchserve.management_url, "GET", f"/models/{MANAGED}").json()
+    (ours,) = _management(managed_mariner.management, "GET", f"/models/{MANAGED}").json()
+    assert [k for k in ours if k != "mariner"] == list(stock)  # key set and order
+    for key in EQUAL_KEYS:
+        assert ours[key] == stock[key], f"{key}: Mariner {ours[key]!r}, TorchServe {stock[key]!r}"
+    assert isinstance(ours["startupTimeout"], int)
+    assert ours["startupTimeout"] > 0
+    assert [list(w) for w in ours["workers"]] == [list(w) for w in stock["workers"]]
+    assert [w["status"] for w in ours["workers"]] == [w["status"] for w in stock["workers"]] == ["READY"]
+    assert list(ours["jobQueueStatus"]) == list(stock["jobQueueStatus"])
+
+
+def test_management_answers_as_torchserve(torchserve: StockTorchServe, managed_mariner: Any) -> None:
+    """Same calls, same status codes and bodies: customized describe (the handler's answer and
+    status), a duplicate register, set-default, the OpenAPI document's envelope."""
+    calls: list[tuple[str, str, dict[str, Any]]] = [
+        ("GET", f"/models/{MANAGED}", {"customized": "true"}),
+        ("POST", "/models", {"url": f"{MANAGED}.mar"}),
+        ("PUT", f"/models/{MANAGED}/1.0/set-default", {}),
+        ("PUT", f"/models/{MANAGED}/9.9/set-default", {}),
+        ("PUT", f"/models/{MANAGED}", {"min_worker": 2, "max_worker": 1}),
+    ]
+    for method, path, params in calls:
+        stock = _management(torchserve.management_url, method, path, **params)
+        ours = _management(managed_mariner.management, method, path, **params)
+        assert ours.status_code == stock.status_code, f"{method} {path} {params}: {ours.text} vs {stock.text}"
+        if stock.status_code < 300:
+            if method == "GET":
+                assert ours.json()[0]["customizedMetadata"] == stock.json()[0]["customizedMetadata"]
+            else:
+                assert ours.json() == stock.json()
+    duplicate = _management(managed_mariner.management, "POST", "/models", url=f"{MANAGED}.mar")
+    stock_duplicate = _management(torchserve.management_url, "POST", "/models", url=f"{MANAGED}.mar")
+    assert duplicate.json()["message"] == stock_duplicate.json()["message"]
+    customized = _management(managed_mariner.management, "GET", f"/models/{MANAGED}", customized="true")
+    stock_customized = _management(torchserve.management_url, "GET", f"/models/{MANAGED}", customized="true")
+    assert customized.json()[0]["customizedMetadata"] == stock_customized.json()[0]["customizedMetadata"]
+    for ours_base, stock_base in (
+        (managed_mariner.management, torchserve.management_url),
+        (managed_mariner.http, torchserve.base_url),
+    ):
+        ours_doc = requests.options(f"{ours_base}/", timeout=30).json()
+        stock_doc = requests.options(f"{stock_base}/", timeout=30).json()
+        assert list(ours_doc) == list(stock_doc) == ["openapi", "info", "paths"]
+        assert ours_doc["openapi"] == stock_doc["openapi"]
+
+
+def test_asynchronous_register_answers_as_torchserve(
+    torchserve: StockTorchServe, managed_mariner: Any
+) -> None:
+    params = {"url": "digits_eager.mar", "synchronous": "false", "initial_workers": 1}
+    stock = _management(torchserve.management_url, "POST", "/models", **params)
+    ours = _management(managed_mariner.management, "POST", "/models", **params)
+    assert (
+        (ours.status_code, ours.json())
+        == (stock.status_code, stock.json())
+        == (
+            202,
+            {"status": "Processing worker updates..."},
+        )
+    )
