@@ -117,7 +117,7 @@ _HELP = {
     "slo_ms": "p99 latency SLO: histogram buckets are dense around it",
     "metrics_config": "TorchServe metrics.yaml naming the TorchServe metrics served on /metrics beside "
     "mariner_* (default: TorchServe's default metrics.yaml)",
-    "enable_model_management": "allow register/unregister/scale (archives from the model store only)",
+    "enable_model_management": "allow register/unregister (archives from the model store only)",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
     "access_log": "log one line per HTTP request",
     "pin_index": "refuse archives not listed with their sha256 in MODEL_STORE/index.json",
