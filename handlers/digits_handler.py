@@ -50,11 +50,16 @@ FORMATS = ("eager", "compiled", "torchscript", "aoti", "onnx")
 EXPLAINABLE = ("eager", "compiled", "torchscript")
 
 
-def _explaining(context: Any) -> bool:
+def _explaining(context: Any, data: list[Any]) -> bool:
     """TorchServe's frontend sets `explain: True` on /explanations and KServe `:explain` requests;
     as in BaseHandler._is_explain, request 0 decides for the batch (Mariner never mixes them)."""
     getter = getattr(context, "get_request_header", None)
-    return getter is not None and getter(0, "explain") == "True"
+    if getter is None or not data:
+        return False
+    try:
+        return getter(0, "explain") == "True"
+    except (IndexError, KeyError, AttributeError):  # a context that holds no headers for this batch
+        return False
 
 
 def _explain_target(row: Any, classes: int) -> int | None:
@@ -284,7 +289,7 @@ class DigitsHandler:
         Mariner's Open Inference Protocol path, `{"tensors": {"pixels": array [N, 64]}}`,
         answered with `{"tensors": {"logits", "probabilities", "label"}}` as arrays (no JSON).
         """
-        if _explaining(context):
+        if _explaining(context, data):
             return self.explain_handle(data, context)
         results: list[Any] = [None] * len(data)
         spans: list[tuple[int, int, int, bool]] = []  # (request index, first row, end row, tensor?)
