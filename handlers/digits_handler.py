@@ -397,7 +397,7 @@ class DigitsHandler:
                 "label": int(predicted[k]),
                 "target": wanted[k],
                 "method": "input_gradient",
-                "saliency": np.round(saliency[k], 6).tolist(),
+                "saliency": np.round(saliency[k].astype(np.float64), 6).tolist(),
             }
         return results
 
