@@ -49,14 +49,15 @@ def parse_part_headers(head: bytes) -> PartHeaders:
 
 def _header_fields(head: bytes) -> dict[str, str]:
     """Unfolded header fields by lower-cased name, the first of each name only."""
-    lines: list[bytes] = []
+    folded: list[list[bytes]] = []  # joined once below: `+=` per fold would copy quadratically
     for line in _LINE_END.split(head):
-        if line.startswith(_FOLD) and lines:
-            lines[-1] += line
+        if line.startswith(_FOLD) and folded:
+            folded[-1].append(line)
         else:
-            lines.append(line)
+            folded.append([line])
     fields: dict[str, str] = {}
-    for line in lines:
+    for pieces in folded:
+        line = b"".join(pieces)
         name, colon, value = line.partition(b":")
         if not colon or b" " in name or b"\t" in name:
             break  # not a header: the email parser ended the block here too
