@@ -24,7 +24,6 @@ from starlette.routing import Route
 
 from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
 from mariner.server.control.openapi import api_description_routes
-from mariner.server.protocols.oip import http_ext as oip_http_ext
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import register_call_overrides
 from mariner.server.core.types import WireProtocol
@@ -37,6 +36,7 @@ from mariner.server.protocols.http_common import (
     make_guard,
     read_body,
 )
+from mariner.server.protocols.oip import http_ext as oip_http_ext
 from mariner.server.protocols.torchserve.forms import decode_value, mime_type
 
 if TYPE_CHECKING:
