@@ -67,7 +67,6 @@ DEFAULT_FRONTEND: tuple[MetricSpec, ...] = (
     _m("ts_inference_requests_total", "counter", "Count", _MVH),
     _m("ts_inference_latency_microseconds", "counter", "Microseconds", _MVH),
     _m("ts_queue_latency_microseconds", "counter", "Microseconds", _MVH),
-    _m("OpenSessions", "counter", "Count", ("hostname",)),
     _m("QueueTime", "gauge", "Milliseconds", _LH),
     _m("WorkerThreadTime", "gauge", "Milliseconds", _LH),
     _m("WorkerLoadTime", "gauge", "Milliseconds", ("WorkerName", *_LH)),
