@@ -143,6 +143,7 @@ class Metrics:
         """This process's samples, handler metrics and host metrics included, in the format
         `accept` asks for (OpenMetrics or Prometheus text), restricted to `names` if any."""
         self._sample_gpu()
+        self.ts.flush()
         from mariner.server.control.ts_handler_metrics import handler_registry
 
         spec = self.ts.spec

@@ -18,6 +18,7 @@ is rendered, adds the declared families nobody has written yet, and applies Torc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -182,7 +183,9 @@ class TsFrontendMetrics:
         for m in self.spec.model:
             if m.name == "PredictionTime":
                 self._metrics[m.name] = (m, make_metric(m, (*m.dimensions, "Hostname"), registry))
-        self._calls: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self._calls: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+        self._pending: dict[tuple[str, str, str], list[Any]] = {}  # calls not yet written: [n, seconds]
+        self._flush_scheduled = False
         self._batches: dict[tuple[str, str], tuple[Any, ...]] = {}
 
     def _child(self, name: str, known: Mapping[str, str]) -> Any:
@@ -205,12 +208,47 @@ class TsFrontendMetrics:
 
     def record_call(self, model: str, version: str, code: str, seconds: float) -> None:
         """One answered inference call: Requests<N>XX always; the per-model counters when the
-        model is served (TorchServe counts latency for answered requests only)."""
+        model is served (TorchServe counts latency for answered requests only).
+
+        On the hot path, so calls are summed in a dict and written to the Prometheus values once
+        per event-loop turn (`flush`): in multiprocess mode each write is a locked mmap update,
+        and a batch's requests finish in the same turn. Without a running loop, written at once.
+        """
+        key = (model, version, code)
+        pending = self._pending.get(key)
+        if pending is None:
+            self._pending[key] = [1, seconds]
+        else:
+            pending[0] += 1
+            pending[1] += seconds
+        if not self._flush_scheduled:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._flush_scheduled = True
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write the calls summed since the last flush (a scrape of this process flushes first)."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for key, (count, seconds) in pending.items():
+            status, requests, latency = self._call_children(*key)
+            if status is not None:
+                status.inc(count)
+            if requests is not None:
+                requests.inc(count)
+            if latency is not None:
+                latency.inc(seconds * 1e6)
+
+    def _call_children(self, model: str, version: str, code: str) -> tuple[Any, Any, Any]:
         key = (model, version, code)
         children = self._calls.get(key)
         if children is None:
             known = self._known(model, version)
-            klass = f"Requests{code[:1]}XX" if code[:1] in "245" else ""
+            klass = f"Requests{code[:1]}XX" if code[:1] in ("2", "4", "5") else ""
             served = model != "unknown"
             children = (
                 self._child(klass, known) if klass else None,
@@ -218,13 +256,7 @@ class TsFrontendMetrics:
                 self._child("ts_inference_latency_microseconds", known) if served and code == "200" else None,
             )
             self._calls[key] = children
-        status, requests, latency = children
-        if status is not None:
-            status.inc()
-        if requests is not None:
-            requests.inc()
-        if latency is not None:
-            latency.inc(seconds * 1e6)
+        return children
 
     def record_batch(self, model: str, version: str, queue_waits: Sequence[float]) -> None:
         """A batch left the queue: its requests' waits (QueueTime keeps the last, in ms)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,21 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerProcess]
             assert ok.status_code == 200, ok.text
         missing = requests.post(f"{srv.http_url}/predictions/nosuch", data=b"{}", timeout=TIMEOUT)
         assert missing.status_code == 404
+        wait_until_counted(srv)
         yield srv
+
+
+def wait_until_counted(srv: MarinerProcess, cap_s: float = 60.0) -> None:
+    """A frontend writes its TorchServe counters once per event-loop turn, just after answering:
+    wait for the four calls to be written (bounded) before linting the scrape."""
+    deadline = time.monotonic() + cap_s
+    while True:
+        families = parse_exposition(scrape(srv).text)
+        if families["Requests2XX"].label_sets and families["Requests4XX"].label_sets:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail("the calls never appeared in Requests2XX / Requests4XX")
+        time.sleep(0.1)
 
 
 def scrape(srv: MarinerProcess, **kwargs: object) -> requests.Response:
