@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
 
-from mariner.server.control import ts_metrics
+from mariner.server.control import ts_exposition, ts_metrics
 
 # prometheus_client's multiprocess mode: every process writes its samples to files in this dir,
 # and the supervisor's /metrics merges them. It must be set before prometheus_client is imported.
@@ -204,10 +204,10 @@ def encode(families: list[Any], spec: ts_metrics.TsMetricsSpec, accept: str | No
     """Families in the negotiated format, TorchServe's names restored (see ts_metrics.expose)."""
     encoder, content_type = choose_encoder(accept or "")
     openmetrics = content_type.startswith("application/openmetrics-text")
-    exposed = ts_metrics.expose(families, spec, openmetrics=openmetrics, names=names)
+    exposed = ts_exposition.expose(families, spec, openmetrics=openmetrics, names=names)
     if openmetrics:
-        return encoder(ts_metrics.Families(exposed)), content_type
-    return ts_metrics.text_exposition(exposed), content_type
+        return encoder(ts_exposition.Families(exposed)), content_type
+    return ts_exposition.text_exposition(exposed), content_type
 
 
 def render_multiprocess() -> bytes:

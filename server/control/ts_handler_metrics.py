@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,6 +85,11 @@ def _dimension(d: Any) -> tuple[str, str]:
     return str(d.name), str(d.value)
 
 
+def _prometheus_name(name: str) -> str:
+    cleaned = re.sub(r"[^a-zA-Z0-9_]", "_", name)
+    return cleaned if cleaned[:1].isalpha() or cleaned[:1] == "_" else f"_{cleaned}"
+
+
 class HandlerMetric:
     """One metric as `get_metric` / `add_metric_to_cache` return it."""
 
@@ -92,8 +98,11 @@ class HandlerMetric:
         self.unit = unit
         self.dimension_names = list(dimension_names)
         self.metric_type = MetricTypes(kind)
-        spec = MetricSpec(name, kind, _UNITS.get(unit, unit), tuple(self.dimension_names))
-        self._metric: Any = make_metric(spec, (*self.dimension_names, "Hostname"), handler_registry())
+        # Prometheus names are [a-zA-Z_][a-zA-Z0-9_]*: other characters become "_" (as the
+        # exposition would escape them), so every format shows the same names.
+        spec = MetricSpec(_prometheus_name(name), kind, _UNITS.get(unit, unit), tuple(self.dimension_names))
+        labels = (*(_prometheus_name(d) for d in self.dimension_names), "Hostname")
+        self._metric: Any = make_metric(spec, labels, handler_registry())
 
     def add_or_update(self, value: float, dimension_values: Sequence[str] = (), request_id: str = "") -> None:
         """Counters add `value`, gauges are set to it, histograms observe it."""
@@ -118,6 +127,21 @@ class HandlerMetric:
         self.add_or_update(value, [_dimension(d)[1] for d in dimensions], request_id)
 
 
+class DroppedMetric:
+    """What a handler gets for a metric that cannot be exposed (logged once): its updates are
+    ignored, so the handler's code runs on as it does on TorchServe."""
+
+    def __init__(self, name: str, dimension_names: list[str]) -> None:
+        self.metric_name = name
+        self.dimension_names = dimension_names
+
+    def add_or_update(self, value: float, dimension_values: Sequence[str] = (), request_id: str = "") -> None:
+        pass
+
+    def update(self, value: float, request_id: str = "", dimensions: Sequence[Any] = ()) -> None:
+        pass
+
+
 class HandlerMetrics:
     """`context.metrics`: one per model instance; metrics are shared by name within a process."""
 
@@ -134,12 +158,12 @@ class HandlerMetrics:
         for m in (self._spec or current_spec()).model:
             self._put(m.name, m.unit, m.dimensions, m.kind)
 
-    def _put(self, name: str, unit: str, dims: Sequence[str], kind: str) -> HandlerMetric | None:
+    def _put(self, name: str, unit: str, dims: Sequence[str], kind: str) -> HandlerMetric | DroppedMetric:
         try:
-            metric = _shared(name, unit, tuple(dims), kind)
+            metric: HandlerMetric | DroppedMetric = _shared(name, unit, tuple(dims), kind)
         except ValueError as exc:  # an invalid Prometheus name or a clash with another type
             log.error("metric %s (%s) cannot be exposed: %s; dropped", name, kind, exc)
-            return None
+            metric = DroppedMetric(name, list(dims))
         self._cache[(kind, name)] = metric
         return metric
 
@@ -150,14 +174,16 @@ class HandlerMetrics:
         unit: str,
         dimension_names: Sequence[str] = (),
         metric_type: Any = MetricTypes.COUNTER,
-    ) -> HandlerMetric | None:
+    ) -> HandlerMetric | DroppedMetric:
         if not self._declared:
             self._declare()
         return self._put(
             str(metric_name), str(unit), [str(d) for d in dimension_names or ()], _kind(metric_type)
         )
 
-    def get_metric(self, metric_name: str, metric_type: Any = MetricTypes.COUNTER) -> HandlerMetric:
+    def get_metric(
+        self, metric_name: str, metric_type: Any = MetricTypes.COUNTER
+    ) -> HandlerMetric | DroppedMetric:
         if not self._declared:
             self._declare()
         try:
@@ -245,8 +271,7 @@ class HandlerMetrics:
         metric = self._cache.get((kind, name))
         if metric is None or metric.dimension_names != list(dims):
             metric = self._put(name, unit, list(dims), kind)
-        if metric is not None:
-            metric.add_or_update(value, [dims[n] for n in metric.dimension_names])
+        metric.add_or_update(value, [dims[n] for n in metric.dimension_names])
 
 
 _shared_metrics: dict[tuple[str, str], HandlerMetric] = {}

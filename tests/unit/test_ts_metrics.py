@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from mariner.server.config import load_config
-from mariner.server.control import ts_metrics
+from mariner.server.control import ts_exposition, ts_metrics
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.control.ts_handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
 from mariner.server.core.context import Context
@@ -177,7 +177,9 @@ def test_a_metrics_yaml_decides_names_and_labels(tmp_path: Path) -> None:
     ts.record_call("digits", "1", "200", 0.001)
     ts.record_compute("digits", "1", 0.002)
     ts.record_batch("digits", "1", [0.001])  # not declared in this yaml: nothing to record
-    text = ts_metrics.text_exposition(ts_metrics.expose(registry.collect(), spec, openmetrics=False)).decode()
+    text = ts_exposition.text_exposition(
+        ts_exposition.expose(registry.collect(), spec, openmetrics=False)
+    ).decode()
     families = parse_exposition(text)
     assert set(families) == {"ts_inference_requests_total", "PredictionTime"}
     assert families["ts_inference_requests_total"].label_sets == {frozenset({"model_name", "Hostname"})}
@@ -243,6 +245,19 @@ def test_context_metrics_cache_api_and_its_errors(caplog: pytest.LogCaptureFixtu
     assert sample(text, "UnitHist_count", Stage="pre") == 1.0
     with pytest.raises(MetricsCacheKeyError):
         ctx.metrics.get_metric("UnitCached", MetricTypes.GAUGE)
+    # A name Prometheus cannot carry gets "_" for its odd characters, the same in every format.
+    ctx.metrics.add_counter("unit-odd name", 1)
+    text = handler_text()
+    assert "# TYPE unit_odd_name counter\n" in text
+    assert sample(text, "unit_odd_name", ModelName="unit_model") == 1.0
+    ctx.metrics.add_metric_to_cache("UnitOddLabel", "count", ["odd label"]).add_or_update(1, ["x"])
+    assert sample(handler_text(), "UnitOddLabel", odd_label="x") == 1.0
+    # Prometheus cannot change a family's labels: a re-declaration with others is logged and
+    # dropped, and the handler's code runs on.
+    with caplog.at_level(logging.ERROR):
+        ctx.metrics.add_metric_to_cache("UnitCached", "count", ["Other"]).add_or_update(9, ["y"])
+    assert "UnitCached (counter) cannot be exposed" in caplog.text
+    assert sample(handler_text(), "UnitCached", Other="y") is None
     # The yaml's model metrics are there before the handler writes them.
     assert ctx.metrics.get_metric("HandlerTime", MetricTypes.GAUGE).dimension_names == ["ModelName", "Level"]
 
