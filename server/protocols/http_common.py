@@ -72,6 +72,23 @@ def error_response(
     return Response(body, code, hdrs, media_type=JSON)
 
 
+# -- JSON and errors (the Open Inference Protocol's and KServe v1's shape) ---------------------
+def compact_json(obj: Any) -> bytes:
+    """JSON without whitespace, as OIP and KServe clients are sent it."""
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def compact_json_response(obj: Any, status: int = 200) -> Response:
+    return Response(compact_json(obj), status, media_type=JSON)
+
+
+def error_json_response(err: ServingError, status: int | None = None) -> Response:
+    """`{"error": message}`, the error shape of OIP (tritonclient decodes it) and of KServe v1;
+    Retry-After when overloaded."""
+    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if err.code is Code.RESOURCE_EXHAUSTED else None
+    return Response(compact_json({"error": err.message}), status or err.http_status, headers, media_type=JSON)
+
+
 def body_too_large(limit: int) -> ServingError:
     """What a 413 says, on every protocol: the limit and the setting that raises it."""
     return ServingError(

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
+from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.protocols.http_common import (
@@ -45,6 +45,9 @@ from mariner.server.protocols.http_common import (
     DEFAULT_MAX_HEADERS,
     JSON,
     NOT_READY_STATUS,
+    compact_json,
+    compact_json_response,
+    error_json_response,
     make_guard,
     offload_if_large,
     read_body,
@@ -63,21 +66,7 @@ EXPLAIN_HEADER = "explain"
 MAX_INSTANCES = 1024
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
-
-
-def error_response(err: ServingError, status: int | None = None) -> Response:
-    """KServe's error shape `{"error": message}`; Retry-After when overloaded."""
-    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if err.code is Code.RESOURCE_EXHAUSTED else None
-    return Response(_dumps({"error": err.message}), status or err.http_status, headers, media_type=JSON)
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_dumps(obj), status, media_type=JSON)
-
-
-_guarded = make_guard("KServe v1", log, error_response)
+_guarded = make_guard("KServe v1", log, error_json_response)
 
 
 def parse_instances(body: bytes) -> list[Any]:
@@ -131,17 +120,17 @@ def routes(
     """KServe v1's routes; `max_body_bytes` and `max_headers` as for TorchServe's /predictions."""
 
     async def live(request: Request) -> Response:
-        return _json({"status": "alive"})
+        return compact_json_response({"status": "alive"})
 
     async def list_models(request: Request) -> Response:
         names = sorted({info.name for info in dataplane.models()})
-        return _json({"models": names})
+        return compact_json_response({"models": names})
 
     async def model_ready(request: Request) -> Response:
         model: str = request.path_params["model"]
         dataplane.resolve(model)  # 404 for a model not served
         ready = dataplane.model_ready(model)
-        return _json({"name": model, "ready": ready}, 200 if ready else NOT_READY_STATUS)
+        return compact_json_response({"name": model, "ready": ready}, 200 if ready else NOT_READY_STATUS)
 
     def call(explain: bool) -> Any:
         key = "explanations" if explain else "predictions"
@@ -173,7 +162,7 @@ def routes(
                     for task in tasks:
                         task.cancel()
                 out = {key: [answer_value(r) for r in results]}
-                return Response(_dumps(out), 200, {"x-request-id": request_id}, media_type=JSON)
+                return Response(compact_json(out), 200, {"x-request-id": request_id}, media_type=JSON)
 
             outcome = await run_call(
                 dataplane, PROTOCOL, model, None, work, what=f"answering a KServe v1 {key} request"
@@ -182,7 +171,7 @@ def routes(
                 return outcome.value
             if outcome.cancelled:
                 return Response(status_code=CANCELLED_STATUS)
-            return error_response(outcome.error, outcome.http_status)
+            return error_json_response(outcome.error, outcome.http_status)
 
         return endpoint
 

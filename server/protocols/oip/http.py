@@ -34,7 +34,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
 from mariner.server.core.tensors import ModelSignature, bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
@@ -43,6 +42,9 @@ from mariner.server.protocols.http_common import (
     JSON,
     NOT_READY_STATUS,
     BodyTooLarge,
+    compact_json,
+    compact_json_response,
+    error_json_response,
     infer_unless_client_gone,
     make_guard,
     offload_if_large,
@@ -60,21 +62,7 @@ _OCTETS = "application/octet-stream"
 _OFFLOAD_ELEMENTS = 64 * 1024
 
 
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
-
-
-def error_response(err: ServingError, status: int | None = None) -> Response:
-    """`{"error": message}` as the protocol (and tritonclient) expects; Retry-After when overloaded."""
-    headers = {"retry-after": str(RETRY_AFTER_SECONDS)} if err.code is Code.RESOURCE_EXHAUSTED else None
-    return Response(_dumps({"error": err.message}), status or err.http_status, headers, media_type=JSON)
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_dumps(obj), status, media_type=JSON)
-
-
-_guarded = make_guard("OIP", log, error_response)
+_guarded = make_guard("OIP", log, error_json_response)
 
 
 # -- request decoding -------------------------------------------------------------------------
@@ -260,7 +248,7 @@ def encode_response(
         else:
             entry["data"] = data
         entries.append(entry)
-    head = _dumps({**header, "outputs": entries})
+    head = compact_json({**header, "outputs": entries})
     if not parts:
         return head, None
     return b"".join([head, *parts]), len(head)
@@ -274,25 +262,25 @@ def routes(
     max_elements = oip.element_cap(max_body_bytes)
 
     async def server_metadata(request: Request) -> Response:
-        return _json(oip.server_metadata())
+        return compact_json_response(oip.server_metadata())
 
     async def live(request: Request) -> Response:
         ok = dataplane.is_live()
-        return _json({"live": ok}, 200 if ok else NOT_READY_STATUS)
+        return compact_json_response({"live": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def ready(request: Request) -> Response:
         ok = dataplane.is_ready()
-        return _json({"ready": ok}, 200 if ok else NOT_READY_STATUS)
+        return compact_json_response({"ready": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def model_metadata(request: Request) -> Response:
         p = request.path_params
-        return _json(oip.model_metadata(dataplane, p["model"], p.get("version")))
+        return compact_json_response(oip.model_metadata(dataplane, p["model"], p.get("version")))
 
     async def model_ready(request: Request) -> Response:
         p = request.path_params
         handle = dataplane.resolve(p["model"], p.get("version"))  # unknown: 404
         ok = dataplane.model_ready(handle.name, handle.version)
-        return _json({"name": handle.name, "ready": ok}, 200 if ok else NOT_READY_STATUS)
+        return compact_json_response({"name": handle.name, "ready": ok}, 200 if ok else NOT_READY_STATUS)
 
     async def run_infer(request: Request, infer: Infer) -> Response:
         p = request.path_params
@@ -349,7 +337,7 @@ def routes(
             return outcome.value
         if outcome.cancelled:
             return Response(status_code=CANCELLED_STATUS)  # nobody reads it
-        return error_response(outcome.error, outcome.http_status)
+        return error_json_response(outcome.error, outcome.http_status)
 
     from mariner.server.protocols.oip import http_ext  # it builds on this module's helpers
 

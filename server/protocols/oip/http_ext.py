@@ -21,9 +21,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.protocols.http_common import JSON, read_body
+from mariner.server.protocols.http_common import JSON, error_json_response, read_body
 from mariner.server.protocols.oip import triton_ext
-from mariner.server.protocols.oip.http import _guarded, error_response
+from mariner.server.protocols.oip.http import _guarded
 
 # Repository request bodies are a few parameters; more is refused.
 MAX_REPOSITORY_BODY_BYTES = 64 * 1024
@@ -67,11 +67,11 @@ def fallback(routes: Sequence[BaseRoute]) -> Route:
                 f"method {request.method} is not allowed on {request.url.path}; "
                 f"use {', '.join(sorted(allowed))}",
             )
-            response = error_response(err, 405)
+            response = error_json_response(err, 405)
             response.headers["allow"] = ", ".join(sorted(allowed))
             return response
         err = ServingError(Code.NOT_FOUND, f"no such Open Inference Protocol endpoint: {request.url.path}")
-        return error_response(err)
+        return error_json_response(err)
 
     return Route("/v2/{rest:path}", unmatched, methods=_ALL_METHODS)
 
