@@ -32,6 +32,11 @@ OPEN_HTTP_HEALTH_PATHS = frozenset({"/ping", "/healthz", "/readyz", "/v2/health/
 # are third-party code; a token they can read is a token they can leak). Lower-case, as HTTP
 # header names reach us from uvicorn and gRPC metadata keys are.
 CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization"})
+# Headers only the server sets: TorchServe's mode switches that BaseHandler-style handlers read
+# (`explain: True` on explanation routes, `describe: True` for a customized describe). A client
+# sending them on a prediction must not flip the handler into another path.
+SERVER_SET_HEADERS = frozenset({"explain", "describe"})
+HIDDEN_FROM_HANDLERS = CREDENTIAL_HEADERS | SERVER_SET_HEADERS
 # TLS 1.2 suites HTTP accepts: forward-secret AEAD only, as gRPC's BoringSSL defaults are (no CBC,
 # no static RSA key exchange). TLS 1.3 suites are all AEAD and are not restricted by this string.
 HTTP_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.protocols.call import CallerGone, CallPlane, Refused
-from mariner.server.security import CREDENTIAL_HEADERS
+from mariner.server.security import HIDDEN_FROM_HANDLERS
 
 T = TypeVar("T")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -174,13 +174,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def request_headers(request: Request, limit: int) -> dict[str, str]:
     """The first `limit` request headers, as the handler sees them: credentials (the bearer
-    token, CREDENTIAL_HEADERS) are checked by the server and never reach handler code."""
+    token) are checked by the server and never reach handler code, and the mode switches only
+    the server sets (`explain`, `describe`) are dropped (HIDDEN_FROM_HANDLERS)."""
     # ASGI servers deliver header names lower-cased already (the spec requires it).
     raw = request.scope["headers"]
     if len(raw) > limit:
         raw = raw[:limit]
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
-    for name in CREDENTIAL_HEADERS:
+    for name in HIDDEN_FROM_HANDLERS:
         headers.pop(name, None)
     return headers
 

@@ -193,3 +193,15 @@ def test_credentials_never_reach_handlers_over_http_or_grpc() -> None:
     assert request_headers(Request(scope), 100) == {"x-request-id": "r1"}
     metadata = [("authorization", "Bearer secret"), ("x-request-id", "r1")]
     assert grpc_request_headers(metadata) == {"x-request-id": "r1"}
+
+
+def test_a_client_cannot_send_the_server_set_explain_or_describe_switches() -> None:
+    """TorchServe-style handlers take their explain/describe path on these headers; only the
+    server's explanation and describe routes may set them."""
+    scope = {
+        "type": "http",
+        "headers": [(b"explain", b"True"), (b"describe", b"True"), (b"x-request-id", b"r1")],
+    }
+    assert request_headers(Request(scope), 100) == {"x-request-id": "r1"}
+    metadata = [("explain", "True"), ("describe", "True"), ("x-request-id", "r1")]
+    assert grpc_request_headers(metadata) == {"x-request-id": "r1"}

@@ -26,7 +26,7 @@ from mariner.server.core.types import InferRequest, InferResult, ModelInfo, Wire
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
 from mariner.server.protogen import stubs_missing
-from mariner.server.security import CREDENTIAL_HEADERS
+from mariner.server.security import HIDDEN_FROM_HANDLERS
 
 try:
     from google.protobuf import empty_pb2
@@ -79,13 +79,14 @@ def health_json(healthy: bool) -> str:
 
 
 def request_headers(metadata: Sequence[tuple[str, str | bytes]] | None) -> dict[str, str]:
-    """Text metadata as a bounded header dict; binary (-bin) entries, overlong ones and credentials
-    (checked by the server, never shown to handler code) are dropped."""
+    """Text metadata as a bounded header dict; binary (-bin) entries, overlong ones, credentials
+    (checked by the server, never shown to handler code) and the server-set mode switches
+    (`explain`, `describe`) are dropped."""
     headers: dict[str, str] = {}
     for key, value in metadata or ():
         if len(headers) >= MAX_HEADERS:
             break
-        if not isinstance(value, str) or key.endswith("-bin") or key.lower() in CREDENTIAL_HEADERS:
+        if not isinstance(value, str) or key.endswith("-bin") or key.lower() in HIDDEN_FROM_HANDLERS:
             continue
         if len(key) > MAX_HEADER_NAME or len(value) > MAX_HEADER_VALUE:
             continue
