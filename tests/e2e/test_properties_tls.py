@@ -23,22 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mariner.loadtest.stock_torchserve import pick_free_ports
 from mariner.server import protogen
+from tests.integration.test_security import _self_signed
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 BODY = json.dumps([0.0] * 64).encode()
 START_LIMIT_S = 300.0  # a bound for a server that never comes up, not a speed expectation
-
-
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "server.crt", directory / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 def _wait_https_ok(url: str, cert: Path, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -59,7 +50,7 @@ def _wait_https_ok(url: str, cert: Path, proc: subprocess.Popen[bytes], log: Pat
 def test_torchserve_tls_keys_encrypt_every_listener(model_store: Path, tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.fail("openssl is needed to make test certificates")
-    cert, key = _self_signed(tmp_path)
+    cert, key = _self_signed(tmp_path, "server")
     http, mgmt, metrics, grpc_inf, grpc_mgmt = pick_free_ports().all()
     props = tmp_path / "config.properties"
     props.write_text(
