@@ -130,18 +130,16 @@ responseTimeout: {timeout}
 """
 
 
-def build_fault_archive(
-    store: Path, *, name: str = "faulty", response_timeout_s: int = 2, helper: str | None = None
-) -> Path:
-    """`helper`, when given, ships a helper.py beside the handler whose WHO is that string."""
-    store.mkdir(parents=True, exist_ok=True)
-    path = store / f"{name}.mar"
+def write_handler_archive(path: Path, name: str, handler: str, files: dict[str, str]) -> Path:
+    """A .mar named `name` whose manifest names `handler` and model-config.yaml (both among
+    `files`, file name -> text), as torch-model-archiver lays one out."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     manifest = {
         "createdOn": "tests",
         "runtime": "python",
         "model": {
             "modelName": name,
-            "handler": "fault_handler.py",
+            "handler": handler,
             "modelVersion": "1.0",
             "configFile": "model-config.yaml",
         },
@@ -149,8 +147,16 @@ def build_fault_archive(
     }
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
-        zf.writestr("fault_handler.py", HANDLER)
-        zf.writestr("model-config.yaml", CONFIG.format(timeout=response_timeout_s))
-        if helper is not None:
-            zf.writestr("helper.py", f"WHO = {helper!r}\n")
+        for file_name, text in files.items():
+            zf.writestr(file_name, text)
     return path
+
+
+def build_fault_archive(
+    store: Path, *, name: str = "faulty", response_timeout_s: int = 2, helper: str | None = None
+) -> Path:
+    """`helper`, when given, ships a helper.py beside the handler whose WHO is that string."""
+    files = {"fault_handler.py": HANDLER, "model-config.yaml": CONFIG.format(timeout=response_timeout_s)}
+    if helper is not None:
+        files["helper.py"] = f"WHO = {helper!r}\n"
+    return write_handler_archive(store / f"{name}.mar", name, "fault_handler.py", files)

@@ -7,11 +7,11 @@ calls both offer and never imports `ts`.
 
 from __future__ import annotations
 
-import json
 import re
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.integration.fault_archive import write_handler_archive
 
 NAME = "metered"
 
@@ -51,24 +51,8 @@ METRICS_YAML_EXTRA = """
 
 
 def build_metered_archive(store: Path) -> Path:
-    store.mkdir(parents=True, exist_ok=True)
-    path = store / f"{NAME}.mar"
-    manifest = {
-        "createdOn": "tests",
-        "runtime": "python",
-        "model": {
-            "modelName": NAME,
-            "handler": "metered_handler.py",
-            "modelVersion": "1.0",
-            "configFile": "model-config.yaml",
-        },
-        "archiverVersion": "tests",
-    }
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
-        zf.writestr("metered_handler.py", HANDLER)
-        zf.writestr("model-config.yaml", CONFIG)
-    return path
+    files = {"metered_handler.py": HANDLER, "model-config.yaml": CONFIG}
+    return write_handler_archive(store / f"{NAME}.mar", NAME, "metered_handler.py", files)
 
 
 def metrics_yaml_with_handler_metrics(default_yaml: str) -> str:

@@ -10,7 +10,6 @@ a variant without gradients, through the handler in this tree (see `current_digi
 
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import requests
 
+from tests.integration.fault_archive import write_handler_archive
 from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_faults import counter, wait_for
 
@@ -65,21 +65,8 @@ CONFIG = "minWorkers: 1\\nmaxWorkers: 1\\nbatchSize: 8\\nmaxBatchDelay: 0\\nresp
 
 
 def build_echo_archive(store: Path, name: str) -> Path:
-    manifest = {
-        "runtime": "python",
-        "model": {
-            "modelName": name,
-            "handler": "echo_handler.py",
-            "modelVersion": "1.0",
-            "configFile": "model-config.yaml",
-        },
-    }
-    path = store / f"{name}.mar"
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("MAR-INF/MANIFEST.json", json.dumps(manifest))
-        zf.writestr("echo_handler.py", HANDLER)
-        zf.writestr("model-config.yaml", CONFIG.replace("\\n", "\n"))
-    return path
+    files = {"echo_handler.py": HANDLER, "model-config.yaml": CONFIG.replace("\\n", "\n")}
+    return write_handler_archive(store / f"{name}.mar", name, "echo_handler.py", files)
 
 
 def current_digits_archive(model_store: Path, name: str, out: Path) -> Path:
