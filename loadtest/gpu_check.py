@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 import traceback
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ import numpy as np
 import requests
 import torch
 
+from mariner.server.core.archive import open_archive
 from mariner.server.core.context import Context
 from mariner.training.data import load_splits
 from mariner.training.verify import load_handler_class
@@ -121,16 +121,9 @@ def environment(sec: Section, device: str) -> None:
 
 
 def stage(mar: Path, into: Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """Unpack an archive as a server would; (model dir, manifest, model-config)."""
-    import yaml
-
-    dest = into / mar.stem
-    with zipfile.ZipFile(mar) as zf:
-        zf.extractall(dest)
-    manifest = json.loads((dest / "MAR-INF" / "MANIFEST.json").read_text())
-    cfg_name = manifest.get("model", {}).get("configFile")
-    config = yaml.safe_load((dest / cfg_name).read_text()) if cfg_name else {}
-    return dest, manifest, config or {}
+    """Check and unpack an archive exactly as the server does; (model dir, manifest, model-config)."""
+    archive = open_archive(mar, into)
+    return archive.model_dir, archive.manifest, archive.model_config
 
 
 def load_on(model_dir: Path, manifest: dict[str, Any], config: dict[str, Any], device: str) -> Any:
