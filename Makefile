@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
+.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
 
 venv: $(STAMP)
 
@@ -41,11 +41,16 @@ triton-venv:
 kserve-venv:
 	PYTHON=$(PYTHON) bash scripts/ensure_kserve_venv.sh
 
-# The store is rebuilt when the training code or the handler changes.
+# The store is rebuilt when the training code or a handler changes. The default store holds every
+# digits variant and the quick-to-build minilm/resnet18 variants; `models-full` adds their slow
+# exports (AOTInductor, compiled, PT2E int8: minutes here) into the same store.
 models: $(STORE)/index.json
 
-$(STORE)/index.json: $(STAMP) $(wildcard training/*.py) $(wildcard handlers/*.py)
+$(STORE)/index.json: $(STAMP) $(wildcard training/*.py) $(wildcard training/*/*.py) $(wildcard handlers/*.py)
 	$(PY) -m mariner.training.pipeline --store $(STORE)
+
+models-full: $(STAMP)
+	$(PY) -m mariner.training.pipeline --store $(STORE) --full
 
 serve: models protos
 	$(VENV)/bin/mariner serve --model-store $(STORE) --models all

@@ -1,14 +1,22 @@
 """Build the model store: train -> export -> quantize -> verify -> package -> index.
 
-`python -m mariner.training.pipeline` (what `make models` runs) writes `model_store/*.mar`,
-`model_store/index.json` (each archive's sha256, size and verification record) and the
-variant table as `model_store/report/variants.md` and `variants.png`. It exits non-zero if any
-variant is outside its tolerance or the eager model misses the accuracy target.
+`python -m mariner.training.pipeline` (what `make models` runs) builds three model families:
+the digits CNN (trained here), the all-MiniLM-L6-v2 sentence encoder (weights from a package)
+and a ResNet-18 image classifier. It writes `model_store/*.mar`, one `model_store/index.json`
+for all of them (each archive's sha256, size and verification record: the allowlist
+`--pin-index` serves from) and the verification tables under `model_store/report/`
+(`variants.md`/`variants.png` for digits, `<family>.md` for the others). It exits non-zero if
+any variant is outside its tolerance or the eager digits model misses the accuracy target.
+
+The default store holds every digits variant and the quick-to-build variants of the other two
+(what `make test` needs); `--full` (`make models-full`) adds their slow exports (AOTInductor,
+compiled, PT2E int8), which take minutes on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import platform
 import sys
@@ -23,11 +31,16 @@ from mariner.server.core.archive import sha256_file
 from mariner.training import package, report
 from mariner.training.data import load_splits, to_model_input
 from mariner.training.export import Artefact, export_all, load_eager, model_kwargs
+from mariner.training.family import FamilyBuild
 from mariner.training.train import TrainConfig, train
 from mariner.training.verify import Verification, verify_variant
 
 MIN_TEST_ACCURACY = 0.98
 QUANTIZED = {"int8_dynamic", "int8_pt2e"}
+# The families built beside digits, each by `mariner.training.<name>.pipeline.build`; the
+# archive-name prefixes below are the ones this builder owns in the store.
+FAMILIES = ("minilm", "resnet")
+OWNED_PREFIXES = ("digits_", "minilm_", "resnet18_")
 
 
 def build(
@@ -38,7 +51,9 @@ def build(
     batch_size: int = 32,
     max_batch_delay_ms: int = 5,
     repeats: int = 50,
-) -> list[Verification]:
+    full: bool = False,
+    families: tuple[str, ...] = FAMILIES,
+) -> tuple[list[Verification], list[FamilyBuild]]:
     t_start = time.perf_counter()
     best = work / "train" / "best.pt"
     if retrain or not best.exists():
@@ -65,12 +80,35 @@ def build(
         status = "ok" if rec.passed else "OUT OF TOLERANCE"
         print(f"  {art.variant:<13} {rec.tolerance:<28} {status}", flush=True)
 
-    _write_index(store, entries, ck, time.perf_counter() - t_start)
     rdir = store / "report"
     rdir.mkdir(parents=True, exist_ok=True)
     (rdir / "variants.md").write_text(report.markdown_table(rows))
     report.write_chart(rows, rdir / "variants.png")
-    return rows
+
+    built: list[FamilyBuild] = []
+    for family in families:
+        print(f"family {family} ({'full' if full else 'default'} store)", flush=True)
+        module = importlib.import_module(f"mariner.training.{family}.pipeline")
+        fb: FamilyBuild = module.build(
+            store, work, full=full, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms
+        )
+        (rdir / f"{fb.family}.md").write_text(fb.report_markdown)
+        entries.extend(fb.entries)
+        built.append(fb)
+
+    _write_index(store, entries, ck, time.perf_counter() - t_start, full=full)
+    _remove_stale(store, {e["file"] for e in entries})
+    return rows, built
+
+
+def _remove_stale(store: Path, written: set[str]) -> None:
+    """Archives of our families that this build did not write (a full build's slow variants,
+    then a default rebuild) are deleted: the store serves `--models all`, and an archive left
+    outside index.json would be served unverified or refused under `--pin-index`."""
+    for mar in store.glob("*.mar"):
+        if mar.name.startswith(OWNED_PREFIXES) and mar.name not in written:
+            print(f"  removing {mar.name}: not part of this build", flush=True)
+            mar.unlink()
 
 
 def _build_variant(
@@ -119,10 +157,13 @@ def _build_variant(
     return rec, entry
 
 
-def _write_index(store: Path, entries: list[dict[str, Any]], ck: dict[str, Any], seconds: float) -> None:
+def _write_index(
+    store: Path, entries: list[dict[str, Any]], ck: dict[str, Any], seconds: float, *, full: bool
+) -> None:
     index = {
         "schema": 1,
         "default_model": "digits_torchscript",
+        "full": full,
         "built_with": {
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -143,16 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32, help="batchSize in every model-config")
     p.add_argument("--max-batch-delay", type=int, default=5, help="maxBatchDelay (ms) in every model-config")
     p.add_argument("--repeats", type=int, default=50, help="timed runs per latency median")
+    p.add_argument("--full", action="store_true", help="also the slow variants of minilm and resnet18")
+    p.add_argument(
+        "--families", default=",".join(FAMILIES),
+        help=f"families built beside digits, comma-separated (default: {','.join(FAMILIES)}; '' for none)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    families = tuple(f for f in args.families.split(",") if f)
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        p.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     t0 = time.perf_counter()
-    rows = build(
+    rows, built = build(
         args.store, args.work, retrain=args.retrain, batch_size=args.batch_size,
-        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
+        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats, full=args.full, families=families,
     )  # fmt: skip
     print(report.markdown_table(rows))
+    for fb in built:
+        print(fb.report_markdown)
     print(f"model store built in {time.perf_counter() - t0:.1f} s -> {args.store}")
     eager_acc = rows[0].eager_accuracy
     failed = [r.variant for r in rows if not r.passed]
+    failed += [f"{fb.family}:{v}" for fb in built for v in fb.failed]
     if eager_acc < MIN_TEST_ACCURACY:
         print(f"eager test accuracy {eager_acc:.4f} is below the {MIN_TEST_ACCURACY} target", file=sys.stderr)
         return 1
