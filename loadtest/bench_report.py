@@ -18,11 +18,32 @@ from typing import TYPE_CHECKING, Any
 from mariner.loadtest.closedloop import LevelResult
 
 if TYPE_CHECKING:
-    from mariner.loadtest.bench import Report
+    from mariner.loadtest.bench_values import Report
 
 TS = "torchserve"
 MARINER = "mariner"
 THREAD_BASELINE = "mariner-thread"
+PADDING_MAX = "mariner-pad-max"
+DEFAULT_MODEL = "digits_torchscript"
+
+
+@dataclass(frozen=True)
+class OutputNames:
+    """The files one run writes: the default digits archive keeps the names its docs link to,
+    any other model gets its own, so every model's report can sit side by side in bench/."""
+
+    markdown: str
+    json: str
+    latency: str
+    throughput: str
+
+
+def output_names(model: str) -> OutputNames:
+    if model == DEFAULT_MODEL:
+        return OutputNames("results.md", "results.json", "latency.png", "throughput.png")
+    return OutputNames(
+        f"results-{model}.md", f"results-{model}.json", f"latency-{model}.png", f"throughput-{model}.png"
+    )
 
 
 # ==================================================================================================
@@ -199,8 +220,15 @@ def targets(report: Report) -> list[Target]:
     - lowest level: p50 TorchServe / Mariner >= 5 on grpc and http;
     - start-up to ready for the whole store <= 3 s;
     - on a GPU only: Mariner >= 90% of the raw batched handler (n/a when it ran on a CPU).
+
+    Those are the digits CNN's; the MiniLM and ResNet archives have their own
+    (`mariner.loadtest.family_report.family_targets`).
     """
     s = report.settings
+    if s.family != "digits":
+        from mariner.loadtest.family_report import family_targets
+
+        return family_targets(report)
     lo, hi = min(s.levels), max(s.levels)
     lv = report.levels
     out: list[Target] = []
@@ -308,7 +336,8 @@ def _header(report: Report, title: str) -> list[str]:
         f"(uvloop); `grpc`: {s.grpc_channels} gRPC channels (one HTTP/2 connection each) spread over "
         "the client processes; `grpc-1ch`: one channel, one client process, every call multiplexed on "
         "it; `http`: HTTP/1.1 keep-alive, one connection per client. "
-        f"{per} after {s.warmup} warm-up requests; payloads: the 270 test-set digits in turn.",
+        f"{per} after {s.warmup} warm-up requests (at least 4 per client); payloads: "
+        f"{report.workload or 'the 270 test-set digits in turn'}.",
         f"- Repeats: the highest level ran {s.repeats} time(s), every server in each repeat, the order "
         "reversed every other repeat; all servers stay up for the whole run (idle while another is "
         "measured). Ratios are medians of the per-repeat ratios.",
@@ -391,13 +420,37 @@ def _medians_table(levels: Sequence[LevelResult]) -> list[str]:
     return lines
 
 
+def _hop_section(report: Report) -> list[str]:
+    """The digits CNN's process hop: what the hop to a worker process adds at one client."""
+    hop = process_hop_us(report)
+    lines = ["", "## The process hop", ""]
+    if hop:
+        base = report.servers.get(THREAD_BASELINE)
+        lines.append(
+            f"p50 at c={min(report.settings.levels)} of Mariner minus the baseline {THREAD_BASELINE} "
+            f"(`{base.args if base else '?'}`), same run: "
+            + ", ".join(f"{p} {v:+.0f} µs" for p, v in hop.items())
+            + "."
+        )
+    else:
+        lines.append("Not measured: no single-process baseline ran (this build has no `--worker-mode`).")
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     s = report.settings
-    lines = _header(report, "Benchmark: raw model vs Mariner vs stock TorchServe")
+    names = output_names(s.model)
+    digits = s.family == "digits"
+    title = "Benchmark: raw model vs Mariner vs stock TorchServe"
+    lines = _header(report, title if digits else f"{title}: `{s.model}`")
     lines.append(
         "- Why targets are missed, with profiles: [docs/benchmark.md](../docs/benchmark.md) "
         '("Where Mariner\'s time goes").'
     )
+    if not digits:
+        from mariner.loadtest.family_report import workload_section
+
+        lines += workload_section(report)
     lines += _servers_table(report)
     if report.startup_s:
         lines += [
@@ -424,13 +477,23 @@ def render_markdown(report: Report) -> str:
             "",
             f"| call | p50 ms | p90 ms | p99 ms | max ms | throughput at batch {r.batch_size} (req/s) |",
             "|---|---:|---:|---:|---:|---:|",
-            f"| `handle()` (JSON decode + model + top-k) | {fmt(r.batch1.p50_ms, 3)} | "
+            f"| `handle()` ({'JSON decode + model + top-k' if digits else 'decode + model + answer'}) "
+            f"| {fmt(r.batch1.p50_ms, 3)} | "
             f"{fmt(r.batch1.p90_ms, 3)} | {fmt(r.batch1.p99_ms, 3)} | {fmt(r.batch1.max_ms, 3)} | "
-            f"{r.batched_rps:,.0f} |",
-            f"| `predict_topk()` (model + top-k only) | {fmt(r.model_batch1.p50_ms, 3)} | "
-            f"{fmt(r.model_batch1.p90_ms, 3)} | {fmt(r.model_batch1.p99_ms, 3)} | "
-            f"{fmt(r.model_batch1.max_ms, 3)} | {r.model_batched_rps:,.0f} |",
+            f"{r.batched_rps:,.{0 if digits else 1}f} |",
         ]
+        if not math.isnan(r.model_batched_rps):
+            lines.append(
+                f"| `predict_topk()` (model + top-k only) | {fmt(r.model_batch1.p50_ms, 3)} | "
+                f"{fmt(r.model_batch1.p90_ms, 3)} | {fmt(r.model_batch1.p99_ms, 3)} | "
+                f"{fmt(r.model_batch1.max_ms, 3)} | {r.model_batched_rps:,.0f} |"
+            )
+        if not digits:
+            lines += [
+                "",
+                f"One full batch of {r.batch_size} requests through `handle()`: {fmt(r.batch_ms, 1)} ms "
+                "(median). Payloads in turn, so each batch mixes lengths or sizes as live traffic does.",
+            ]
     lines += ["", "## Medians over repeats", "", *_medians_table(report.levels)]
     raw = report.raw.batched_rps if report.raw else math.nan
     lines += [
@@ -456,18 +519,12 @@ def render_markdown(report: Report) -> str:
                 f"| {proto} | {c} | {fmt(q50, 1)}x | {fmt(q99, 1)}x | {fmt(thr, 2)}x | {fmt(cpu, 2)}x | "
                 f"{'n/a' if math.isnan(frac) else f'{frac:.0%}'} |"
             )
-    hop = process_hop_us(report)
-    lines += ["", "## The process hop", ""]
-    if hop:
-        base = report.servers.get(THREAD_BASELINE)
-        lines.append(
-            f"p50 at c={min(s.levels)} of Mariner minus the baseline {THREAD_BASELINE} "
-            f"(`{base.args if base else '?'}`), same run: "
-            + ", ".join(f"{p} {v:+.0f} µs" for p, v in hop.items())
-            + "."
-        )
+    if not digits:
+        from mariner.loadtest.family_report import padding_section
+
+        lines += padding_section(report)
     else:
-        lines.append("Not measured: no single-process baseline ran (this build has no `--worker-mode`).")
+        lines += _hop_section(report)
     lines += [
         "",
         "## Performance targets",
@@ -480,9 +537,9 @@ def render_markdown(report: Report) -> str:
         "",
         *_runs_table(report.levels),
         "",
-        "![latency percentiles vs concurrency](latency.png)",
+        f"![latency percentiles vs concurrency]({names.latency})",
         "",
-        "![throughput vs concurrency](throughput.png)",
+        f"![throughput vs concurrency]({names.throughput})",
         "",
     ]
     return "\n".join(lines)
@@ -561,7 +618,8 @@ def plot(report: Report, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     s = report.settings
-    colors = {MARINER: "tab:blue", TS: "tab:orange", THREAD_BASELINE: "tab:green"}
+    names = output_names(s.model)
+    colors = {MARINER: "tab:blue", TS: "tab:orange", THREAD_BASELINE: "tab:green", PADDING_MAX: "tab:red"}
     servers = [x for x in colors if any(r.server == x for r in report.levels)]
     styles = {"p50_ms": "-", "p99_ms": ":"}
     paths = []
@@ -590,7 +648,7 @@ def plot(report: Report, out: Path) -> list[Path]:
         ax.legend(fontsize=7)
     fig.suptitle(f"{s.model}: batchSize {s.batch_size}, maxBatchDelay {s.max_batch_delay_ms} ms")
     fig.tight_layout()
-    paths.append(out / "latency.png")
+    paths.append(out / names.latency)
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
@@ -620,7 +678,7 @@ def plot(report: Report, out: Path) -> list[Path]:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(out / "throughput.png")
+    paths.append(out / names.throughput)
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths

@@ -11,9 +11,11 @@ arrives, so concurrency is exact and throughput is what the server sustains at i
 
 Every level warms up, then all client processes start the timed phase together (a barrier that
 the parent joins, so it samples CPU counters at the same moment). An answer counts only if it
-is a prediction (contains "label"); anything else is an error, the first one kept for the
-report. CPU time of the clients, of the server's process tree and of the whole machine is
-measured over the timed phase: on a small machine the clients compete with the server, and on
+is a valid prediction of the model's family (`mariner.loadtest.workloads.check_answer`: a digit
+prediction, a unit-norm 384-float embedding, a top-5 list); anything else is an error, the first
+one kept for the report. HTTP bodies go with the family's content type (JSON, text, JPEG). CPU
+time of the clients, of the server's process tree and of the whole machine is measured over the
+timed phase: on a small machine the clients compete with the server, and on
 a shared one other people's work does too.
 """
 
@@ -34,6 +36,7 @@ from typing import Any
 import psutil
 
 from mariner.loadtest.servers import process_tree_cpu_seconds
+from mariner.loadtest.workloads import check_answer
 
 REQUEST_TIMEOUT_S = 30.0
 BARRIER_TIMEOUT_S = 180.0
@@ -96,6 +99,8 @@ class ClientJob:
     bodies: tuple[bytes, ...]
     offset: int  # where in the bodies this process starts, so processes send different digits
     channels: int = 1  # gRPC channels this process opens (coroutines are spread over them)
+    family: str = "digits"  # which answers are valid (mariner.loadtest.workloads)
+    content_type: str = "application/json"  # of the HTTP bodies
 
 
 @dataclass(frozen=True)
@@ -116,11 +121,10 @@ class HttpConnection:
     (status, Content-Length or chunked body).
     """
 
-    def __init__(self, host: str, port: int, path: str) -> None:
+    def __init__(self, host: str, port: int, path: str, content_type: str = "application/json") -> None:
         self.host, self.port = host, port
         self.head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            "Content-Length: "
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\nContent-Length: "
         ).encode()
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -205,7 +209,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
         conns: list[HttpConnection] = []
 
         def make_caller(k: int) -> Any:
-            conn = HttpConnection(job.host, job.port, f"/predictions/{job.model}")
+            conn = HttpConnection(job.host, job.port, f"/predictions/{job.model}", job.content_type)
             conns.append(conn)
 
             async def call(i: int) -> bytes:
@@ -231,9 +235,7 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
             state["next"] += 1
             t0 = time.perf_counter()
             try:
-                answer = await call(i)
-                if b'"label"' not in answer:
-                    raise RuntimeError(f"not a prediction: {answer[:120]!r}")
+                check_answer(job.family, await call(i))
             except Exception as exc:  # noqa: BLE001 - every failure is counted, the first one kept
                 errors += 1
                 first_error = first_error or f"{type(exc).__name__}: {exc}"[:300]
@@ -305,11 +307,14 @@ def run_level(
     server_pid: int | None,
     label: str | None = None,
     repeat: int = 0,
+    family: str = "digits",
+    content_type: str = "application/json",
 ) -> LevelResult:
     """One closed-loop level against a running server, in fresh client processes.
 
     `protocol` is the wire protocol ("grpc" or "http"); `label` names the cell in the result
-    (e.g. "grpc-1ch"), default the protocol.
+    (e.g. "grpc-1ch"), default the protocol. `family` says which answers are valid and
+    `content_type` goes with the HTTP bodies (`mariner.loadtest.workloads`).
     """
     if protocol not in ("grpc", "http"):
         raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
@@ -323,7 +328,8 @@ def run_level(
     for k in range(procs):
         job = ClientJob(
             protocol, host, port, model, coroutines[k], warmups[k], counts[k], load.duration_s,
-            bodies, offset=k * len(bodies) // procs, channels=channels[k],
+            bodies, offset=k * len(bodies) // procs, channels=channels[k], family=family,
+            content_type=content_type,
         )  # fmt: skip
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_client_main, args=(job, barrier, child_end), daemon=True)
