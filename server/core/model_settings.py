@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from mariner.server.core.archive_fields import inside
 from mariner.server.core.errors import Code, ServingError
 
 DEVICE_TYPES = ("cpu", "gpu")
@@ -36,6 +38,10 @@ TS_KEYS: dict[str, str] = {
     "device_type": "deviceType",
 }
 _POSITIVE_INTS = frozenset({"batch_size", "min_workers", "max_workers", "max_queue"})
+# The archive's length-aware batching keys (see `token_settings`).
+TOKEN_KEYS = ("maxBatchTokens", "tokenCounter")
+_TOKEN_COUNTER_KEYS = frozenset({"tokenizer", "maxLength"})
+DEFAULT_TOKEN_MAX_LENGTH = 512  # BERT-style encoders' position limit, when tokenCounter omits it
 
 
 def _bad(key: str, allowed: str, value: Any, source: str) -> ServingError:
@@ -250,9 +256,10 @@ class ServerLayers:
 
 
 def _misspelt(key: str) -> str | None:
-    """The TorchServe key `key` almost is (batch_size, BatchSize -> batchSize), else None."""
+    """The key of ours `key` almost is (batch_size, BatchSize -> batchSize), else None."""
     folded = key.replace("_", "").replace("-", "").lower()
-    return next((ts for ts in TS_KEYS.values() if ts.lower() == folded and ts != key), None)
+    known = (*TS_KEYS.values(), *TOKEN_KEYS)
+    return next((ts for ts in known if ts.lower() == folded and ts != key), None)
 
 
 def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> SettingsOverrides:
@@ -269,3 +276,81 @@ def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> Set
                 f"(from {source})",
             )
     return SettingsOverrides.parse(model_config, source)
+
+
+@dataclass(frozen=True)
+class TokenSettings:
+    """An archive's length-aware batching settings (model-config `maxBatchTokens` and
+    `tokenCounter`), for models that pad each batch to its longest member.
+
+    `max_batch_tokens` is the budget of padded tokens per batch (rows x longest row, as TEI's
+    max_batch_tokens); None counts tokens without a budget (batches are still grouped by
+    length). `tokenizer` is the tokenizer.json path as the archive names it; `tokenizer_file`
+    the file it resolves to inside the unpacked archive (None when read without the archive's
+    directory, as a worker does, which needs only the budget).
+
+    These keys are read from the archive only: the tokenizer is a file of the archive, and the
+    budget is tied to the model (its memory per padded token), so a worker merging batches from
+    several frontends reads the same budget from the same model-config.
+    """
+
+    max_batch_tokens: int | None
+    tokenizer: str
+    max_length: int
+    tokenizer_file: Path | None = None
+
+
+def token_settings(
+    model_config: Mapping[str, Any], archive_file: str, model_dir: Path | None = None
+) -> TokenSettings | None:
+    """The archive's token settings, checked; None when it sets neither key (batching as before).
+
+    With `model_dir` (the unpacked archive), the tokenizer path must resolve to a file inside it
+    (symlinks followed), as every file an archive names must. Errors are ServingError
+    (INVALID_ARGUMENT) naming the key, the value, what is allowed and the archive.
+    """
+    source = f"the model-config of {archive_file}"
+    budget_value = model_config.get("maxBatchTokens")
+    counter = model_config.get("tokenCounter")
+    if budget_value is None and counter is None:
+        return None
+    budget = None if budget_value is None else _positive_int("maxBatchTokens", budget_value, source)
+    if counter is None:
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            "maxBatchTokens needs tokenCounter ({tokenizer: <tokenizer.json in the archive>, "
+            f"maxLength: <int>}}) to count each request's tokens (from {source})",
+        )
+    allowed = "a mapping {tokenizer: <path of a tokenizer.json inside the archive>, maxLength: <int>}"
+    if not isinstance(counter, Mapping) or not set(counter) <= _TOKEN_COUNTER_KEYS:
+        raise _bad("tokenCounter", allowed, counter, source)
+    tokenizer = counter.get("tokenizer")
+    if not isinstance(tokenizer, str) or not tokenizer.strip():
+        raise _bad(
+            "tokenCounter.tokenizer", "the path of a tokenizer.json inside the archive", tokenizer, source
+        )
+    outside = (
+        PurePosixPath(tokenizer).is_absolute()
+        or tokenizer.startswith(("/", "\\"))
+        or ".." in PurePosixPath(tokenizer.replace("\\", "/")).parts
+    )
+    resolved = None
+    if not outside and model_dir is not None:
+        resolved = inside(model_dir, tokenizer)
+        outside = resolved is None
+    if outside:
+        raise _bad(
+            "tokenCounter.tokenizer",
+            "a relative path inside the archive (no '..', no absolute path, no symlink out)",
+            tokenizer,
+            source,
+        )
+    if resolved is not None and not resolved.is_file():
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            f"tokenCounter.tokenizer {tokenizer!r} is not a file of the archive (from {source})",
+        )
+    max_length = DEFAULT_TOKEN_MAX_LENGTH
+    if counter.get("maxLength") is not None:
+        max_length = _positive_int("tokenCounter.maxLength", counter["maxLength"], source)
+    return TokenSettings(budget, tokenizer, max_length, resolved)

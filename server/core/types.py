@@ -25,6 +25,16 @@ class WireProtocol(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenCost:
+    """What a request costs a model that pads each batch to its longest member: `rows` texts,
+    the longest `longest` tokens. A batch of requests costs sum(rows) x max(longest) padded
+    tokens (the token budget the batcher and a worker's merge keep within)."""
+
+    rows: int
+    longest: int
+
+
+@dataclass(frozen=True)
 class InferRequest:
     """One client request, protocol-neutral.
 
@@ -47,6 +57,8 @@ class InferRequest:
     deadline: float | None = None
     items: int = 1
     tensors: Mapping[str, np.ndarray] | None = None
+    # Set by the frontend's token counter before queueing when the model has one (tokenCounter).
+    tokens: TokenCost | None = None
 
 
 @dataclass(frozen=True)
