@@ -13,6 +13,12 @@ Semantics (DESIGN.md):
 - Requests whose deadline passed, or whose caller went away (future cancelled), are dropped
   before they reach the device.
 - Per-item outcomes come back per item; a whole-batch failure fails only that batch.
+- With a token counter (the archive's tokenCounter, for models that pad a batch to its longest
+  member), each request's cost (rows, longest row in tokens) is counted before it is queued, and
+  a batch is formed by length: the oldest live request always goes first (FIFO fairness, no
+  starvation), then the waiting requests whose lengths are closest to it join while the batch's
+  padded tokens (total rows x longest row) stay within maxBatchTokens and its items within
+  max_batch_size. A single request over the budget goes alone.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mariner.server.core.errors import Code, ServingError, internal
-from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.core.token_groups import group_by_length, padded_tokens
+from mariner.server.core.types import InferRequest, InferResult, TokenCost
 
 log = logging.getLogger("mariner.batcher")
 
@@ -44,6 +51,24 @@ class BatchObserver(Protocol):
     def queue_depth(self, items: int) -> None: ...
     def batch_started(self, items: int, queue_waits: Sequence[float]) -> None: ...
     def batch_finished(self, seconds: float) -> None: ...
+    def batch_tokens(self, padded: int, unpadded: int) -> None:
+        """With a token counter: the batch's padded tokens (rows x longest row) and what its
+        requests would cost padded each to its own longest row (the difference is waste)."""
+
+
+class TokenBudget(Protocol):
+    """Counts a request's tokens before it is queued (token_cost.TokenCounter); never raises.
+    `max_batch_tokens` None groups by length without a budget."""
+
+    max_batch_tokens: int | None
+
+    def cost(self, req: InferRequest) -> TokenCost: ...
+
+
+# Length grouping looks at this many live requests per batch slot, from the head of the queue:
+# enough choice to group by length, and a bounded cost per batch however long the queue is.
+GROUPING_WINDOW_PER_SLOT = 4
+_MIN_GROUPING_WINDOW = 32
 
 
 class _NullObserver:
@@ -54,6 +79,9 @@ class _NullObserver:
         pass
 
     def batch_finished(self, seconds: float) -> None:
+        pass
+
+    def batch_tokens(self, padded: int, unpadded: int) -> None:
         pass
 
 
@@ -104,6 +132,7 @@ class Batcher:
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         replace_runner: ReplaceRunner | None = None,
+        tokens: TokenBudget | None = None,
     ) -> None:
         if not runners:
             raise ValueError("a batcher needs at least one runner")
@@ -124,6 +153,9 @@ class Batcher:
         self._replace_runner = replace_runner
         self._replacing: set[asyncio.Task[None]] = set()
         self._retired: set[BatchRunner] = set()
+        self._tokens = tokens
+        self._queued_tokens = 0  # sum of the queued requests' own padded tokens (rows x longest)
+        self._window = max(_MIN_GROUPING_WINDOW, GROUPING_WINDOW_PER_SLOT * policy.max_batch_size)
 
     # -- public ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +198,10 @@ class Batcher:
                 f"model {req.model} is overloaded: its queue holds {self._queued_items} of "
                 f"{self.policy.max_queue} items; retry later",
             )
+        if self._tokens is not None:
+            # Counted before queueing, on the event loop: tens to hundreds of microseconds a text.
+            req = replace(req, tokens=self._tokens.cost(req))
+            self._queued_tokens += _own_tokens(req)
         fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(req, fut, self._clock()))
         self._queued_items += req.items
@@ -198,35 +234,73 @@ class Batcher:
                 await self._task
 
     # -- dispatcher -----------------------------------------------------------------------
+    def _dead(self, p: _Pending, now: float) -> bool:
+        """True (and its caller answered) when `p` must not run: cancelled, past its deadline, or
+        too large to ever run (submit() normally refuses that)."""
+        if p.future.done():  # caller cancelled
+            return True
+        if p.req.deadline is not None and p.req.deadline <= now:
+            p.future.set_exception(
+                ServingError(Code.DEADLINE_EXCEEDED, "deadline passed while queued; the request did not run")
+            )
+            return True
+        if p.req.items > self.policy.max_batch_size:
+            p.future.set_exception(
+                ServingError(
+                    Code.INVALID_ARGUMENT,
+                    f"request has {p.req.items} rows; max batch size is {self.policy.max_batch_size}",
+                )
+            )
+            return True
+        return False
+
+    def _take_by_length(self, max_items: int) -> list[_Pending]:
+        """The oldest live request, then the waiting ones closest to it in length, within the
+        token budget and `max_items`; failing the dead ones met on the way.
+
+        Only the first `_window` live requests are considered; those not chosen keep their
+        places, so the queue stays in arrival order and the next batch starts at its head.
+        """
+        assert self._tokens is not None
+        now = self._clock()
+        window: list[_Pending] = []
+        while self._queue and len(window) < self._window:
+            p = self._queue.popleft()
+            if self._dead(p, now):
+                self._forget(p)
+            else:
+                window.append(p)
+        if not window:
+            self._observer.queue_depth(self._queued_items)
+            return []
+        chosen = group_by_length(
+            [_cost(p.req) for p in window],
+            [p.req.items for p in window],
+            max_items=max_items,
+            max_tokens=self._tokens.max_batch_tokens,
+        )
+        taken = set(chosen)
+        # Not chosen: back to the head of the queue, in their arrival order.
+        self._queue.extendleft(reversed([p for i, p in enumerate(window) if i not in taken]))
+        batch = [window[i] for i in sorted(taken)]
+        for p in batch:
+            self._forget(p)
+        self._observer.queue_depth(self._queued_items)
+        return batch
+
     def _take(self, budget: int) -> list[_Pending]:
         """Pop up to `budget` items' worth of live requests, failing the dead ones."""
+        if self._tokens is not None:
+            return self._take_by_length(budget)
         batch: list[_Pending] = []
         items = 0
         now = self._clock()
         while self._queue:
             p = self._queue[0]
-            if p.future.done():  # caller cancelled
+            if self._dead(p, now):
                 self._pop()
-                continue
-            if p.req.deadline is not None and p.req.deadline <= now:
-                self._pop()
-                p.future.set_exception(
-                    ServingError(
-                        Code.DEADLINE_EXCEEDED, "deadline passed while queued; the request did not run"
-                    )
-                )
                 continue
             if items + p.req.items > budget:
-                if not batch and p.req.items > self.policy.max_batch_size:
-                    # Could never run (submit() normally refuses it): fail it rather than spin.
-                    self._pop()
-                    p.future.set_exception(
-                        ServingError(
-                            Code.INVALID_ARGUMENT,
-                            f"request has {p.req.items} rows; max batch size is {self.policy.max_batch_size}",
-                        )
-                    )
-                    continue
                 break
             self._pop()
             batch.append(p)
@@ -235,8 +309,20 @@ class Batcher:
         return batch
 
     def _pop(self) -> None:
-        p = self._queue.popleft()
+        self._forget(self._queue.popleft())
+
+    def _forget(self, p: _Pending) -> None:
+        """Account for `p` leaving the queue (already removed from the deque)."""
         self._queued_items -= p.req.items
+        if self._tokens is not None:
+            self._queued_tokens -= _own_tokens(p.req)
+
+    def _full(self, max_items: int) -> bool:
+        """Enough is queued for a full batch: `max_items` items, or the token budget's worth."""
+        if self._queued_items >= max_items:
+            return True
+        budget = self._tokens.max_batch_tokens if self._tokens is not None else None
+        return budget is not None and self._queued_tokens >= budget
 
     async def _wait_arrival(self, timeout: float | None) -> bool:
         self._arrival.clear()
@@ -264,7 +350,7 @@ class Batcher:
             if self.policy.max_batch_delay_s > 0 and self._busy and self._queue and not self._closed:
                 fill_by = self._queue[0].enqueued + self.policy.max_batch_delay_s
                 while (
-                    self._queued_items < max_items
+                    not self._full(max_items)
                     and self._busy
                     and not self._closed
                     and (left := fill_by - self._clock()) > 0
@@ -291,6 +377,9 @@ class Batcher:
             self._observer.batch_started(
                 sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
             )
+            if self._tokens is not None:
+                costs = [_cost(p.req) for p in batch]
+                self._observer.batch_tokens(padded_tokens(costs), sum(c.rows * c.longest for c in costs))
             async with asyncio.timeout(self.policy.batch_timeout_s):
                 results = await runner.run([p.req for p in batch])
             if len(results) != len(batch):
@@ -356,3 +445,13 @@ class Batcher:
         if new is not None and not self._closed:
             self._idle.put_nowait(new)
             self._arrival.set()
+
+
+def _cost(req: InferRequest) -> TokenCost:
+    """A queued request's cost; counted at submit, so set whenever the batcher counts tokens."""
+    return req.tokens if req.tokens is not None else TokenCost(req.items, 1)
+
+
+def _own_tokens(req: InferRequest) -> int:
+    c = _cost(req)
+    return c.rows * c.longest
