@@ -38,6 +38,7 @@ from mariner.server.core.dataplane import DataPlane, PlaneSettings
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature
+from mariner.server.core.token_cost import token_counter_or_none
 from mariner.server.core.types import InferRequest, InferResult, ModelState, WorkerInfo
 from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, split_address, uvicorn_config
 from mariner.server.logs import setup_logging
@@ -115,6 +116,9 @@ class RemoteEndpoint(ModelEndpoint):
     ) -> None:
         super().__init__(entry.name, entry.version, source, entry.settings, signature, metrics)
         self.entry = entry
+        self.token_counter = token_counter_or_none(
+            entry.model_config, entry.archive_file, Path(entry.model_dir)
+        )
         self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
         self._ever_ready = False
         self._t0 = time.perf_counter()

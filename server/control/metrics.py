@@ -33,6 +33,8 @@ def latency_buckets(slo_s: float) -> tuple[float, ...]:
 
 
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512)
+# Padded tokens per batch (rows x longest row): a 256-token text alone up to a large budget.
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,14 @@ class Metrics:
             "Items per batch handed to the handler.",
             labels,
             buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_tokens = Histogram(
+            "mariner_batch_tokens",
+            "Tokens per batch of a model with a tokenCounter: kind=padded is rows x longest row "
+            "(what the model computes), kind=unpadded each request padded only to its own longest.",
+            (*labels, "kind"),
+            buckets=TOKEN_BUCKETS,
             registry=self.registry,
         )
         self.queue_depth = Gauge(

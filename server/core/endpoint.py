@@ -38,6 +38,7 @@ from mariner.server.core.model_settings import (
 )
 from mariner.server.core.runner import Placement, Runner, place_instances
 from mariner.server.core.tensors import ModelSignature
+from mariner.server.core.token_cost import TokenCounter, load_token_counter
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 from mariner.server.workers.process import ProcessRunner, socket_dir_for
 
@@ -114,6 +115,7 @@ def resolve_model(
         *layers.for_model(archive.name, archive.version, archive.path.name),
         spec.overrides,
     )
+    load_token_counter(archive.model_config, archive.path.name, archive.model_dir)  # refuses a bad one
     try:
         signature = ModelSignature.from_config(archive.model_config.get("signature"))
     except (ValueError, KeyError, TypeError) as exc:
@@ -130,6 +132,8 @@ class MetricsObserver:
         self._queue = metrics.queue_duration.labels(model, version)
         self._compute = metrics.compute_duration.labels(model, version)
         self._size = metrics.batch_size.labels(model, version)
+        self._tokens_padded = metrics.batch_tokens.labels(model, version, "padded")
+        self._tokens_unpadded = metrics.batch_tokens.labels(model, version, "unpadded")
         self._ts, self._model, self._version = metrics.ts, model, version
 
     def queue_depth(self, items: int) -> None:
@@ -144,6 +148,10 @@ class MetricsObserver:
     def batch_finished(self, seconds: float) -> None:
         self._compute.observe(seconds)
         self._ts.record_compute(self._model, self._version, seconds)
+
+    def batch_tokens(self, padded: int, unpadded: int) -> None:
+        self._tokens_padded.observe(padded)
+        self._tokens_unpadded.observe(unpadded)
 
 
 def resident_bytes(pid: int | None = None) -> int | None:
@@ -199,6 +207,8 @@ class ModelEndpoint:
         self.runners: list[Any] = list(runners)
         self._ready_since: dict[str, float] = {}  # runner id -> time.time() it became ready
         self.batcher: Batcher | None = None
+        # Set by a subclass from the archive's tokenCounter: length-aware batching within a budget.
+        self.token_counter: TokenCounter | None = None
         self.policy = BatchPolicy(
             self.batch_size,
             self.max_batch_delay_ms / 1e3,
@@ -212,6 +222,7 @@ class ModelEndpoint:
             self.policy,
             observer=MetricsObserver(self._metrics, self.name, self.version),
             replace_runner=self.replace_runner,
+            tokens=self.token_counter,
         )
         self.batcher.start()
         return self.batcher
@@ -303,6 +314,7 @@ class ArchiveEndpoint(ModelEndpoint):
         super().__init__(archive.name, archive.version, source, settings, signature, metrics)
         self.archive = archive
         self._plane = plane
+        self.token_counter = load_token_counter(archive.model_config, archive.path.name, archive.model_dir)
         self._socket_dir: Path | None = None
         self._socket_dir_is_temp = False
         torch_threads = plane.torch_threads

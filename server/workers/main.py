@@ -87,6 +87,12 @@ class Worker:
         self._conns: set[_Conn] = set()
         self._oom_splits = 0
         self.exit_code = 0
+        from mariner.server.core.model_settings import token_settings
+
+        # Batches merged from several frontends keep the model's token budget too (each frontend
+        # formed its own within it; two of them together may not fit).
+        tokens = token_settings(spec.model_config, spec.archive_file)
+        self._max_batch_tokens = tokens.max_batch_tokens if tokens is not None else None
         from mariner.server.control.metrics import WorkerGpuGauge
 
         self._gpu_gauge = WorkerGpuGauge(host.placement.gpu_id)
@@ -189,18 +195,27 @@ class Worker:
         conn.sent.release()  # results the frontend will never read
 
     def _take(self) -> list[_Job]:
-        """What waits, merged up to batch_size items (always at least one batch)."""
+        """What waits, merged up to batch_size items and the token budget (always at least one
+        batch)."""
+        from mariner.server.core.token_groups import padded_tokens
+
         jobs: list[_Job] = []
         items = 0
+        costs: list[Any] = []  # the merged requests' TokenCosts, when the model has a budget
         while self._jobs:
             job = self._jobs[0]
             if not job.conn.open:
                 self._jobs.popleft()
                 continue
-            if jobs and (job.solo or items + job.items > self.spec.batch_size):
+            more = [r.tokens for r in job.batch.requests] if self._max_batch_tokens is not None else []
+            if None in more:  # not counted (a frontend without the counter): no budget to keep
+                more = []
+            over = bool(more) and padded_tokens(costs + more) > (self._max_batch_tokens or 0)
+            if jobs and (job.solo or items + job.items > self.spec.batch_size or over):
                 break
             jobs.append(self._jobs.popleft())
             items += job.items
+            costs += more
             if job.solo:
                 break
         return jobs
