@@ -145,7 +145,7 @@ def check_resnet18(answer: bytes) -> None:
         if not ok:
             raise AnswerError(f"top-k entry is not {{label, index, probability}}: {entry!r:.120}")
         p = float(entry["probability"])
-        if not 0.0 <= p <= last + 1e-6:
+        if not (0.0 <= p <= 1.0 + 1e-6 and p <= last + 1e-6):
             raise AnswerError(f"top-k probabilities are not falling values in [0, 1]: {answer[:160]!r}")
         last = p
 
