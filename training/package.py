@@ -45,6 +45,7 @@ class Staged:
     manifest: dict[str, Any]
     model_config: dict[str, Any]
     extra_files: tuple[Path, ...]
+    handler: str = HANDLER.name  # file name of the handler inside `dir` (other families ship their own)
 
 
 def model_config(
@@ -149,7 +150,7 @@ def archive(staged: Staged, verification: Path, store: Path) -> Path:
         "--model-name", staged.model_name,
         "--version", ARCHIVE_VERSION,
         "--serialized-file", str(staged.artefact),
-        "--handler", str(staged.dir / HANDLER.name),
+        "--handler", str(staged.dir / staged.handler),
         "--extra-files", ",".join(str(p) for p in extras),
         "--config-file", str(staged.dir / "model-config.yaml"),
         "--export-path", str(staging),
