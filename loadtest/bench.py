@@ -272,7 +272,8 @@ class FamilyDefaults:
     three client set-ups, a minute of TorchServe JIT warm-up) would make a run last an hour."""
 
     protocols: tuple[str, ...]
-    warmup: int  # requests per measurement (the clients send at least 4 per connection anyway)
+    warmup: int  # requests per measurement (the clients send at least warmup_per_client each anyway)
+    warmup_per_client: int
     duration_s: float
     raw_seconds: float
     torchserve_warmup_cap_s: float
@@ -280,9 +281,9 @@ class FamilyDefaults:
 
 
 FAMILY_DEFAULTS = {
-    "digits": FamilyDefaults(PROTOCOLS, 500, DEFAULT_DURATION_S, 4.0, 60.0, True),
-    "minilm": FamilyDefaults(("grpc", "http"), 0, 10.0, 8.0, 20.0, False),
-    "resnet18": FamilyDefaults(("grpc", "http"), 0, 10.0, 8.0, 20.0, False),
+    "digits": FamilyDefaults(PROTOCOLS, 500, 4, DEFAULT_DURATION_S, 4.0, 60.0, True),
+    "minilm": FamilyDefaults(("http",), 0, 1, 12.0, 8.0, 20.0, False),
+    "resnet18": FamilyDefaults(("http",), 0, 1, 12.0, 8.0, 20.0, False),
 }
 
 
@@ -317,7 +318,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         type=lambda t: _csv(t, PROTOCOLS),
         default=None,
         help="grpc (--grpc-channels channels), grpc-1ch (one channel), http (default: all three for "
-        "digits, grpc,http for the others)",
+        "digits, http for MiniLM and ResNet, whose batches take about a second)",
     )
     p.add_argument(
         "--levels",
@@ -329,7 +330,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--duration",
         type=float,
         default=None,
-        help=f"seconds per measurement (default {DEFAULT_DURATION_S:g}, 10 for MiniLM and ResNet, "
+        help=f"seconds per measurement (default {DEFAULT_DURATION_S:g}, 12 for MiniLM and ResNet, "
         "unless --requests is given)",
     )
     p.add_argument("--requests", type=int, default=None, help="timed requests per measurement instead")
@@ -337,7 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         "--warmup",
         type=int,
         default=None,
-        help="warm-up requests per measurement, not timed (default 500 for digits; at least 4 per client)",
+        help="warm-up requests per measurement, not timed (default 500 for digits; at least 4 per "
+        "client, 1 for MiniLM and ResNet)",
     )
     p.add_argument(
         "--repeats", type=int, default=3, help="measurements of each cell at the highest level (median)"
@@ -462,6 +464,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         baseline_args=None if a.baseline_args is None else tuple(shlex.split(a.baseline_args)),
         scaling_frontends=a.scaling_frontends,
         scaling_workers=a.scaling_workers,
+        warmup_per_client=d.warmup_per_client,
         padding_compare=(family == "minilm") if a.padding_compare is None else a.padding_compare,
     )
 

@@ -174,7 +174,11 @@ def warm_up(
             r = run_level(
                 server=server.name, protocol=WIRE[proto], host=host, port=port, model=settings.model,
                 concurrency=level,
-                load=replace(settings.load_for(proto), duration_s=WARMUP_WINDOW_S, warmup=level * 2),
+                load=replace(
+                    settings.load_for(proto),
+                    duration_s=WARMUP_WINDOW_S,
+                    warmup=level * min(2, settings.warmup_per_client),
+                ),
                 bodies=bodies, server_pid=server.pid, label=proto, family=settings.family,
                 content_type=content_type(settings.family),
             )  # fmt: skip

@@ -69,6 +69,7 @@ class Settings:
     baseline_args: tuple[str, ...] | None = None  # mariner-thread's extra args; None: the default
     scaling_frontends: tuple[int, ...] = (1, 2)
     scaling_workers: tuple[int, ...] = (1, 2)
+    warmup_per_client: int = 4  # untimed requests per client at least, before every measurement
     padding_compare: bool = False  # also run PADDING_MAX at the highest level (MiniLM archives)
     padding_store: Path | None = None  # where the rewritten archive is (set once it is written)
 
@@ -89,7 +90,13 @@ class Settings:
 
     @property
     def load(self) -> LoadSpec:
-        return LoadSpec(self.requests, self.warmup, self.duration_s, self.client_procs)
+        return LoadSpec(
+            self.requests,
+            self.warmup,
+            self.duration_s,
+            self.client_procs,
+            min_warmup_per_client=self.warmup_per_client,
+        )
 
     def load_for(self, protocol: str) -> LoadSpec:
         """The load of one client set-up: how many gRPC channels it opens."""

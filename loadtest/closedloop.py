@@ -288,10 +288,12 @@ class LoadSpec:
     """How much load a level applies, besides its concurrency."""
 
     requests: int  # timed requests per level (all client processes together)
-    warmup: int  # untimed requests first (at least 4 per coroutine)
+    warmup: int  # untimed requests first (at least `min_warmup_per_client` per coroutine)
     duration_s: float | None = None  # if set: run the timed phase this long instead of `requests`
     client_procs: int = 2  # at most this many client processes (never more than the concurrency)
     grpc_channels: int | None = None  # gRPC channels in all (None: one per client process)
+    # 4 for a millisecond model; 1 for a model whose batch takes a second (four would be minutes)
+    min_warmup_per_client: int = 4
 
 
 def run_level(
@@ -323,7 +325,7 @@ def run_level(
     barrier = ctx.Barrier(procs + 1)
     coroutines = _split(concurrency, procs)
     counts = _split(load.requests, procs)
-    warmups = _split(max(load.warmup, concurrency * 4), procs)
+    warmups = _split(max(load.warmup, concurrency * load.min_warmup_per_client), procs)
     workers, pipes = [], []
     for k in range(procs):
         job = ClientJob(

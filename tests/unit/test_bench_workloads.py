@@ -156,14 +156,15 @@ def test_family_defaults_keep_slow_models_runs_short_and_digits_unchanged() -> N
         True,
         False,
     )
-    assert (d.raw_seconds, d.torchserve_warmup_cap_s) == (4.0, 60.0)
+    assert (d.raw_seconds, d.torchserve_warmup_cap_s, d.load.min_warmup_per_client) == (4.0, 60.0, 4)
+    assert bench.parse_args(["--model", "resnet18_eager"]).load.min_warmup_per_client == 1
     m = bench.parse_args(["--model", "minilm_onnx.mar"])
     assert (m.model, m.family, m.protocols, m.warmup, m.duration_s, m.startup, m.padding_compare) == (
         "minilm_onnx",
         "minilm",
-        ("grpc", "http"),
+        ("http",),
         0,
-        10.0,
+        12.0,
         False,
         True,
     )
