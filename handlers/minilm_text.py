@@ -107,9 +107,9 @@ def decode_request(row: Any, cap: int = MAX_TEXTS_PER_REQUEST) -> Texts:
     """One TorchServe-shaped request (`data`/`body`/`tensors`) -> its texts; ValueError if bad."""
     if is_tensor_request(row):
         return _from_tensors(row["tensors"])
-    payload = row
-    if isinstance(row, dict) and ("data" in row or "body" in row):
-        payload = row.get("data") if row.get("data") is not None else row.get("body")
+    if not isinstance(row, dict):
+        raise ValueError(f"a request is a mapping with 'data' or 'body', got {type(row).__name__}")
+    payload = row.get("data") if row.get("data") is not None else row.get("body")
     if payload is None:
         raise ValueError(f"empty request; {_ALLOWED}")
     if isinstance(payload, (bytes, bytearray, memoryview)):
