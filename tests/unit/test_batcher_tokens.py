@@ -331,3 +331,53 @@ def test_a_worker_without_a_budget_or_counts_merges_by_batch_size_as_before() ->
     uncounted = worker(BUDGET)
     uncounted._jobs.extend([job(1, None), job(2, None)])
     assert [j.batch.id for j in uncounted._take()] == [1, 2]
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 120)), min_size=1, max_size=30),
+    max_batch_size=st.integers(3, 8),
+    budget=st.one_of(st.none(), st.integers(1, 400)),
+    gaps=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    runner_yields=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+)
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+def test_property_budget_fairness_and_one_answer_each(
+    shapes: list[tuple[int, int]],
+    max_batch_size: int,
+    budget: int | None,
+    gaps: list[int],
+    runner_yields: list[int],
+) -> None:
+    runner = FakeRunner(yields=runner_yields)
+    ids = [f"q{i}x{tokens}" for i, (_, tokens) in enumerate(shapes)]
+    rows = {rid: n for rid, (n, _) in zip(ids, shapes, strict=True)}
+
+    async def body(clock: FakeClock) -> None:
+        b = make(runner, clock, FakeCounter(budget), max_batch_size=max_batch_size)
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for i, rid in enumerate(ids):
+            tasks.append(loop.create_task(b.submit(request(rid, rows[rid])), name=rid))
+            for _ in range(gaps[i % len(gaps)]):
+                await asyncio.sleep(0)
+        await settle(SETTLE_STEPS_PER_REQUEST * len(ids) + 60)
+        for t in tasks:
+            assert result(t) == echo(t.get_name())
+        await b.close()
+
+    run(body)
+    batches = runner.batches
+    assert sorted(r for batch in batches for r in batch) == sorted(ids)  # each ran exactly once
+    index = {rid: i for i, rid in enumerate(ids)}
+    done: set[int] = set()
+    for batch in batches:
+        costs = [TokenCost(rows[r], length(r)) for r in batch]
+        assert sum(rows[r] for r in batch) <= max_batch_size
+        assert len(batch) == 1 or budget is None or padded_tokens(costs) <= budget
+        # Fairness: nothing older than a batch's oldest member was still waiting when it left.
+        oldest = min(index[r] for r in batch)
+        assert set(range(oldest)) <= done
+        done |= {index[r] for r in batch}
+
+
+SETTLE_STEPS_PER_REQUEST = 10
