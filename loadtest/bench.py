@@ -168,7 +168,7 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
                 continue
             if name == PADDING_MAX:
                 running, facts = start_mariner(stack, settings, name, store=pad_store)
-                facts = replace(facts, args=f"{facts.args}; archive copy: {', '.join(report.padding)}")
+                facts = replace(facts, args=f"{facts.args}; archive copy padded to max_length, no budget")
                 cap = min(20.0, settings.torchserve_warmup_cap_s)
             elif name == "torchserve":
                 running, facts = start_torchserve(stack, settings)

@@ -158,6 +158,11 @@ def stopped_rising(rates: Sequence[float], tolerance: float) -> bool:
     return max(a, b) > 0 and abs(b - a) <= tolerance * max(a, b)
 
 
+def rps(x: float) -> str:
+    """Requests/s for a table: whole numbers, one decimal below 100 (a transformer's 11.4 req/s)."""
+    return "n/a" if math.isnan(x) else f"{x:,.{1 if x < 100 else 0}f}"
+
+
 def fmt(x: float, digits: int = 2) -> str:
     """A figure for the report; n/a when it was not measured."""
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
@@ -336,7 +341,7 @@ def _header(report: Report, title: str) -> list[str]:
         f"(uvloop); `grpc`: {s.grpc_channels} gRPC channels (one HTTP/2 connection each) spread over "
         "the client processes; `grpc-1ch`: one channel, one client process, every call multiplexed on "
         "it; `http`: HTTP/1.1 keep-alive, one connection per client. "
-        f"{per} after {s.warmup} warm-up requests (at least 4 per client); payloads: "
+        f"{per} after {s.warmup} warm-up requests (at least {s.warmup_per_client} per client); payloads: "
         f"{report.workload or 'the 270 test-set digits in turn'}.",
         f"- Repeats: the highest level ran {s.repeats} time(s), every server in each repeat, the order "
         "reversed every other repeat; all servers stay up for the whole run (idle while another is "
@@ -391,7 +396,7 @@ def _runs_table(levels: Sequence[LevelResult]) -> list[str]:
         lines.append(
             f"| {r.server} | {r.protocol} | {r.concurrency} | {r.repeat + 1} | {r.connections} | {lat.n} | "
             f"{r.errors} | {fmt(lat.p50_ms)} | {fmt(lat.p99_ms)} | {fmt(lat.max_ms)} | "
-            f"{r.throughput_rps:,.0f} | {r.client_cores:.2f} | {r.server_cores:.2f} | {other_cores(r):.2f} | "
+            f"{rps(r.throughput_rps)} | {r.client_cores:.2f} | {r.server_cores:.2f} | {other_cores(r):.2f} | "
             f"{fmt(r.cpu_us_per_request, 0)} |"
         )
     return lines
@@ -414,7 +419,7 @@ def _medians_table(levels: Sequence[LevelResult]) -> list[str]:
         m = summarize(levels, server, proto, c)
         assert m is not None
         lines.append(
-            f"| {server} | {proto} | {c} | {m.runs} | {m.rps:,.0f} | {m.rps_min:,.0f}–{m.rps_max:,.0f} | "
+            f"| {server} | {proto} | {c} | {m.runs} | {rps(m.rps)} | {rps(m.rps_min)}–{rps(m.rps_max)} | "
             f"{fmt(m.p50_ms)} | {fmt(m.p99_ms)} | {m.server_cores:.2f} | {fmt(m.cpu_us_per_request, 0)} |"
         )
     return lines
@@ -467,7 +472,7 @@ def render_markdown(report: Report) -> str:
             lines.append(f"| `{models}` | {', '.join(f'{x:.2f}' for x in xs)} | {fmt(median(xs))} |")
     if report.raw:
         r = report.raw
-        runs_rps = ", ".join(f"{x.batched_rps:,.0f}" for x in report.raw_runs)
+        runs_rps = ", ".join(rps(x.batched_rps) for x in report.raw_runs)
         lines += [
             "",
             "## Raw: the handler in-process (the ceiling)",
@@ -487,6 +492,11 @@ def render_markdown(report: Report) -> str:
                 f"| `predict_topk()` (model + top-k only) | {fmt(r.model_batch1.p50_ms, 3)} | "
                 f"{fmt(r.model_batch1.p90_ms, 3)} | {fmt(r.model_batch1.p99_ms, 3)} | "
                 f"{fmt(r.model_batch1.max_ms, 3)} | {r.model_batched_rps:,.0f} |"
+            )
+        if not math.isnan(r.sorted_batched_rps):
+            lines.append(
+                f"| `handle()` on full batches of length-sorted texts (what grouping by length can reach) "
+                f"| | | | | {rps(r.sorted_batched_rps)} |"
             )
         if not digits:
             lines += [

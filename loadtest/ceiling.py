@@ -10,6 +10,10 @@ the server's batcher forms when 64 closed-loop clients keep it busy. The payload
 benchmark's own (`mariner.loadtest.workloads`), in turn, so the batches mix lengths and sizes
 the way live traffic does; the first full batch's answers are checked like the clients' answers.
 
+For MiniLM it also times full batches of texts sorted by length (`sorted_batched_rps`): what a
+server that groups requests by length (a token budget) could reach, against arrival-order
+batches padded to their longest text.
+
     python -m mariner.loadtest.ceiling --model minilm_onnx      # any archive in the store
 """
 
@@ -59,6 +63,7 @@ class RawResult:
     torch_threads: int
     device: str
     batch_ms: float = math.nan  # median milliseconds of one full-batch handle() call
+    sorted_batched_rps: float = math.nan  # MiniLM: full batches of length-sorted texts (see module doc)
 
 
 def _timed_loop(fn: Callable[[], Any], seconds: float, *, min_iters: int = 50) -> list[float]:
@@ -138,6 +143,7 @@ def measure_in_process(spec: CeilingSpec, bodies: Sequence[bytes]) -> RawResult:
         iters_full = _warm(full)
         batch1 = Percentiles.of(_timed_loop(one, part, min_iters=iters_one))
         batch_ms = statistics.median(_timed_loop(full, part, min_iters=iters_full))
+        sorted_rps = _sorted_batches_rps(handle, ctx, rows, b, part) if spec.family == "minilm" else math.nan
         model_batch1, model_batched_rps = Percentiles.of([]), math.nan
         predict = getattr(handler, "predict_topk", None)
         if spec.family == "digits" and predict is not None:
@@ -151,7 +157,39 @@ def measure_in_process(spec: CeilingSpec, bodies: Sequence[bytes]) -> RawResult:
         torch_threads=spec.torch_threads,
         device=device,
         batch_ms=batch_ms,
+        sorted_batched_rps=sorted_rps,
     )
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in an order whose every prefix spreads over the whole range (0, n/2, n/4, 3n/4, ...),
+    so a loop cut short by its time budget still samples short and long batches alike."""
+    order: list[int] = []
+    step = 1 << max(0, (n - 1).bit_length())
+    while step >= 1:
+        order += [i for i in range(0, n, step) if i not in order]
+        step //= 2
+    return order
+
+
+def _sorted_batches_rps(handle: Any, ctx: Any, rows: list[dict[str, Any]], b: int, seconds: float) -> float:
+    """Requests/s over full batches cut from the requests sorted by length (bytes stand in for word
+    pieces), batches taken in `spread_order`, at least three: rows / total time, not a median,
+    since short and long batches differ in cost by design."""
+    ordered = sorted(rows, key=lambda r: len(r["data"]))
+    chunks = [ordered[i : i + b] for i in range(0, len(ordered) - b + 1, b)] or [ordered]
+    ids, heads = [f"r{i}" for i in range(b)], [{} for _ in range(b)]
+    done, spent = 0, 0.0
+    for k, idx in enumerate(spread_order(len(chunks))):
+        if k >= 3 and spent >= seconds:
+            break
+        batch = chunks[idx]
+        ctx.begin_batch(ids[: len(batch)], heads[: len(batch)])
+        t0 = time.perf_counter()
+        handle(batch, ctx)
+        spent += time.perf_counter() - t0
+        done += len(batch)
+    return done / spent if spent > 0 else math.nan
 
 
 def _encoded(answer: Any) -> bytes:

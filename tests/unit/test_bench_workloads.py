@@ -19,7 +19,7 @@ import yaml
 
 from mariner.loadtest import bench
 from mariner.loadtest.bench_report import output_names, render_markdown, targets
-from mariner.loadtest.ceiling import CeilingSpec, RawResult, measure_in_process
+from mariner.loadtest.ceiling import CeilingSpec, RawResult, measure_in_process, spread_order
 from mariner.loadtest.closedloop import LevelResult, Percentiles
 from mariner.loadtest.padding import pad_to_max, rewrite_archive
 from mariner.loadtest.workloads import (
@@ -345,7 +345,7 @@ class Handler:
         with open("CALLS_LOG", "a") as f:
             f.write(json.dumps(texts) + "\\n")
         n = math.sqrt(384.0)
-        return [{"embedding": [1.0 / n] * 384} for _ in texts]
+        return [{"embedding": [1.0 / n] * 384, "label": 0} for _ in texts]  # valid for two families
 """
 
 
@@ -392,3 +392,39 @@ def test_ceiling_refuses_a_handler_whose_answers_fail_the_check(tmp_path: Path) 
     )
     with pytest.raises(AnswerError, match="norm"):
         measure_in_process(CeilingSpec(archive, "minilm", 2, 1, 0.01), [b"a", b"b"])
+
+
+def test_spread_order_reaches_both_ends_early_and_covers_everything() -> None:
+    assert spread_order(1) == [0]
+    assert spread_order(4) == [0, 2, 1, 3]
+    assert spread_order(16)[:4] == [0, 8, 4, 12]
+    for n in (3, 5, 16, 17):
+        assert sorted(spread_order(n)) == list(range(n))
+
+
+def test_minilm_ceiling_also_times_length_sorted_batches(tmp_path: Path) -> None:
+    log = tmp_path / "calls.log"
+    archive = write_handler_archive(
+        tmp_path / "minilm_echo.mar",
+        "minilm_echo",
+        "echo_handler.py",
+        {
+            "echo_handler.py": ECHO_HANDLER.replace("CALLS_LOG", str(log)),
+            "model-config.yaml": "batchSize: 2\n",
+        },
+    )
+    bodies = [b"x" * k for k in (5, 1, 4, 2, 6, 3, 8, 7)]
+    r = measure_in_process(CeilingSpec(archive, "minilm", 2, 1, 0.01), bodies)
+    assert r.sorted_batched_rps > 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    chunks = [["x", "xx"], ["xxx", "xxxx"], ["xxxxx", "xxxxxx"], ["xxxxxxx", "xxxxxxxx"]]
+    tail = []
+    for c in reversed(calls):  # the sorted batches are the last calls; arrival order never sorts so
+        if c not in chunks:
+            break
+        tail.insert(0, c)
+    # at least three batches, spread over short and long first, never one twice
+    assert len(tail) in (3, 4)
+    assert tail == [chunks[i] for i in (0, 2, 1, 3)][: len(tail)]
+    other = measure_in_process(CeilingSpec(archive, "digits", 2, 1, 0.01), [b"x"] * 4)
+    assert math.isnan(other.sorted_batched_rps)  # only for MiniLM
