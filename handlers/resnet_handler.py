@@ -1,0 +1,299 @@
+"""TorchServe-contract handler for the ResNet-18 image classifier, whatever artefact it carries.
+
+The archive's model-config `handler:` section says the artefact's format:
+
+    eager | compiled   state_dict (weights_only=True) + resnet_model.py; compiled adds torch.compile
+                       with static shapes, batches zero-padded to power-of-two buckets warmed at load
+    torchscript        torch.jit.load
+    aoti               torch._inductor.aoti_load_package (also the PT2E int8 variant)
+    onnx               onnxruntime InferenceSession (dynamic batch)
+
+optional `autocast` / `cudaGraphs` (read by `accel.py`), `topk` (default 5) and
+`warmup_batch_sizes`. Device rules come from `digits_device.py` (generic despite its name) and
+image decoding from `resnet_image.py`; all three ship beside this file in the archive.
+
+Requests, one per TorchServe request: a JPEG or PNG as the raw body or as a multipart/form
+field (`data`, `body`, or any other field holding bytes), answered with
+`{"topk": [{"label", "index", "probability"} x5]}`. On Mariner's Open Inference Protocol path a
+request is `{"tensors": {name: array}}` with one input: BYTES [N] or [N, 1] of encoded images,
+or FP32 [N, 3, 224, 224] already normalised; it is answered with arrays `probabilities` FP32
+[N, 5] and `indices` INT64 [N, 5]. A bad request gets `{"error", "code": 400}` and status 400
+for its index only; its batch-mates are answered. The whole batch is one forward pass (in
+chunks of at most `maxRowsPerCall` rows, else batchSize, when tensor requests bring more).
+
+The module defines exactly one class (TorchServe's loader requires it) and imports nothing
+from `ts`, so Mariner loads it without TorchServe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("eager", "compiled", "torchscript", "aoti", "onnx")
+TOPK = 5
+CLASSES = 1000
+
+
+def _load_module_from(path: Path, name: str) -> Any:
+    """Import a .py file shipped in the archive without touching sys.path."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_HERE = Path(__file__).resolve().parent
+_device = _load_module_from(_HERE / "digits_device.py", "mariner_resnet_device")
+_image = _load_module_from(_HERE / "resnet_image.py", "mariner_resnet_image")
+
+
+def _config_section(context: Any) -> dict[str, Any]:
+    cfg = getattr(context, "model_yaml_config", None) or {}
+    section = cfg.get("handler") or {}
+    if not isinstance(section, dict):
+        raise ValueError("model-config 'handler' section must be a mapping")
+    return section
+
+
+def _buckets(batch_size: int, explicit: Any = None) -> list[int]:
+    """Batch sizes a padded model runs at: powers of two up to batchSize, and batchSize."""
+    if explicit:
+        return sorted({int(b) for b in explicit})
+    top = max(1, batch_size)
+    return sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
+
+
+def _image_bytes(row: Any) -> bytes:
+    """The encoded image of one TorchServe request: raw body, or a multipart field's bytes."""
+    if not isinstance(row, dict):
+        payload: Any = row
+    elif row.get("data") is not None:
+        payload = row["data"]
+    elif row.get("body") is not None:
+        payload = row["body"]
+    else:  # multipart/form-data: one key per field; take the first that holds bytes
+        payload = next((v for v in row.values() if isinstance(v, (bytes, bytearray, memoryview))), None)
+    if isinstance(payload, (bytearray, memoryview)):
+        payload = bytes(payload)
+    if not isinstance(payload, bytes):
+        kind = "nothing" if payload is None else type(payload).__name__
+        raise ValueError(
+            f"expected a JPEG or PNG image as the body or a form file field, got {kind}; "
+            "send the image bytes with a non-text Content-Type (e.g. image/jpeg)"
+        )
+    return payload
+
+
+def _is_tensor_request(row: Any) -> bool:
+    """Mariner's OIP path hands arrays; JSON from a client never produces an ndarray."""
+    tensors = row.get("tensors") if isinstance(row, dict) else None
+    return (
+        isinstance(tensors, dict)
+        and bool(tensors)
+        and all(isinstance(v, np.ndarray) for v in tensors.values())
+    )
+
+
+def _tensor_rows(tensors: dict[str, np.ndarray]) -> torch.Tensor:
+    """One OIP request's single input -> (N, 3, 224, 224) normalised rows."""
+    if len(tensors) != 1:
+        raise ValueError(f"expected one input (BYTES images or FP32 [N, 3, 224, 224]), got {sorted(tensors)}")
+    ((name, arr),) = tensors.items()
+    if arr.dtype.kind in "OSU":
+        if arr.ndim not in (1, 2) or (arr.ndim == 2 and arr.shape[1] != 1) or len(arr) == 0:
+            raise ValueError(
+                f"BYTES input {name!r} must have shape [N] or [N, 1] with N >= 1, got {list(arr.shape)}"
+            )
+        images = []
+        for k, v in enumerate(arr.reshape(-1)):
+            raw = v.encode() if isinstance(v, str) else bytes(v)
+            try:
+                images.append(_image.decode(raw))
+            except ValueError as exc:
+                raise ValueError(f"input {name!r} element {k}: {exc}") from None
+        return _image.normalise(images)
+    return _image.check_tensor(arr, name)
+
+
+class ResNetHandler:
+    """Loads the archive's artefact once; answers batches of images with top-5 labels."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.model: Any = None
+        self.device = torch.device("cpu")
+        self.format = ""
+        self.labels: list[str] = [str(i) for i in range(CLASSES)]
+        self.topk = TOPK
+        self.buckets: list[int] = [1]
+        self.chunk = 1
+        self._pad = False
+        self._ort: Any = None
+        self._ort_input = ""
+        self._staging: Any = None
+        self._accel: Any = None
+        self._accel_mod: Any = None
+
+    # -- TorchServe contract -------------------------------------------------------------
+    def initialize(self, context: Any) -> None:
+        props = context.system_properties
+        model_dir = Path(props.get("model_dir") or ".")
+        section = _config_section(context)
+        self.format = str(section.get("format", "")).lower()
+        if self.format not in FORMATS:
+            raise ValueError(f"model-config handler.format must be one of {FORMATS}, got {self.format!r}")
+        self.topk = int(section.get("topk", TOPK))
+        serialized = (context.manifest or {}).get("model", {}).get("serializedFile")
+        if not serialized:
+            raise ValueError("the archive's manifest names no serializedFile")
+        labels_path = model_dir / "labels.json"
+        if labels_path.exists():
+            self.labels = [str(v) for v in json.loads(labels_path.read_text())]
+        batch_size = int(props.get("batch_size") or 1)
+        cfg = getattr(context, "model_yaml_config", None) or {}
+        # Rows per forward pass: bounds activations when tensor requests bring many rows.
+        self.chunk = max(1, int(cfg.get("maxRowsPerCall") or batch_size))
+        self.device = _device.pick_device(context, str(section.get("device", "any")))
+        self.buckets = _buckets(batch_size, section.get("warmup_batch_sizes"))
+        if section.get("autocast") or section.get("cudaGraphs"):
+            self._accel_mod = _load_module_from(_HERE / "accel.py", "mariner_resnet_accel")
+            self._accel = self._accel_mod.settings(section)
+        self.model = self._load(model_dir / serialized, model_dir, section)
+        if self.device.type == "cuda" and self.format != "onnx":
+            self._staging = _device.HostStaging(max(self.buckets[-1], self.chunk), (3, 224, 224), self.device)
+        self._warm_up()
+        self.initialized = True
+        log.info(
+            "resnet handler ready: format=%s device=%s artefact=%s", self.format, self.device, serialized
+        )
+
+    def handle(self, data: list[Any], context: Any) -> list[Any]:
+        """Decode every request, run one forward for the batch, split the answers back in order."""
+        results: list[Any] = [None] * len(data)
+        spans: list[tuple[int, int]] = []  # tensor requests: (request index, index in blocks)
+        blocks: list[torch.Tensor] = []
+        crops: list[np.ndarray] = []  # single-image requests, normalised together
+        crop_slots: list[int] = []
+        for i, row in enumerate(data):
+            try:
+                if _is_tensor_request(row):
+                    blocks.append(_tensor_rows(row["tensors"]))
+                    spans.append((i, len(blocks) - 1))
+                else:
+                    crops.append(_image.decode(_image_bytes(row)))
+                    crop_slots.append(i)
+            except ValueError as exc:
+                results[i] = {"error": str(exc), "code": 400}
+                setter = getattr(context, "set_response_status", None)
+                if setter is not None:
+                    setter(400, str(exc), idx=i)
+        if crops:
+            blocks.append(_image.normalise(crops))
+        if not blocks:
+            return results
+        x = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        probs, idx = self.predict_topk(x)
+        n = 0
+        for slot, block in spans:
+            rows = len(blocks[block])
+            results[slot] = {"tensors": {"probabilities": probs[n : n + rows], "indices": idx[n : n + rows]}}
+            n += rows
+        for k, slot in enumerate(crop_slots):
+            results[slot] = {
+                "topk": [
+                    {"label": self.labels[int(c)], "index": int(c), "probability": round(float(p), 6)}
+                    for c, p in zip(idx[n + k], probs[n + k], strict=True)
+                ]
+            }
+        return results
+
+    # -- model API used by verification --------------------------------------------------
+    def predict_topk(self, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Normalised (N, 3, 224, 224) -> top-k probabilities (float32) and indices (int64)."""
+        probs = torch.softmax(self.logits(x), dim=1)
+        p, i = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+        return p.numpy().astype(np.float32), i.numpy().astype(np.int64)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised (N, 3, 224, 224) host tensor -> (N, 1000) float32 logits on the host."""
+        size = self.buckets[-1] if self._pad else self.chunk
+        if len(x) <= size:
+            return self._run(x)
+        return torch.cat([self._run(c) for c in x.split(size)])
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "onnx":
+            return torch.from_numpy(self._ort.run(None, {self._ort_input: x.numpy()})[0])
+        n = len(x)
+        rows = next(b for b in self.buckets if b >= n) if self._pad else n
+        with torch.inference_mode():
+            if self._staging is not None and rows <= self._staging.rows:
+                x = self._staging.to_device(x, rows)
+            else:
+                if rows > n:
+                    x = torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
+                elif self._pad:  # what dynamo guards on stays constant: a fresh tensor at offset 0
+                    x = x.clone()
+                x = x.to(self.device)
+            if self._accel is not None:
+                with self._accel_mod.autocast(self._accel, self.device):
+                    out = self.model(x)
+            else:
+                out = self.model(x)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            return out[:n].float().cpu()
+
+    # -- loading --------------------------------------------------------------------------
+    def _load(self, artefact: Path, model_dir: Path, section: dict[str, Any]) -> Any:
+        if self.format in ("eager", "compiled"):
+            module = _load_module_from(model_dir / "resnet_model.py", "mariner_resnet_model")
+            model = module.ResNet18(num_classes=len(self.labels))
+            model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
+            model.eval().to(self.device)
+            if self.format == "compiled":
+                cfg = section.get("compile") or {}
+                limit = len(self.buckets) + 2  # one graph per bucket, all made by the warm-up
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+                model = torch.compile(
+                    model, mode=cfg.get("mode", "default"), dynamic=cfg.get("dynamic", False)
+                )
+                self._pad = True
+            elif self._accel is not None and self._accel.cuda_graphs and self.device.type == "cuda":
+                self._pad = True
+                example = lambda b: (torch.zeros((b, 3, 224, 224), device=self.device),)  # noqa: E731
+                model = self._accel_mod.graphed(model, self._accel, self.device, self.buckets, example)
+            return model
+        if self.format == "torchscript":
+            return torch.jit.load(str(artefact), map_location=self.device).eval()
+        if self.format == "aoti":
+            meta = _device.aoti_metadata(artefact)
+            _device.check_aoti_package(meta, self.device, _device.host_cpu_flags(), artefact.name)
+            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
+            return torch._inductor.aoti_load_package(str(artefact), device_index=index)
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        self._ort = _device.onnx_session(ort, artefact, opts, self.device)
+        self._ort_input = self._ort.get_inputs()[0].name
+        return self._ort
+
+    def _warm_up(self) -> None:
+        """Run batch 1 (and, when padding, every bucket) so no request pays a first-call cost."""
+        sizes = self.buckets if self._pad else [1]
+        zeros = torch.zeros((max(sizes), 3, 224, 224))
+        for b in sizes:
+            self.logits(zeros[:b])

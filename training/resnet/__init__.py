@@ -1,0 +1,1 @@
+"""ResNet-18 image classifier: architecture, weights, exports, verification and archives."""

@@ -1,0 +1,139 @@
+"""Export the seeded ResNet-18 into every artefact format the resnet handler serves.
+
+Reuses the digits exports' machinery where it is generic (AOTInductor packaging for a portable
+CPU baseline and the metadata the handler checks, `mariner.training.export`). Every graph
+capture declares the batch dimension dynamic from the first `torch.export` on (see TRAPS:
+PT2E otherwise specialises the batch size). The compiled variant ships the eager state_dict;
+the handler compiles it at load with static shapes, one graph per batch bucket.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from mariner.training.export import Artefact, aoti_cpu_package, aoti_target
+
+MAX_BATCH = 1024
+DEFAULT_VARIANTS = ("eager", "torchscript", "onnx")
+FULL_VARIANTS = (*DEFAULT_VARIANTS, "aoti", "compiled", "int8_pt2e")
+
+
+def example_input(batch: int = 2) -> torch.Tensor:
+    # batch 2, not 1: export would otherwise be tempted to specialise on a size-1 dim.
+    return torch.randn(batch, 3, 224, 224)
+
+
+def dynamic_shapes() -> dict[str, dict[int, Dim]]:
+    return {"x": {0: Dim("batch", min=1, max=MAX_BATCH)}}
+
+
+def export_program(model: nn.Module) -> torch.export.ExportedProgram:
+    return torch.export.export(model, (example_input(),), dynamic_shapes=dynamic_shapes())
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def export_eager(model: nn.Module, out: Path) -> Artefact:
+    path = out / "resnet18_eager.pt"
+    return Artefact("eager", path, "eager", "any", _timed(lambda: torch.save(model.state_dict(), path)))
+
+
+def export_torchscript(model: nn.Module, out: Path) -> Artefact:
+    path = out / "resnet18_ts.pt"
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # deprecated upstream, still deployed
+            torch.jit.script(model).save(str(path))
+
+    return Artefact("torchscript", path, "torchscript", "any", _timed(run))
+
+
+def export_onnx(model: nn.Module, out: Path) -> Artefact:
+    path = out / "resnet18.onnx"
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                model,
+                (example_input(),),
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes(),
+                input_names=["x"],
+                output_names=["logits"],
+                external_data=False,
+            )
+        program.save(str(path))
+
+    return Artefact("onnx", path, "onnx", "any", _timed(run))
+
+
+def export_aoti(model: nn.Module, out: Path) -> Artefact:
+    path = out / "resnet18_aoti.pt2"
+    secs = _timed(lambda: aoti_cpu_package(export_program(model), path))
+    return Artefact("aoti", path, "aoti", "cpu", secs, aoti_target(path))
+
+
+def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -> Artefact:
+    """Static int8 (torchao PT2E, x86 inductor quantizer) calibrated on photo crops -> AOTI."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    path = out / "resnet18_int8_pt2e.pt2"
+
+    def run() -> None:
+        quantizer = X86InductorQuantizer()
+        quantizer.set_global(get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(export_program(model).module(), quantizer)
+        with torch.no_grad():
+            for chunk in calibration.split(16):
+                prepared(chunk)
+        converted = convert_pt2e(prepared)
+        program = torch.export.export(converted, (example_input(),), dynamic_shapes=dynamic_shapes())
+        aoti_cpu_package(program, path)
+
+    art = Artefact("int8_pt2e", path, "aoti", "cpu", _timed(run))
+    return replace(art, target=aoti_target(path))
+
+
+def export_variants(
+    model: nn.Module, out: Path, variants: tuple[str, ...], calibration: torch.Tensor
+) -> list[Artefact]:
+    """The artefacts of `variants`, in the order given (eager first: the others reuse nothing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    arts: list[Artefact] = []
+    eager: Artefact | None = None
+    for v in variants:
+        if v == "eager":
+            eager = export_eager(model, out)
+            arts.append(eager)
+        elif v == "compiled":
+            eager = eager or export_eager(model, out)
+            arts.append(Artefact("compiled", eager.path, "compiled", "any", 0.0))
+        elif v == "torchscript":
+            arts.append(export_torchscript(model, out))
+        elif v == "onnx":
+            arts.append(export_onnx(model, out))
+        elif v == "aoti":
+            arts.append(export_aoti(model, out))
+        elif v == "int8_pt2e":
+            arts.append(quantize_pt2e_int8(model, calibration, out))
+        else:
+            raise ValueError(f"unknown resnet18 variant {v!r}; known: {', '.join(FULL_VARIANTS)}")
+    return arts

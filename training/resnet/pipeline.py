@@ -1,0 +1,121 @@
+"""Build the ResNet-18 archives: seeded weights -> export -> verify -> package.
+
+`python -m mariner.training.resnet.pipeline --store DIR [--full]` builds this family alone;
+the store builder (`mariner.training.pipeline`) calls `build()` and merges its index entries.
+The default store has the quick variants (eager, TorchScript, ONNX); `--full` adds
+AOTInductor, torch.compile (compiled at load) and PT2E int8, which take minutes on 2 cores.
+Work files go under WORK/resnet/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mariner.server.core.archive import sha256_file
+from mariner.training import package as archiver
+from mariner.training.family import FamilyBuild
+from mariner.training.image_data import encoded_set
+from mariner.training.resnet import package, weights
+from mariner.training.resnet.export import DEFAULT_VARIANTS, FULL_VARIANTS, export_variants
+from mariner.training.resnet.verify import markdown, verify_variant
+
+QUANTIZED = {"int8_pt2e"}
+VERIFY_IMAGES = 64
+VERIFY_SEED = 2024  # held-out crops: not the BN-calibration seed
+INT8_CALIBRATION_IMAGES = 64
+INT8_CALIBRATION_SEED = 4321
+
+
+def build(
+    store: Path,
+    work: Path,
+    *,
+    full: bool,
+    batch_size: int,
+    max_batch_delay_ms: int,
+    repeats: int = 5,
+    verify_images: int = VERIFY_IMAGES,
+    variants: tuple[str, ...] | None = None,
+) -> FamilyBuild:
+    """Export, verify and archive the variants (default set, or every one with `full`)."""
+    root = work / "resnet"
+    chosen = variants or (FULL_VARIANTS if full else DEFAULT_VARIANTS)
+    model = weights.make_model()
+    x = weights.calibration_batch(verify_images, VERIFY_SEED)
+    with torch.inference_mode():
+        eager_logits = torch.cat([model(c) for c in x.split(32)])
+    calibration = (
+        weights.calibration_batch(INT8_CALIBRATION_IMAGES, INT8_CALIBRATION_SEED)
+        if "int8_pt2e" in chosen
+        else torch.empty(0)
+    )
+    jpegs = encoded_set(32, VERIFY_SEED + 1)
+    labels = weights.labels()
+    rows = []
+    entries: list[dict[str, Any]] = []
+    for art in export_variants(model, root / "artefacts", chosen, calibration):
+        staged = package.stage(
+            variant=art.variant, fmt=art.format, device=art.device, artefact=art.path, work=root / "stage",
+            labels=labels, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+        )  # fmt: skip
+        rec = verify_variant(
+            staged, fmt=art.format, quantized=art.variant in QUANTIZED, x=x, eager_logits=eager_logits,
+            jpegs=jpegs, repeats=repeats, target=art.target,
+        )  # fmt: skip
+        record = {**asdict(rec), "export_seconds": round(art.seconds, 3), "note": package.PERFORMANCE_NOTE}
+        mar = archiver.archive(staged, archiver.write_verification(staged, record), store)
+        entries.append(
+            {
+                "model": staged.model_name,
+                "version": archiver.ARCHIVE_VERSION,
+                "file": mar.name,
+                "sha256": sha256_file(mar),
+                "bytes": mar.stat().st_size,
+                "format": art.format,
+                "device": art.device,
+                "verification": record,
+            }
+        )
+        rows.append(rec)
+        print(
+            f"  resnet18_{art.variant:<12} {rec.tolerance:<28} {'ok' if rec.passed else 'OUT OF TOLERANCE'}"
+        )
+    return FamilyBuild(
+        family="resnet",
+        entries=tuple(entries),
+        report_markdown=markdown(rows, verify_images),
+        failed=tuple(r.variant for r in rows if not r.passed),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", type=Path, default=Path("model_store"))
+    p.add_argument("--work", type=Path, default=Path("build"))
+    p.add_argument("--full", action="store_true", help="also AOTInductor, compiled and PT2E int8")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-batch-delay", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per latency median")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    fb = build(
+        args.store, args.work, full=args.full, batch_size=args.batch_size,
+        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
+    )  # fmt: skip
+    print(fb.report_markdown)
+    print(f"resnet18 archives built in {time.perf_counter() - t0:.1f} s -> {args.store}")
+    if fb.failed:
+        print(f"variants out of tolerance: {', '.join(fb.failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
