@@ -67,7 +67,11 @@ def decode(raw: bytes) -> np.ndarray:
         raise ValueError("empty body: send one JPEG or PNG image")
     try:
         img = Image.open(io.BytesIO(raw))  # parses the header only
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as exc:
+    except Image.DecompressionBombError as exc:  # Pillow's own cap (above ours), also from the header
+        raise ValueError(
+            f"image is too large: {exc}; at most {MAX_IMAGE_PIXELS} pixels are accepted"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
         raise ValueError(f"body is not a JPEG or PNG image ({type(exc).__name__}: {exc})") from None
     if img.format not in FORMATS:
         raise ValueError(f"image format {img.format} is not accepted; send JPEG or PNG")
