@@ -26,6 +26,10 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(planes, planes, 3, stride=1, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(planes)
+        # torchvision calls one `relu` twice; a second module (no state: the keys are unchanged)
+        # gives each call its own source partition, which PT2E's x86 quantizer needs to match
+        # conv-bn-add-relu (one shared module became one partition with two outputs).
+        self.relu_out = nn.ReLU(inplace=True)
         self.downsample: nn.Module | None = None
         if stride != 1 or inplanes != planes:
             self.downsample = nn.Sequential(
@@ -33,10 +37,13 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
+        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu(out + identity)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu_out(out)
 
 
 class ResNet18(nn.Module):
