@@ -1,0 +1,113 @@
+"""The default ResNet-18 archives, built by the family pipeline into a temporary store and served
+by Mariner on port 0: a JPEG as a raw body, as a multipart file field and as an Open Inference
+Protocol BYTES tensor gets the same top-5 from every variant.
+
+The build is the real one (export, verification through the handler, torch-model-archiver)
+with latency timing off and a few verification images, so it stays short on a shared machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+
+from mariner.client import GrpcClient
+from mariner.server import protogen
+from mariner.training.family import FamilyBuild
+from tests.integration.mariner_inproc import InProcessMariner
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VARIANTS = ("eager", "torchscript", "onnx")
+TIMEOUT_S = 120.0  # generous: a first batch on a loaded 2-core machine, never a verdict on speed
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FamilyBuild]:
+    from mariner.training.resnet.pipeline import build
+
+    root = tmp_path_factory.mktemp("resnet_store")
+    store = root / "store"
+    fb = build(
+        store, root / "work", full=False, batch_size=8, max_batch_delay_ms=5, repeats=0, verify_images=4
+    )
+    return store, fb
+
+
+@pytest.fixture(scope="module")
+def server(built: tuple[Path, FamilyBuild]) -> Iterator[InProcessMariner]:
+    protogen.generate()
+    store, _ = built
+    srv = InProcessMariner(store, ",".join(f"resnet18_{v}.mar" for v in VARIANTS)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def jpeg() -> bytes:
+    from mariner.training.image_data import encoded_set
+
+    return encoded_set(1, seed=77)[0]
+
+
+def _indices(answer: dict[str, Any]) -> list[int]:
+    topk = answer["topk"]
+    assert len(topk) == 5
+    assert all(t["label"] == f"class_{t['index']:03d}" for t in topk)
+    return [t["index"] for t in topk]
+
+
+def test_default_build_archives_every_default_variant_verified(built: tuple[Path, FamilyBuild]) -> None:
+    store, fb = built
+    assert fb.family == "resnet"
+    assert fb.failed == ()
+    assert sorted(e["model"] for e in fb.entries) == sorted(f"resnet18_{v}" for v in VARIANTS)
+    for entry in fb.entries:
+        assert (store / entry["file"]).stat().st_size == entry["bytes"]
+        assert entry["verification"]["passed"] is True
+    assert "PERFORMANCE workload" in fb.report_markdown
+
+
+def test_jpeg_raw_body_and_multipart_agree_across_variants(server: InProcessMariner, jpeg: bytes) -> None:
+    answers = []
+    for variant in VARIANTS:
+        url = f"{server.http}/predictions/resnet18_{variant}"
+        raw = requests.post(url, data=jpeg, headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S)
+        assert raw.status_code == 200, raw.text
+        form = requests.post(url, files={"data": ("photo.jpg", jpeg, "image/jpeg")}, timeout=TIMEOUT_S)
+        assert form.status_code == 200, form.text
+        assert _indices(form.json()) == _indices(raw.json())
+        answers.append(_indices(raw.json()))
+    assert answers[1:] == answers[:1] * (len(VARIANTS) - 1)
+
+
+def test_a_bad_image_is_a_400_for_that_request(server: InProcessMariner, jpeg: bytes) -> None:
+    url = f"{server.http}/predictions/resnet18_onnx"
+    bad = requests.post(
+        url, data=jpeg[: len(jpeg) // 3], headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S
+    )
+    assert bad.status_code == 400
+    assert "could not be decoded" in bad.text
+    good = requests.post(url, data=jpeg, headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S)
+    assert good.status_code == 200
+
+
+def test_oip_bytes_tensor_matches_the_raw_body(server: InProcessMariner, jpeg: bytes) -> None:
+    url = f"{server.http}/predictions/resnet18_torchscript"
+    expected = _indices(
+        requests.post(url, data=jpeg, headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S).json()
+    )
+    with GrpcClient(server.grpc_target, timeout_s=TIMEOUT_S) as client:
+        out = client.infer("resnet18_torchscript", {"image": np.array([jpeg, jpeg], dtype=object)})
+    assert out["probabilities"].shape == (2, 5)
+    assert out["indices"].shape == (2, 5)
+    assert out["indices"][0].tolist() == expected
+    assert out["indices"][1].tolist() == expected
+    assert np.all(np.diff(out["probabilities"][0]) <= 0)
