@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+import yaml
 
 from mariner.client.grpc_client import GrpcClient
 from mariner.training.family import FamilyBuild
@@ -34,7 +35,7 @@ DIM = 384
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FamilyBuild]:
     root = tmp_path_factory.mktemp("minilm_store")
     store, work = root / "store", root / "work"
-    fb = pipeline.build(store, work, full=False, batch_size=8, max_batch_delay_ms=2, repeats=1)
+    fb = pipeline.build(store, work, full=False, batch_size=8, max_batch_delay_ms=2, repeats=0)
     return store, fb
 
 
@@ -54,8 +55,6 @@ def reference(built: tuple[Path, FamilyBuild]) -> Any:
     store, _ = built
     staged = store.parent / "work" / "minilm" / "stage" / "minilm_eager"
     manifest = {"model": {"modelName": "minilm_eager", "serializedFile": "model.safetensors"}}
-    import yaml
-
     config = yaml.safe_load((staged / "model-config.yaml").read_text())
     return load_handler(staged, manifest, config)
 

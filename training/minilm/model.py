@@ -13,6 +13,7 @@ different checkpoint with CLS pooling fails loudly instead of serving wrong vect
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -70,8 +71,14 @@ def bert_from_config(config_json: Path) -> nn.Module:
     """An uninitialised BertModel (no pooler head: mean pooling replaces it) from config.json."""
     from transformers import BertConfig, BertModel
 
+    try:  # random init of 22M weights costs seconds and every one is overwritten by the load
+        from transformers.initialization import no_init_weights
+    except ImportError:  # another transformers release: initialise, only slower
+        no_init_weights = contextlib.nullcontext
+
     config = BertConfig.from_json_file(str(config_json))
-    return BertModel(config, add_pooling_layer=False)
+    with no_init_weights():
+        return BertModel(config, add_pooling_layer=False)
 
 
 def load_encoder(model_dir: Path, weights: Path | None = None) -> MiniLMEncoder:

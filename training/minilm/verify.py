@@ -42,9 +42,9 @@ class Verification:
     max_abs_diff: float  # vs the eager handler (0 for eager itself)
     oracle_max_abs_diff: float | None  # eager only: vs sentence-transformers' encode()
     file_bytes: int
-    latency_b1_ms: float
-    latency_b8_ms: float
-    latency_b32_ms: float
+    latency_b1_ms: float | None  # None when not measured (repeats=0: tests skip timing)
+    latency_b8_ms: float | None
+    latency_b32_ms: float | None
     load_seconds: float
     tolerance: str
     passed: bool
@@ -86,8 +86,10 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return num / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-def batch_latency_ms(handler: Any, texts: list[str], batch: int, repeats: int) -> float:
+def batch_latency_ms(handler: Any, texts: list[str], batch: int, repeats: int) -> float | None:
     """Median time of `handler.handle` for one batch of `batch` one-text requests."""
+    if repeats <= 0:
+        return None
     rows = [{"body": texts[i % len(texts)]} for i in range(batch)]
     ctx = None
     handler.handle(rows, ctx)  # warm
@@ -154,6 +156,10 @@ def verify_variant(
     return rec, vectors
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _oracle(r: Verification) -> str:
     return "-" if r.oracle_max_abs_diff is None else f"{r.oracle_max_abs_diff:.2e}"
 
@@ -168,7 +174,7 @@ def markdown_table(rows: list[Verification]) -> str:
     lines = [
         f"| {r.variant} | {r.format} | {r.target} | {r.cosine_min:.6f} | {r.cosine_mean:.6f} "
         f"| {r.max_abs_diff:.2e} | {_oracle(r)} | {r.file_bytes / 2**20:.1f} "
-        f"| {r.latency_b1_ms:.2f} | {r.latency_b8_ms:.2f} | {r.latency_b32_ms:.2f} "
+        f"| {_ms(r.latency_b1_ms)} | {_ms(r.latency_b8_ms)} | {_ms(r.latency_b32_ms)} "
         f"| {r.tolerance} | {'yes' if r.passed else 'NO'} |"
         for r in rows
     ]
