@@ -68,10 +68,12 @@ loadtest: models protos
 
 # Raw model vs Mariner vs stock TorchServe side by side, the busiest level 3 times interleaved
 # (about 10 min here): bench/results.md + PNGs. BENCH_ARGS adds options, e.g.
-# BENCH_ARGS='--mariner-args "--frontends 2"'.
+# BENCH_ARGS='--mariner-args "--frontends 2"'. MODEL=minilm_onnx (any archive stem in the store)
+# benchmarks that archive instead -> bench/results-<model>.md.
+MODEL ?= digits_torchscript
 BENCH_ARGS ?=
 bench: models protos java
-	$(PY) -m mariner.loadtest.bench $(BENCH_ARGS)
+	$(PY) -m mariner.loadtest.bench --model $(MODEL) $(BENCH_ARGS)
 
 # Mariner alone at 64 clients: frontends 1/2 x workers 1/2 (bench/scaling.md).
 bench-scaling: models protos
