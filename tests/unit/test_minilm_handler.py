@@ -205,3 +205,19 @@ def test_staged_tokenizer_has_no_builtin_truncation_or_padding(staged_root: Path
     assert staged.model_config["signature"]["outputs"] == [
         {"name": "embedding", "datatype": "FP32", "shape": [-1, DIM]}
     ]
+
+
+@pytest.mark.parametrize("name", ["minilm_handler.py", "minilm_text.py"])
+def test_handler_modules_load_under_torchserve_rules(name: str) -> None:
+    """TorchServe's loader takes the one class a handler module defines; neither module may
+    import `ts` (Mariner runs them without TorchServe installed)."""
+    import ast
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "handlers" / name).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "ts" not in imported
+    assert "mariner" not in imported  # the archive carries these files, not the mariner package
+    if name == "minilm_handler.py":
+        classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+        assert classes == ["MiniLMHandler"]
