@@ -3,7 +3,8 @@
 # Mariner, CPU image: `mariner serve` as a non-root user, nothing to compile at run time.
 #
 #   docker build -t mariner:0.1.0 .                                   # the server (last stage)
-#   docker build --target models -t mariner-models:digits-1.0 .      # the model image (see below)
+#   docker build --target models -t mariner-models:0.1.0 .           # the model image (see below)
+#   make image                                                        # both, with podman, no registry
 #
 # The server reads /etc/mariner/mariner.yaml (MARINER_CONFIG_FILE): the same file the Kubernetes
 # ConfigMap carries (k8s/base/mariner.yaml), so `docker run` behaves like the pod: it listens on
@@ -13,27 +14,42 @@
 #     -v "$PWD/tokens:/var/run/secrets/mariner:ro" mariner:0.1.0
 # For a local experiment only, `-e MARINER_INSECURE=true` with `-p 127.0.0.1:8080:8080` serves without
 # tokens. The GPU image is Dockerfile.gpu; docs/deploy.md has the whole story.
-
+#
+# Base images are build arguments. The defaults are public images for anyone with a registry;
+# `make image` passes a Debian 12 base made locally (scripts/image_base.sh: python3 3.11 with venv,
+# ca-certificates, useradd, as python:3.11-slim has them), so the Dockerfile uses only what both
+# provide: `python3`, `python3 -m venv`, groupadd/useradd, cp.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+ARG MODELS_BASE_IMAGE=busybox:1.37.0
 
 # -- models: only the archives and index.json (their sha256, checked with pin_index). Kept out of the
 # server image so a new model version is a new model image, rolled out without a new server build;
-# the Deployment's initContainer copies /models into the pod (busybox has the `cp` it needs).
-FROM busybox:1.37.0 AS models
+# the Deployment's initContainer copies /models into the pod (the base only needs `cp`).
+FROM ${MODELS_BASE_IMAGE} AS models
 COPY model_store/ /models/
 
 # -- build: a virtualenv holding the pinned serving set (no extras) and the generated gRPC stubs.
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv
+# Where pip finds packages, as the machine building the image has it configured (its PIP_* variables
+# and pip.conf do not reach inside a build). Unset by default: pip's own defaults (PyPI). `make image`
+# reads the host's settings and passes them, mounting any local wheel directory or index read-only for
+# the build only; nothing of it is written into the image's filesystem.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_TRUSTED_HOST
+ARG PIP_CERT
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 # torch first, from the CPU wheel index: for Linux x86_64 the default index serves a CUDA build of
 # several GB. pyproject.toml pins the same version (a test keeps the two in step), so the install
-# below finds it satisfied.
+# below finds it satisfied. An empty TORCH_INDEX_URL means "the indexes configured above" (`make
+# image` passes it empty: the machine's own find-links hold the CPU wheel).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 # The whole build context (.dockerignore trims it to sources): every package pyproject.toml
 # includes comes along without being listed here.
 COPY . .
@@ -43,10 +59,14 @@ COPY . .
 # grpc_tools, so it runs from the source tree. Then `pip install .` (the serving set, no extras)
 # installs the package with its stubs.
 ARG GRPCIO_TOOLS=grpcio-tools==1.85.1
-RUN python -m venv /opt/protogen \
+RUN python3 -m venv /opt/protogen \
  && /opt/protogen/bin/pip install "${GRPCIO_TOOLS}" \
  && /opt/protogen/bin/python server/protogen.py \
  && pip install .
+# What serving never reads leaves the virtualenv before the runtime stage copies it (scripts/
+# image_trim.sh says what and why, and keeps the bytecode: the root filesystem is read-only in the
+# pod, so what is not compiled here is compiled again on every start).
+RUN sh scripts/image_trim.sh /opt/venv
 
 # -- runtime: the interpreter, the virtualenv and a user. No compiler, no pip install.
 # The token files mariner.yaml names exist as placeholders holding no token (a comment line), so

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Build Mariner's images with podman, from a local base, with this machine's package-index settings.
+#
+#   scripts/image_build.sh cpu   -> localhost/mariner:<version> and localhost/mariner-models:<version>
+#   scripts/image_build.sh gpu   -> localhost/mariner-gpu:<version>
+#
+# <version> is pyproject.toml's; the kustomize overlays name exactly these references (a test checks).
+# No registry is reachable here, so both Dockerfiles get the local Debian base as their base-image
+# build arguments (scripts/image_base.sh makes it on demand). pip inside a build does not see the
+# host's PIP_* variables or pip.conf: they are read here (`pip config list`) and passed as build
+# arguments, and each local directory or file they name (a wheel directory, a file:// index, a CA
+# bundle) is mounted read-only into the build at the same path, for the build only. Nothing about
+# this machine is written into the repository. podman's layer cache makes a rebuild with unchanged
+# inputs take seconds.
+#
+# Environment: BASE_IMAGE (skip the local base), IMAGE_REPO (default localhost), PYTHON (for pip
+# config; default .venv/bin/python, else python3), EXTRA_BUILD_ARGS (appended to podman build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+flavour=${1:?usage: image_build.sh cpu|gpu}
+repo=${IMAGE_REPO:-localhost}
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' pyproject.toml)
+[ -n "$version" ] || { echo "image_build: no version in pyproject.toml" >&2; exit 1; }
+python=${PYTHON:-.venv/bin/python}
+[ -x "$python" ] || python=python3
+base=${BASE_IMAGE:-$(bash scripts/image_base.sh)}
+
+# The host's pip settings as build arguments plus read-only mounts. Python prints one shell word per
+# line: --build-arg=K=V or --volume=P:P:ro (values never contain newlines).
+mapfile -t pip_args < <("$python" - <<'PY'
+import os
+import subprocess
+import sys
+
+out = subprocess.run(
+    [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+).stdout
+settings: dict[str, tuple[int, str]] = {}
+for line in out.splitlines():
+    scope_key, sep, value = line.partition("=")
+    if not sep:
+        continue
+    scope, _, key = scope_key.rpartition(".")
+    # Environment variables beat configuration files, as in pip itself.
+    rank = 1 if scope.startswith(":env:") else 0
+    if key not in settings or rank >= settings[key][0]:
+        settings[key] = (rank, value.strip().strip("'\""))
+wanted = {
+    "index-url": "PIP_INDEX_URL",
+    "extra-index-url": "PIP_EXTRA_INDEX_URL",
+    "find-links": "PIP_FIND_LINKS",
+    "trusted-host": "PIP_TRUSTED_HOST",
+    "cert": "PIP_CERT",
+}
+mounts: list[str] = []
+for key, arg in wanted.items():
+    if key not in settings:
+        continue
+    value = " ".join(settings[key][1].split())
+    print(f"--build-arg={arg}={value}")
+    for item in value.split():
+        path = item.removeprefix("file://").rstrip("/")
+        if key.endswith("index-url") and item.startswith("file://"):
+            # A local PEP 503 index links its files relative to itself (`../../files/x.whl`): mount the
+            # directory holding the index, not the index alone.
+            path = os.path.dirname(path)
+        if path.startswith("/") and os.path.exists(path) and path not in mounts:
+            mounts.append(path)
+for path in mounts:
+    print(f"--volume={path}:{path}:ro")
+PY
+)
+
+build() {
+    local file=$1 target=$2 tag=$3
+    shift 3
+    local start=$SECONDS
+    # chroot isolation: `podman run`'s OCI runtime cannot start containers on this machine (cgroups),
+    # but RUN steps in a chroot work, apt included.
+    podman build --isolation chroot --layers -f "$file" --target "$target" -t "$tag" \
+        --build-arg "PYTHON_IMAGE=$base" --build-arg "MODELS_BASE_IMAGE=$base" --build-arg "CUDA_IMAGE=$base" \
+        "${pip_args[@]}" "$@" ${EXTRA_BUILD_ARGS:-} .
+    echo "image_build: $tag built in $((SECONDS - start)) s," \
+        "$(podman image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
+}
+
+case $flavour in
+    cpu)
+        # TORCH_INDEX_URL empty: torch comes from the indexes above (the CPU wheel on this disk).
+        build Dockerfile models "$repo/mariner-models:$version"
+        build Dockerfile runtime "$repo/mariner:$version" --build-arg TORCH_INDEX_URL=
+        ;;
+    gpu)
+        # No CUDA torch wheel is reachable here: the pinned CPU wheel stands in (the image's torch
+        # then cannot use the GPU; onnxruntime-gpu and NVML are the real GPU packages). On a machine
+        # with a registry, leave TORCH_INDEX_URL at the Dockerfile's CUDA index.
+        build Dockerfile.gpu runtime "$repo/mariner-gpu:$version" --build-arg "TORCH_INDEX_URL=${GPU_TORCH_INDEX_URL-}"
+        ;;
+    *)
+        echo "image_build: unknown flavour $flavour (cpu or gpu)" >&2
+        exit 2
+        ;;
+esac
