@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check
+.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -108,3 +108,21 @@ test: venv protos java k8s-tools promtool triton-venv kserve-venv models lint
 
 clean:
 	rm -rf build $(STORE)/*.mar $(STORE)/index.json $(STORE)/report
+
+# Container images with podman, no registry needed (scripts/image_build.sh): a local Debian 12 base is
+# made once (build/image/debian-base.tar), the host's pip settings are passed in at build time. Tags:
+# localhost/mariner:<version>, localhost/mariner-models:<version>, localhost/mariner-gpu:<version>,
+# the references the kustomize overlays name.
+image: models
+	PYTHON=$(PY) bash scripts/image_build.sh cpu
+
+image-gpu:
+	PYTHON=$(PY) bash scripts/image_build.sh gpu
+
+# Starts the CPU image as the CPU overlay's Deployment would (probes, predictions over HTTP and gRPC
+# with tokens, /metrics, SIGTERM) and runs the tests that compare the manifests with the built images.
+# Not part of `make test`, which never needs an image.
+image-test: image k8s-tools
+	$(PY) -m tests.image.image_check
+	$(PY) -m pytest -m image tests/image $(PYTEST_ARGS)
+

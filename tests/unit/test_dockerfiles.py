@@ -585,3 +585,50 @@ def test_cpu_image_has_no_gpu_packages() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert "onnxruntime-gpu" not in text
     assert "nvidia-ml-py" not in text
+
+
+# -- building here (make image / make image-gpu) ------------------------------------------------
+def _build_script_args() -> set[str]:
+    """The base-image build arguments scripts/image_build.sh passes (the locally made base)."""
+    text = (REPO / "scripts" / "image_build.sh").read_text()
+    return set(re.findall(r'--build-arg "(\w+_IMAGE)=\$base"', text))
+
+
+def test_base_images_are_build_arguments(dockerfile: Dockerfile) -> None:
+    """Every base is an ARG with a public default, and `make image` can replace each one with the
+    local base: a FROM that names an image directly could not be built without a registry."""
+    raw_froms = [
+        line.split()[1]
+        for _, line in _logical_lines(dockerfile.path.read_text())
+        if line.upper().startswith("FROM ")
+    ]
+    passed = _build_script_args()
+    stage_names = set(dockerfile.stage_names())
+    for ref in raw_froms:
+        if ref in stage_names:
+            continue
+        m = re.fullmatch(r"\$\{(\w+)\}", ref)
+        assert m, f"{dockerfile.path.name}: FROM {ref} is not a build argument"
+        assert m[1] in dockerfile.global_args, f"{dockerfile.path.name}: ARG {m[1]} has no default"
+        assert m[1] in passed, f"scripts/image_build.sh does not pass {m[1]}"
+
+
+def test_build_stage_trims_the_virtualenv(dockerfile: Dockerfile, dockerignore: DockerIgnore) -> None:
+    commands = _venv_commands(dockerfile)
+    trim = "sh scripts/image_trim.sh /opt/venv"
+    assert trim in commands, f"{dockerfile.path.name}: the virtualenv is copied untrimmed"
+    assert commands.index(trim) > commands.index("pip install ."), "trimmed before the install"
+    assert not dockerignore.excluded("scripts/image_trim.sh")
+
+
+def test_package_index_settings_come_from_the_builder(dockerfile: Dockerfile) -> None:
+    """The machine-specific pip settings are build arguments without defaults: no index host, wheel
+    directory or certificate path of a build machine is written into the repository."""
+    build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
+    declared = {a.args for a in build.all("ARG")}
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"):
+        assert name in declared, f"{dockerfile.path.name}: ARG {name} (no default) is not declared"
+    text = dockerfile.path.read_text()
+    assert not re.search(r"file://|/opt/(pypi|wheels)", text)
+    urls = set(re.findall(r"https?://[^\s\"']+", text))
+    assert urls <= {"https://download.pytorch.org/whl/cpu", "https://download.pytorch.org/whl/cu128"}, urls
