@@ -530,9 +530,10 @@ def render_markdown(report: Report) -> str:
                 f"{'n/a' if math.isnan(frac) else f'{frac:.0%}'} |"
             )
     if not digits:
-        from mariner.loadtest.family_report import padding_section
+        from mariner.loadtest.family_report import inside_section, padding_section
 
         lines += padding_section(report)
+        lines += inside_section(report)
     else:
         lines += _hop_section(report)
     lines += [

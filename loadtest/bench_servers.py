@@ -34,6 +34,7 @@ from mariner.loadtest.bench_values import (
     WarmUp,
 )
 from mariner.loadtest.closedloop import LevelResult, run_level
+from mariner.loadtest.server_stats import difference, scrape
 from mariner.loadtest.servers import MarinerProcess
 from mariner.loadtest.workloads import content_type
 
@@ -113,6 +114,7 @@ def start_mariner(
         ("127.0.0.1", server.ports.grpc_inference),
         ("127.0.0.1", server.ports.inference),
         server.pid,
+        server.metrics_url,
     )
     facts = ServerFacts(
         name=name,
@@ -199,6 +201,8 @@ def run_cell(
     server: Running, cell: Cell, settings: Settings, bodies: tuple[bytes, ...], report: Report
 ) -> LevelResult:
     host, port = server.endpoint(cell.protocol)
+    name = model_name(settings)
+    before = scrape(server.metrics_url, name) if server.metrics_url else {}
     r = run_level(
         server=server.name, protocol=WIRE[cell.protocol], host=host, port=port, model=settings.model,
         concurrency=cell.level, load=settings.load_for(cell.protocol), bodies=bodies,
@@ -206,6 +210,18 @@ def run_cell(
         content_type=content_type(settings.family),
     )  # fmt: skip
     report.levels.append(r)
+    if server.metrics_url:
+        after = scrape(server.metrics_url, name)
+        stats = difference(
+            before,
+            after,
+            server=server.name,
+            protocol=cell.protocol,
+            concurrency=cell.level,
+            repeat=cell.repeat,
+        )
+        if stats is not None:
+            report.batch_stats.append(stats)
     lat = r.latency
     print(
         f"  {server.name:14s} {cell.protocol:8s} c={cell.level:<3d} #{cell.repeat + 1} n={lat.n:<6d} "

@@ -13,6 +13,7 @@ from typing import Any
 
 from mariner.loadtest.ceiling import RawResult
 from mariner.loadtest.closedloop import LevelResult, LoadSpec
+from mariner.loadtest.server_stats import BatchStats
 from mariner.loadtest.workloads import family_of
 
 __all__ = [
@@ -146,6 +147,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     workload: str = ""  # what the payloads were (mariner.loadtest.workloads)
     padding: list[str] = field(default_factory=list)  # PADDING_MAX: what the rewrite changed
+    batch_stats: list[BatchStats] = field(default_factory=list)  # Mariner's /metrics per measurement
     elapsed_s: float = 0.0
 
 
@@ -167,6 +169,7 @@ class Running:
     grpc: tuple[str, int]
     http: tuple[str, int]
     pid: int | None
+    metrics_url: str | None = None  # Mariner's metrics endpoint (batch stats per measurement)
 
     def endpoint(self, protocol: str) -> tuple[str, int]:
         return self.grpc if WIRE[protocol] == "grpc" else self.http

@@ -133,8 +133,22 @@ class HttpConnection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
 
     async def post(self, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None or self.reader is None:
+        fresh = self.writer is None or self.reader is None
+        if fresh:
             await self.connect()
+        try:
+            return await self._exchange(body)
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+            if fresh or getattr(exc, "partial", b""):
+                raise
+            # The server closed this idle keep-alive connection (its keep-alive timer, e.g. while
+            # the clients waited at the barrier) before reading the request: reconnect and send
+            # again, as every HTTP client does with a stale pooled connection.
+            await self.close()
+            await self.connect()
+            return await self._exchange(body)
+
+    async def _exchange(self, body: bytes) -> tuple[int, bytes]:
         assert self.reader is not None
         assert self.writer is not None
         self.writer.write(self.head + str(len(body)).encode() + b"\r\n\r\n" + body)

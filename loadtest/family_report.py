@@ -105,6 +105,41 @@ def family_targets(report: Report) -> list[Target]:
     return out
 
 
+def inside_section(report: Report) -> list[str]:
+    """Mariner's own account of the highest level (its /metrics, per measurement, medians over
+    repeats): how full its batches were, the handler's time per batch against the raw ceiling's,
+    the queue wait, and for MiniLM the padded tokens per batch and the share that was padding."""
+    s = report.settings
+    hi = max(s.levels)
+    stats = [b for b in report.batch_stats if b.concurrency == hi]
+    if not stats:
+        return []
+    raw = f"{fmt(report.raw.batch_ms, 0)} ms" if report.raw else "n/a"
+    lines = [
+        "",
+        f"## Inside Mariner at c={hi} (its /metrics)",
+        "",
+        f"Per measurement (after minus before), medians over repeats. The raw ceiling's full batch of "
+        f"{s.batch_size} took {raw} (arrival order).",
+        "",
+        "| server | protocol | runs | mean batch | handler ms / batch | queue ms / request "
+        "| padded tokens / batch | padding share |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(b.server, b.protocol) for b in stats})
+    for server, proto in keys:
+        mine = [b for b in stats if (b.server, b.protocol) == (server, proto)]
+        share = median([b.padding_share for b in mine])
+        lines.append(
+            f"| {server} | {proto} | {len(mine)} | {fmt(median([b.mean_batch for b in mine]), 1)} | "
+            f"{fmt(median([b.compute_ms_per_batch for b in mine]), 0)} | "
+            f"{fmt(median([b.queue_ms_per_request for b in mine]), 0)} | "
+            f"{fmt(median([b.padded_tokens_per_batch for b in mine]), 0)} | "
+            f"{'n/a' if math.isnan(share) else f'{share:.0%}'} |"
+        )
+    return lines
+
+
 def workload_section(report: Report) -> list[str]:
     if not report.workload:
         return []
