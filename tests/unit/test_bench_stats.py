@@ -7,6 +7,7 @@ Nothing is started or timed: histograms are observed by hand with known values.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -79,3 +80,74 @@ def test_a_model_without_a_token_counter_has_no_padding_figures() -> None:
     assert math.isnan(empty.mean_batch)
     assert math.isnan(empty.compute_ms_per_batch)
     assert math.isnan(empty.queue_ms_per_request)
+
+
+def test_report_shows_mariners_own_batches_at_the_top_level() -> None:
+    from tests.unit.test_bench_workloads import cell, minilm_report
+
+    report = minilm_report([cell("mariner", 90, 900, 0)], [100])
+    report.batch_stats = [
+        BatchStats("mariner", "http", 64, r, 10, 240, 20.0, 240.0, 240, 60000.0, 45000.0) for r in range(3)
+    ] + [BatchStats("mariner", "http", 8, 0, 10, 80, 5.0, 8.0, 80)]  # a lower level: not shown
+    from mariner.loadtest.bench_report import render_markdown
+
+    text = render_markdown(report)
+    assert "## Inside Mariner at c=64 (its /metrics)" in text
+    assert "The raw ceiling's full batch of 32 took 320 ms (arrival order)." in text
+    assert "| mariner | http | 3 | 24.0 | 2000 | 1000 | 6000 | 25% |" in text
+
+
+async def _serve_then_close_idle(reader: Any, writer: Any) -> None:
+    """Answer one request, then close the connection, as a keep-alive timer does when it idles."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    await writer.drain()
+    writer.close()
+
+
+def test_http_client_resends_once_on_a_keep_alive_connection_the_server_closed() -> None:
+    import asyncio
+
+    from mariner.loadtest.closedloop import HttpConnection
+
+    async def main() -> tuple[int, int]:
+        accepted = 0
+
+        async def handler(reader: Any, writer: Any) -> None:
+            nonlocal accepted
+            accepted += 1
+            await _serve_then_close_idle(reader, writer)
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = HttpConnection("127.0.0.1", port, "/predictions/m", "text/plain")
+        assert await conn.post(b"a") == (200, b"ok")
+        await asyncio.sleep(0)  # the server's close is on its way; the client does not know yet
+        assert await conn.post(b"b") == (200, b"ok")  # sent again on a new connection
+        await conn.close()
+        server.close()
+        await server.wait_closed()
+        return accepted, 2
+
+    accepted, posts = asyncio.run(main())
+    assert accepted == posts  # one connection per answer: the stale one was replaced, once
+
+
+def test_http_client_does_not_resend_on_a_fresh_connection() -> None:
+    import asyncio
+
+    from mariner.loadtest.closedloop import HttpConnection
+
+    async def main() -> None:
+        async def slam(reader: Any, writer: Any) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()  # a server that drops the request: not a stale connection
+
+        server = await asyncio.start_server(slam, "127.0.0.1", 0)
+        conn = HttpConnection("127.0.0.1", server.sockets[0].getsockname()[1], "/p")
+        with pytest.raises(asyncio.IncompleteReadError):
+            await conn.post(b"a")
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
