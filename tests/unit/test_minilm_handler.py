@@ -221,3 +221,20 @@ def test_handler_modules_load_under_torchserve_rules(name: str) -> None:
     if name == "minilm_handler.py":
         classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
         assert classes == ["MiniLMHandler"]
+
+
+def test_bf16_autocast_on_the_cpu_stays_close_to_fp32(handler: Any, staged_root: Path) -> None:
+    bf16 = _load(_stage(staged_root, "minilm_bf16", autocast="bf16"))
+    texts = sentences("heldout")[:8]
+    ours, ref = bf16.embed(texts), handler.embed(texts)
+    assert ours.dtype == np.float32
+    cos = (ours * ref).sum(axis=1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(ref, axis=1))
+    assert cos.min() >= 0.99
+    assert np.abs(ours - ref).max() > 0  # bf16 really ran: the vectors are not fp32's
+
+
+def test_accel_settings_are_refused_for_formats_they_do_not_apply_to(staged_root: Path) -> None:
+    staged = _stage(staged_root, "minilm_onnx_accel", autocast="bf16")
+    staged.model_config["handler"]["format"] = "onnx"
+    with pytest.raises(ValueError, match="apply to the eager format only"):
+        _load(staged)
