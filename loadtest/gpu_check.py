@@ -7,8 +7,8 @@ Why one script: a GPU is lent for minutes, so the first run must measure, not de
 section records what it found and never stops the others; the report says which passed:
 
 1. environment: torch/CUDA/driver, the GPUs, onnxruntime's providers, the CPU's ISA flags;
-2. every archive of the store loaded through the serving handler on the device (TF32 off),
-   logits compared with the eager model on the CPU over the 270 test digits; AOTInductor is
+2. every digits archive of the store loaded through the serving handler on the device (TF32
+   off), logits compared with the eager model on the CPU over the 270 test digits; AOTInductor is
    exported again on this device (a package only runs where it was built);
 3. the compiled variant at every batch size 1..128 (--quick: 1..8) after the handler's
    warm-up: graphs compiled after warm-up must be 0 (a recompile during live traffic is a
@@ -17,7 +17,17 @@ section records what it found and never stops the others; the report says which 
    server's batch split recognises as out-of-memory (CUDA only; skipped on CPU, said so);
 5. `mariner serve` on the device (`--require-gpu` on CUDA): every answer correct, describe's
    workers on the device, the GPU memory gauge on /metrics;
-6. a short benchmark (raw handler vs Mariner; stock TorchServe when it is installed).
+6. a short benchmark (raw handler vs Mariner; stock TorchServe when it is installed);
+7. the MiniLM and ResNet-18 archives (`gpu_check_families`): each variant on the device vs
+   the family's eager archive on the CPU, AOTInductor re-exported here, bf16 autocast and CUDA
+   graphs as variants; no graph compiled or recorded after warm-up; both served by
+   `mariner serve`; and (`gpu_check_bench`) Mariner vs stock TorchServe at 1/8/64 clients with
+   and without bf16 and CUDA graphs.
+
+Sections 7 run inside `--budget-s` (default 480 s on CUDA, so the whole check fits an 8-minute
+slot on an H200): a step that no longer fits is skipped and named in the report. How to run
+it on the lent GPU machine (no Java, no torchserve, no grpcio-tools; the MiniLM weights do not
+fit one transfer): docs/benchmark.md, "GPU checklist".
 
 The report (markdown) goes to --out (default bench/results-gpu.md; the dry run writes under
 build/). A run on the CPU is labelled as such: no GPU figure comes from it.
@@ -43,6 +53,8 @@ import numpy as np
 import requests
 import torch
 
+from mariner.loadtest.gpu_check_bench import accel_bench
+from mariner.loadtest.gpu_check_families import Budget, family_recompiles, serve_families, verify_families
 from mariner.server.core.archive import open_archive
 from mariner.server.core.context import Context
 from mariner.training.data import load_splits
@@ -154,8 +166,9 @@ def export_aoti_here(eager_dir: Path, manifest: dict[str, Any], config: dict[str
 
 
 def archives(store: Path) -> list[Path]:
+    """The digits archives of the store (the other families have their own sections)."""
     index = json.loads((store / "index.json").read_text())
-    return [store / a["file"] for a in index["archives"]]
+    return [store / a["file"] for a in index["archives"] if a["file"].startswith("digits_")]
 
 
 def verify_archives(sec: Section, store: Path, device: str, work: Path) -> None:
@@ -270,7 +283,11 @@ def serve(sec: Section, store: Path, device: str, work: Path) -> None:
             sec.status = "failed"
 
 
-def bench(sec: Section, store: Path, quick: bool, out: Path) -> None:
+def bench(sec: Section, store: Path, quick: bool, out: Path, budget: Budget) -> None:
+    if not budget.fits(90.0):
+        sec.status = "skipped"
+        sec.notes.append(f"time budget: {budget.left():.0f} s left, the digits benchmark takes ~90 s")
+        return
     servers = ["raw", "mariner"]
     try:
         import ts  # noqa: F401  (stock TorchServe, when installed)
@@ -335,6 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="batch sizes 1..8 and a 1-second benchmark")
     p.add_argument("--store", type=Path, default=REPO / "model_store")
     p.add_argument("--out", type=Path, default=None, help="report file (default bench/results-gpu.md)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for the whole check; steps that no longer fit are skipped and named "
+        "(default 480 on CUDA: an 8-minute slot; no limit on the CPU)",
+    )
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available here (use --device cpu for the dry run)")
@@ -346,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     top = 8 if a.quick else 128
     bench_out = out.parent / f"{out.stem}-bench"
+    budget = Budget.of(a.budget_s or (480.0 if a.device == "cuda" else 3600.0))
+    n = 8 if a.quick else 64  # requests per family compared with the CPU reference
     with tempfile.TemporaryDirectory(prefix="mariner-gpu-check-") as tmp:
         work = Path(tmp)
         sections = [
@@ -357,7 +383,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             run_section("out-of-memory recognised", lambda s: out_of_memory(s, store, a.device, work)),
             run_section("mariner serve", lambda s: serve(s, store, a.device, work)),
-            run_section("benchmark", lambda s: bench(s, store, a.quick, bench_out)),
+            run_section(
+                "minilm and resnet18 vs eager", lambda s: verify_families(s, store, a.device, work, n, budget)
+            ),
+            run_section(
+                "minilm and resnet18: no graphs after warm-up",
+                lambda s: family_recompiles(s, store, a.device, work, 4 if a.quick else top, budget),
+            ),
+            run_section(
+                "mariner serve: minilm and resnet18",
+                lambda s: serve_families(s, store, a.device, work, n, budget),
+            ),
+            run_section(
+                "minilm and resnet18: bf16 and CUDA graphs benchmark",
+                lambda s: accel_bench(
+                    s, store, a.device, a.quick, work, out.parent / f"{out.stem}-accel", budget
+                ),
+            ),
+            run_section("benchmark", lambda s: bench(s, store, a.quick, bench_out, budget)),
         ]
     out.write_text(report(sections, a.device, a.quick, time.perf_counter() - t0))
     print(f"[gpu-check] report: {out}", flush=True)

@@ -1,21 +1,30 @@
 """The GPU checklist's CPU dry run: the script a GPU machine runs must not rot between loans.
 
 Runs `python -m mariner.loadtest.gpu_check --device cpu --quick` for real (archives through
-the handler, a `mariner serve` subprocess, a one-second benchmark) and reads its report.
+the handler, `mariner serve` subprocesses, one-second benchmarks) and reads its report; the
+pieces the dry run cannot show (the time budget, the benchmark's arguments and tables, the
+rewritten archives, the tolerances) are checked directly.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mariner.loadtest.gpu_check import Section, report, run_section
+from mariner.loadtest.gpu_check_bench import accel_bench, bench_args, plan, rows_from, speedups
+from mariner.loadtest.gpu_check_families import Budget, family_recompiles
+from mariner.loadtest.gpu_check_workloads import ACCEL_VARIANTS, compare, family_archives, variant_archive
 
 REPO = Path(__file__).resolve().parents[2]
+FAMILY_ARCHIVES = ("minilm_onnx", "resnet18_onnx", "resnet18_torchscript")  # the default store's
 
 
 def test_cpu_dry_run_passes_every_section_that_can_run_here(tmp_path: Path) -> None:
@@ -40,6 +49,23 @@ def test_cpu_dry_run_passes_every_section_that_can_run_here(tmp_path: Path) -> N
         assert f"| {name} | cpu |" in text
     assert "| 1..8 | 0 |" in text  # no graph compiled after the handler's warm-up
     assert (tmp_path / "gpu-check-bench" / "results.md").exists()
+    # the sentence encoder and the image classifier, each variant against its eager archive
+    families = (
+        "minilm and resnet18 vs eager",
+        "minilm and resnet18: no graphs after warm-up",
+        "mariner serve: minilm and resnet18",
+        "minilm and resnet18: bf16 and CUDA graphs benchmark",
+    )
+    for title in families:
+        assert f"| {title} | passed |" in text
+    for name in (*FAMILY_ARCHIVES, "minilm_eager +bf16", "resnet18_eager +bf16"):
+        assert f"| {name} | cpu |" in text
+    for name in ("minilm_eager +bf16+graphs", "resnet18_eager +bf16+graphs"):
+        assert f"| {name} | cpu |" in text
+    assert text.count("| 1..4 | 0 | 0 | 0 |") == 2  # batch sizes, graphs, recompiles, unrecorded calls
+    assert "| minilm_eager | 8 | 0 | cosine min" in text  # served, 8 requests, none refused
+    assert "| resnet18_eager | 8 | 0 | top-1 100.0%, top-5 identical 100.0% |" in text
+    assert (tmp_path / "gpu-check-accel" / "bf16" / "results-minilm_eager.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
@@ -70,3 +96,127 @@ def test_a_failing_section_is_reported_and_does_not_stop_the_others() -> None:
     assert "| first | failed |" in text
     assert "RuntimeError: kaput" in text
     assert "| k |\n|---|\n| 1 |" in text
+
+
+# -- pieces the dry run cannot show -----------------------------------------------------------
+
+
+def _mar(path: Path, config: dict, extra: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": path.stem}}))
+        zf.writestr("model-config.yaml", yaml.safe_dump(config))
+        for name, data in extra.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_a_variant_archive_changes_only_its_handler_keys(tmp_path: Path) -> None:
+    config = {"batchSize": 32, "maxBatchTokens": 16384, "handler": {"format": "eager", "padding": "longest"}}
+    src = _mar(
+        tmp_path / "minilm_eager.mar", config, {"model.safetensors": b"\x00weights", "h.py": b"x = 1\n"}
+    )
+    out = variant_archive(src, tmp_path / "bf16+graphs", ACCEL_VARIANTS["bf16+graphs"])
+    assert out.name == src.name  # same file and model name: the benchmark serves it as the archive
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(out) as b:
+        assert a.namelist() == b.namelist()
+        for name in a.namelist():
+            if name != "model-config.yaml":
+                assert a.read(name) == b.read(name), name
+        got = yaml.safe_load(b.read("model-config.yaml"))
+    assert got == {
+        "batchSize": 32,
+        "maxBatchTokens": 16384,
+        "handler": {"format": "eager", "padding": "longest", "autocast": "bf16", "cudaGraphs": True},
+    }
+
+
+def test_tolerances_separate_fp32_from_reduced_precision() -> None:
+    unit = [1.0] + [0.0] * 383
+    near = [0.99999] + [0.0045] + [0.0] * 382  # cosine ~0.99999
+    far = [0.995, 0.0999] + [0.0] * 382  # cosine ~0.995
+    ref = [{"embedding": unit}]
+    assert compare("minilm", ref, [{"embedding": near}], reduced=False)["ok"]
+    assert not compare("minilm", ref, [{"embedding": far}], reduced=False)["ok"]
+    assert compare("minilm", ref, [{"embedding": far}], reduced=True)["ok"]
+
+    def top(indices: list[int], probs: list[float]) -> dict:
+        return {
+            "topk": [
+                {"label": f"c{i}", "index": i, "probability": p} for i, p in zip(indices, probs, strict=True)
+            ]
+        }
+
+    r = [top([1, 2, 3, 4, 5], [0.5, 0.2, 0.1, 0.05, 0.01])]
+    assert compare("resnet18", r, [top([1, 2, 3, 4, 5], [0.5004, 0.2, 0.1, 0.05, 0.01])], reduced=False)["ok"]
+    swapped = [top([1, 3, 2, 4, 5], [0.5, 0.2, 0.1, 0.05, 0.01])]
+    assert not compare("resnet18", r, swapped, reduced=False)["ok"]  # top-5 order changed
+    assert compare("resnet18", r, swapped, reduced=True)["ok"]  # bf16/int8: top-1 is what counts
+    assert not compare("resnet18", r, [top([2, 1, 3, 4, 5], [0.5] * 5)], reduced=True)["ok"]
+
+
+def test_the_benchmark_plan_parses_with_the_benchmarks_own_arguments(tmp_path: Path) -> None:
+    from mariner.loadtest.bench import parse_args
+
+    for name in ("minilm_eager", "resnet18_eager", "minilm_onnx"):
+        (tmp_path / f"{name}.mar").write_bytes(b"")
+    gpu = plan(tmp_path, "cuda", quick=False, torchserve=False)
+    assert gpu.models == ("minilm_eager", "resnet18_eager")
+    assert gpu.settings[0] == "fp32"
+    assert set(gpu.settings) == {"fp32", "bf16", "graphs", "bf16+graphs"}
+    assert gpu.levels == (1, 8, 64)
+    assert gpu.servers == ("raw", "mariner")
+    assert plan(tmp_path, "cpu", quick=False, torchserve=True).servers == ("raw", "mariner", "torchserve")
+    assert plan(tmp_path, "cpu", quick=True, torchserve=True).servers == ("mariner",)
+    settings = parse_args(bench_args(gpu, "resnet18_eager", tmp_path, tmp_path / "out"))
+    assert settings.model == "resnet18_eager"
+    assert settings.levels == (1, 8, 64)
+    assert settings.servers == ("raw", "mariner")
+    assert settings.protocols == ("http",)
+
+
+def test_benchmark_rows_and_the_speedup_over_fp32() -> None:
+    def cell(server: str, level: int, rps: float) -> dict:
+        return {"server": server, "concurrency": level, "throughput_rps": rps, "errors": 0,
+                "latency": {"p99_ms": 12.5}}  # fmt: skip
+
+    measured = {"raw": {"batched_rps": 900.0}, "levels": [cell("mariner", 1, 50), cell("mariner", 64, 400)]}
+    fp32 = rows_from(measured, "resnet18_eager", "fp32")
+    bf16 = rows_from(
+        {"levels": [cell("mariner", 1, 60), cell("mariner", 64, 1000)]}, "resnet18_eager", "bf16"
+    )
+    assert fp32[0]["server"] == "raw (full batches)"
+    assert fp32[0]["req/s"] == "900"
+    assert [r["clients"] for r in bf16] == [1, 64]
+    assert bf16[1]["p99 ms"] == "12.5"
+    assert speedups(fp32 + bf16) == [
+        "resnet18_eager bf16: 2.50x the fp32 archive's Mariner req/s at 64 clients"
+    ]
+
+
+def test_steps_that_do_not_fit_the_budget_are_skipped_and_named(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    for name in ("minilm_eager", "resnet18_eager", "resnet18_onnx"):
+        (store / f"{name}.mar").write_bytes(b"")  # loading one would fail: nothing may be loaded
+    assert family_archives(store) == {
+        "minilm": [store / "minilm_eager.mar"],
+        "resnet18": [store / "resnet18_eager.mar", store / "resnet18_onnx.mar"],
+    }
+    spent = Budget.of(0.0)
+    assert not spent.fits(1.0)
+    assert Budget.of(60.0).fits(30.0)
+
+    graphs = Section("graphs")
+    family_recompiles(graphs, store, "cpu", tmp_path / "work", 4, spent)
+    assert [(r["archive"], r["ok"]) for r in graphs.rows] == [
+        ("minilm_eager +bf16+graphs", "skipped"),
+        ("resnet18_eager +bf16+graphs", "skipped"),
+    ]
+    assert all("time budget" in r["note"] for r in graphs.rows)
+
+    bench = Section("bench")
+    accel_bench(bench, store, "cpu", False, tmp_path / "work", tmp_path / "out", spent)
+    assert bench.rows == []
+    skipped = [n for n in bench.notes if n.startswith("skipped ")]
+    assert len(skipped) == 4  # two models x (fp32, bf16) on the CPU, none run
+    assert not (tmp_path / "out").exists()
