@@ -38,7 +38,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.image.pod import Pod, built_refs, config_ports, mismatches, render
-from tests.image.podman import Bind, ImageMeta, chroot_argv, image_exists, mounted
+from tests.image.podman import (
+    Bind,
+    ImageMeta,
+    chroot_argv,
+    image_exists,
+    kill_all_in,
+    mounted,
+    processes_in,
+)
 
 # One 8x8 digit (a 0), as the README's curl example sends it.
 DIGIT_ZERO = [
@@ -137,11 +145,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, ok: Callable[[], bool], proc: subprocess.Popen[bytes], cap_s: float) -> float:
+def wait_for(what: str, ok: Callable[[], bool], proc: subprocess.Popen[bytes] | None, cap_s: float) -> float:
     """Poll `ok` until true; fail at once when the server exits. Returns the seconds it took."""
     start = time.monotonic()
     while not ok():
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise CheckFailed(f"the server exited ({proc.returncode}) while waiting for {what}")
         if time.monotonic() - start > cap_s:
             raise CheckFailed(f"{what}: not within {cap_s:.0f} s")
@@ -264,17 +272,25 @@ def check(overlay: str) -> None:
             with server_log.open("wb") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
                 try:
-                    serve(pod, proc, ports, tokens, grace - pre_stop)
+                    serve(pod, proc, root, ports, tokens, grace - pre_stop)
+                    # SIGTERM ends the whole pod: no frontend or model worker outlives the server.
+                    wait_for("every process of the image to exit", lambda: not processes_in(root), None, 30)
                 except BaseException:
+                    kill_all_in(root)
                     if proc.poll() is None:
                         proc.kill()
-                        proc.wait(30)
+                    proc.wait(30)
                     sys.stdout.write(server_log.read_text()[-6000:])
                     raise
 
 
 def serve(
-    pod: Pod, proc: subprocess.Popen[bytes], ports: dict[int, int], tokens: dict[str, str], stop_budget: float
+    pod: Pod,
+    proc: subprocess.Popen[bytes],
+    root: Path,
+    ports: dict[int, int],
+    tokens: dict[str, str],
+    stop_budget: float,
 ) -> None:
     c = pod.server
     here = {name: ports[pod.container_port(name)] for name in (p["name"] for p in c["ports"])}
@@ -294,6 +310,10 @@ def serve(
     log(f"startupProbe passed after {t_live:.1f} s (the kubelet allows {budget} s)")
     t_ready = t_live + wait_for("readinessProbe", probe("readinessProbe"), proc, READY_CAP_S)
     log(f"readinessProbe (gRPC health) SERVING after {t_ready:.1f} s: start to ready")
+    running = processes_in(root)
+    if proc.pid not in running:  # what the exit check after SIGTERM relies on
+        raise CheckFailed(f"the server (pid {proc.pid}) is not among the image's processes {running}")
+    log(f"{len(running)} processes run in the image (supervisor, frontends, model workers)")
     if not probe("livenessProbe")():
         raise CheckFailed("livenessProbe fails on a ready server")
     if requests.get(f"{http}/ping", timeout=10).status_code != 200:

@@ -12,9 +12,12 @@ and removed on exit from `mounted()` whatever happened.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -148,6 +151,26 @@ def passwd_ids(root: Path) -> tuple[set[int], set[int]]:
         return out
 
     return ids("passwd", 2), ids("group", 2)
+
+
+def processes_in(root: Path) -> list[int]:
+    """Processes whose root directory is `root`: everything started in the image, including model
+    workers, which run in sessions of their own (a process group would miss them)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "root") == str(root):
+                    out.append(int(entry.name))
+            except OSError:  # exited meanwhile, or a kernel thread
+                continue
+    return out
+
+
+def kill_all_in(root: Path) -> None:
+    for pid in processes_in(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @dataclass(frozen=True)
