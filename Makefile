@@ -125,4 +125,3 @@ image-gpu:
 image-test: image k8s-tools
 	$(PY) -m tests.image.image_check
 	$(PY) -m pytest -m image tests/image $(PYTEST_ARGS)
-
