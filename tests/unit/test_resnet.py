@@ -327,3 +327,26 @@ def test_model_config_reaches_the_server_settings(tmp_path: Path) -> None:
     assert sig is not None
     assert [(s.name, s.datatype, s.shape) for s in sig.inputs] == [("image", "BYTES", (-1,))]
     assert {s.name for s in sig.outputs} == {"probabilities", "indices"}
+
+
+def test_padded_variants_run_only_at_warmed_buckets(
+    handler: Any, jpegs: list[bytes], counting: CountingModel
+) -> None:
+    """The compiled variant's rule: a batch is zero-padded up to a bucket, larger ones are cut
+    into top-bucket chunks, and padding rows never change the real rows' answers."""
+    unpadded = handler.handle([{"body": raw} for raw in jpegs[:3]], None)
+    counting.calls.clear()
+    buckets, pad = handler.buckets, handler._pad
+    handler.buckets, handler._pad = [1, 2, 4, 8], True
+    try:
+        padded = handler.handle([{"body": raw} for raw in jpegs[:3]], None)
+        x = resnet_image.normalise(np.zeros((10, 224, 224, 3), np.uint8)).numpy()
+        handler.handle([{"tensors": {"x": x}}], None)
+    finally:
+        handler.buckets, handler._pad = buckets, pad
+    assert counting.calls == [4, 8, 2]
+    for a, b in zip(unpadded, padded, strict=True):
+        assert [t["index"] for t in a["topk"]] == [t["index"] for t in b["topk"]]
+        np.testing.assert_allclose(
+            [t["probability"] for t in a["topk"]], [t["probability"] for t in b["topk"]], atol=1e-5
+        )
