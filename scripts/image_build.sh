@@ -14,7 +14,9 @@
 # inputs take seconds.
 #
 # Environment: BASE_IMAGE (skip the local base), IMAGE_REPO (default localhost), PYTHON (for pip
-# config; default .venv/bin/python, else python3), EXTRA_BUILD_ARGS (appended to podman build).
+# config; default .venv/bin/python, else python3), EXTRA_BUILD_ARGS (appended to podman build),
+# GPU_TORCH_INDEX_URL (the GPU image's torch index, e.g. https://download.pytorch.org/whl/cu128 where
+# reachable; empty by default: the configured indexes, i.e. the CPU wheel here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,7 +81,6 @@ build() {
     # chroot isolation: `podman run`'s OCI runtime cannot start containers on this machine (cgroups),
     # but RUN steps in a chroot work, apt included.
     podman build --isolation chroot --layers -f "$file" --target "$target" -t "$tag" \
-        --build-arg "PYTHON_IMAGE=$base" --build-arg "MODELS_BASE_IMAGE=$base" --build-arg "CUDA_IMAGE=$base" \
         "${pip_args[@]}" "$@" ${EXTRA_BUILD_ARGS:-} .
     echo "image_build: $tag built in $((SECONDS - start)) s," \
         "$(podman image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
@@ -88,14 +89,16 @@ build() {
 case $flavour in
     cpu)
         # TORCH_INDEX_URL empty: torch comes from the indexes above (the CPU wheel on this disk).
-        build Dockerfile models "$repo/mariner-models:$version"
-        build Dockerfile runtime "$repo/mariner:$version" --build-arg TORCH_INDEX_URL=
+        build Dockerfile models "$repo/mariner-models:$version" --build-arg "MODELS_BASE_IMAGE=$base"
+        build Dockerfile runtime "$repo/mariner:$version" --build-arg "PYTHON_IMAGE=$base" \
+            --build-arg TORCH_INDEX_URL=
         ;;
     gpu)
         # No CUDA torch wheel is reachable here: the pinned CPU wheel stands in (the image's torch
         # then cannot use the GPU; onnxruntime-gpu and NVML are the real GPU packages). On a machine
-        # with a registry, leave TORCH_INDEX_URL at the Dockerfile's CUDA index.
-        build Dockerfile.gpu runtime "$repo/mariner-gpu:$version" --build-arg "TORCH_INDEX_URL=${GPU_TORCH_INDEX_URL-}"
+        # that reaches the CUDA index, set GPU_TORCH_INDEX_URL to it.
+        build Dockerfile.gpu runtime "$repo/mariner-gpu:$version" --build-arg "CUDA_IMAGE=$base" \
+            --build-arg "TORCH_INDEX_URL=${GPU_TORCH_INDEX_URL-}"
         ;;
     *)
         echo "image_build: unknown flavour $flavour (cpu or gpu)" >&2
