@@ -332,6 +332,13 @@ def serve(
     if r.status_code != 200:
         raise CheckFailed(f"HTTP prediction: {r.status_code} {r.text[:300]}")
     log(f"HTTP prediction with the inference token: 200 {json.dumps(r.json())[:100]}")
+    # Management has its own token: the inference one does not open it.
+    models_url = f"http://127.0.0.1:{here['management']}/models"
+    for token, want in ((None, 401), (tokens["inference"], 401), (tokens["management"], 200)):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if (got := requests.get(models_url, headers=headers, timeout=30).status_code) != want:
+            raise CheckFailed(f"GET /models on the management port: {got}, expected {want}")
+    log("management API: 401 without a token and with the inference token, 200 with its own")
 
     from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 
