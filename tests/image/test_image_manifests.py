@@ -146,3 +146,21 @@ def test_serving_packages_import_as_the_pod_user(
     other = "onnxruntime" if rel == "overlays/gpu" else "onnxruntime-gpu"
     assert other not in installed
     assert not {"pip", "grpcio-tools", "pytest"} & installed, "build or test tools in the runtime image"
+
+
+@pytest.mark.parametrize("rel", OVERLAYS)
+def test_runtime_image_has_no_build_tools(rel: str) -> None:
+    """No compiler in the built image (its filesystem, not only its Dockerfile's text): nothing can
+    be compiled at run time, so the `compiled` (torch.compile) variant is not served from it."""
+    ref = built_refs()[rel]
+    require_image(ref, MAKE_TARGET[rel])
+    meta = ImageMeta.inspect(ref)
+    tools = ("cc", "gcc", "g++", "c++", "clang", "make", "cmake", "ninja", "ld", "as", "pip", "pip3")
+    with mounted(ref) as root:
+        found = [
+            f"{d}/{tool}"
+            for d in meta.env_dict()["PATH"].split(":")
+            for tool in tools
+            if inside(root, f"{d}/{tool}").exists()
+        ]
+    assert found == [], f"{ref} carries build tools: {found}"
