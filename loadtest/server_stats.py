@@ -85,7 +85,10 @@ class BatchStats:
 
     @property
     def padded_tokens_per_batch(self) -> float:
-        return self.padded_tokens / self.batches if self.batches else math.nan
+        """NaN without a token counter (the histogram is then absent, or present but empty)."""
+        if not self.batches or not self.padded_tokens or math.isnan(self.padded_tokens):
+            return math.nan
+        return self.padded_tokens / self.batches
 
     @property
     def padding_share(self) -> float:

@@ -76,6 +76,9 @@ def test_a_model_without_a_token_counter_has_no_padding_figures() -> None:
     assert s is not None
     assert math.isnan(s.padded_tokens_per_batch)
     assert math.isnan(s.padding_share)
+    zero = BatchStats("m", "http", 8, 0, 10, 80, 5.0, 8.0, 80, 0.0, 0.0)  # histogram exposed, never observed
+    assert math.isnan(zero.padded_tokens_per_batch)
+    assert math.isnan(zero.padding_share)
     empty = BatchStats("m", "http", 8, 0, 0, 0, 0.0, 0.0, 0)
     assert math.isnan(empty.mean_batch)
     assert math.isnan(empty.compute_ms_per_batch)

@@ -324,7 +324,8 @@ def test_minilm_report_has_payloads_padding_table_and_its_own_figures() -> None:
     assert text.startswith("# Benchmark: raw model vs Mariner vs stock TorchServe: `minilm_eager`")
     assert "## Payloads\n\n512 English texts. Every answer was checked (384 floats of unit norm)." in text
     assert "## Length-aware batching (MiniLM)" in text
-    assert "| http | 64 | 90.0 | 450 | 900 | 45.0 | 1000 | 2000 | 2.00x |" in text
+    # cell(): 1 server core, so CPU per request is 1e6 / req/s µs
+    assert "| http | 64 | 90.0 | 450 | 900 | 11111 | 45.0 | 1000 | 2000 | 22222 | 2.00x | 2.00x |" in text
     assert "`handler.padding: longest` -> `max_length`; `maxBatchTokens: 4096` removed" in text
     assert "![throughput vs concurrency](throughput-minilm_eager.png)" in text
     assert "The process hop" not in text
