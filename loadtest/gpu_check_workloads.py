@@ -175,14 +175,18 @@ def _decoded(item: Any) -> Any:
 
 
 def load(
-    mar: Path, work: Path, device: str, keys: dict[str, Any] | None = None, swap: Path | None = None
+    mar: Path, work: Path, device: str, keys: dict[str, Any] | None = None, artefact: Path | None = None
 ) -> Loaded:
-    """Unpack (as the server does), optionally change handler keys or the serialized file, load."""
+    """Unpack (as the server does), optionally change handler keys or serve another artefact
+    file (copied beside the others, the manifest's serializedFile pointed at it), then load."""
     archive = open_archive(mar, work / f"{mar.stem}-{time.monotonic_ns()}")
     if keys:
         archive = replace(archive, model_config=with_handler_keys(archive.model_config, keys))
-    if swap is not None:
-        shutil.copy(swap, archive.model_dir / archive.manifest["model"]["serializedFile"])
+    if artefact is not None:
+        shutil.copy(artefact, archive.model_dir / artefact.name)
+        manifest = copy.deepcopy(archive.manifest)
+        manifest["model"]["serializedFile"] = artefact.name
+        archive = replace(archive, manifest=manifest)
     return Loaded(archive, device)
 
 
