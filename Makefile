@@ -110,7 +110,7 @@ clean:
 	rm -rf build $(STORE)/*.mar $(STORE)/index.json $(STORE)/report
 
 # Container images with podman, no registry needed (scripts/image_build.sh): a local Debian 12 base is
-# made once (build/image/debian-base.tar), the host's pip settings are passed in at build time. Tags:
+# made once (build/image/debian-base-<key>.tar), the host's pip settings are passed in at build time. Tags:
 # localhost/mariner:<version>, localhost/mariner-models:<version>, localhost/mariner-gpu:<version>,
 # the references the kustomize overlays name.
 image: models

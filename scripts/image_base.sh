@@ -7,13 +7,24 @@
 # ca-certificates and useradd. The tarball is kept in build/image/ and imported once; later builds
 # find the image with `podman image exists` and cost nothing.
 #
-# Usage: scripts/image_base.sh  -> prints the image reference (localhost/mariner-debian-base:bookworm)
+# Usage: scripts/image_base.sh  -> prints the image reference (localhost/mariner-debian-base:bookworm-<key>)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+self=$(readlink -f "$0")
+cd "$(dirname "$self")/.."
 
-BASE_IMAGE=${BASE_IMAGE:-localhost/mariner-debian-base:bookworm}
-TARBALL=${BASE_TARBALL:-build/image/debian-base.tar}
 PACKAGES=python3,python3-venv,ca-certificates,passwd
+# Documentation, manual pages and translations are never read in a container (about 45 MB);
+# copyright files stay.
+DPKG_OPTS=(
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*'
+    --dpkgopt='path-exclude=/usr/share/locale/*'
+)
+# The cache key is this script's content: a change to what goes into the base names a new tarball
+# and tag, so a stale base is never taken for the current one.
+key=$(sha256sum "$self" | cut -c1-12)
+BASE_IMAGE=${BASE_IMAGE:-localhost/mariner-debian-base:bookworm-$key}
+TARBALL=${BASE_TARBALL:-build/image/debian-base-$key.tar}
 
 # podman builds and mounts images without a daemon; mmdebstrap makes the base. Installed from
 # Debian when missing (as root, as on the CI machines).
@@ -39,12 +50,7 @@ if [ ! -s "$TARBALL" ]; then
     mkdir -p "$(dirname "$TARBALL")"
     # minbase: essential packages and apt; the rest is named. Written next to the target and moved,
     # so an interrupted run never leaves a truncated tarball that looks cached.
-    # Documentation, manual pages and translations are never read in a container (about 45 MB);
-    # copyright files stay.
-    mmdebstrap --format=tar --variant=minbase --include="$PACKAGES" \
-        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-        --dpkgopt='path-exclude=/usr/share/locale/*' \
+    mmdebstrap --format=tar --variant=minbase --include="$PACKAGES" "${DPKG_OPTS[@]}" \
         bookworm "$TARBALL.partial" >&2
     mv "$TARBALL.partial" "$TARBALL"
 fi
