@@ -68,14 +68,20 @@ def bad(message: str) -> ServingError:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """A declared input or output: -1 in `shape` is a variable dim (the batch dim first)."""
+    """A declared input or output: -1 in `shape` is a variable dim (the batch dim first).
+
+    `optional` inputs (Triton's `optional: true`) may be left out; a model that takes its data in
+    one of several forms (encoded images as BYTES or a decoded FP32 tensor) declares each form
+    optional, and a request must then carry at least one declared input.
+    """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    optional: bool = False
 
     def describe(self) -> str:
-        return f"{self.name} {self.datatype}{list(self.shape)}"
+        return f"{self.name} {self.datatype}{list(self.shape)}" + (" (optional)" if self.optional else "")
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,12 @@ class ModelSignature:
                 datatype = str(item["datatype"]).upper()
                 if datatype not in DTYPES:
                     raise ValueError(f"signature {key}: unknown datatype {datatype!r}")
-                out.append(TensorSpec(str(item["name"]), datatype, tuple(int(d) for d in item["shape"])))
+                optional = item.get("optional", False)
+                if not isinstance(optional, bool) or (optional and key != "inputs"):
+                    raise ValueError(f"signature {key}: 'optional' is true or false, and only for inputs")
+                out.append(
+                    TensorSpec(str(item["name"]), datatype, tuple(int(d) for d in item["shape"]), optional)
+                )
             return tuple(out)
 
         return cls(specs("inputs"), specs("outputs"))
@@ -275,9 +286,11 @@ def match_signature(inputs: Mapping[str, tuple[str, np.ndarray]], signature: Mod
     unknown = sorted(set(inputs) - set(declared))
     if unknown:
         raise bad(f"unknown input(s) {unknown}; the model takes: {takes}")
-    missing = sorted(set(declared) - set(inputs))
+    missing = sorted({s.name for s in signature.inputs if not s.optional} - set(inputs))
     if missing:
         raise bad(f"missing input(s) {missing}; the model takes: {takes}")
+    if not inputs:
+        raise bad(f"the request has no inputs; the model takes at least one of: {takes}")
     rows: int | None = None
     for name, (datatype, arr) in inputs.items():
         check_against(declared[name], datatype, arr.shape, None)

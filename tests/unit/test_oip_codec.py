@@ -235,6 +235,41 @@ def test_inputs_must_agree_on_rows() -> None:
     assert "batch dim" in invalid(match_signature, inputs, TWO_IN).message
 
 
+EITHER = ModelSignature.from_config(
+    {
+        "inputs": [
+            {"name": "image", "datatype": "BYTES", "shape": [-1], "optional": True},
+            {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 2, 2], "optional": True},
+        ],
+        "outputs": [{"name": "indices", "datatype": "INT64", "shape": [-1, 5]}],
+    }
+)
+
+
+def test_optional_inputs_may_be_left_out_but_not_all() -> None:
+    assert EITHER is not None
+    assert match_signature({"image": ("BYTES", np.array([b"a", b"b"], dtype=object))}, EITHER) == 2
+    assert match_signature({"pixels": ("FP32", np.zeros((3, 3, 2, 2), np.float32))}, EITHER) == 3
+    err = invalid(match_signature, {}, EITHER)
+    assert "at least one of" in err.message
+    assert "image BYTES[-1] (optional)" in err.message
+    # The required input of a plain signature is still required.
+    assert "missing input(s) ['pixels']" in invalid(match_signature, {}, SIG).message
+
+
+@pytest.mark.parametrize("item", [{"optional": "yes"}, {"optional": 1}])
+def test_optional_must_be_a_bool(item: dict) -> None:
+    with pytest.raises(ValueError, match="'optional' is true or false"):
+        ModelSignature.from_config({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], **item}]})
+
+
+def test_outputs_cannot_be_optional() -> None:
+    with pytest.raises(ValueError, match="only for inputs"):
+        ModelSignature.from_config(
+            {"inputs": [], "outputs": [{"name": "y", "datatype": "FP32", "shape": [1], "optional": True}]}
+        )
+
+
 # -- shared adapter checks (protocols.oip.codec) -----------------------------------------------
 def test_element_cap_is_checked_before_any_allocation() -> None:
     err = invalid(oip.check_header, "words", "BYTES", [1 << 40], 1000)

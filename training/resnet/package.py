@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HANDLER = ROOT / "handlers" / "resnet_handler.py"
 HELPERS = tuple(ROOT / "handlers" / n for n in ("resnet_image.py", "digits_device.py", "accel.py"))
 MODEL_DEF = Path(__file__).resolve().with_name("model.py")
-# Mariner's OIP ModelMetadata and request check. A signature input has one datatype and every
-# declared input is required, so it cannot offer BYTES and FP32 side by side: it declares the
-# encoded images clients send. The handler also takes FP32 [N, 3, 224, 224] (stock TorchServe's
-# paths and direct callers), which this signature refuses on Mariner's OIP before queueing.
+# Mariner's OIP ModelMetadata and request check. The model takes its images in one of two forms,
+# each an optional input (a request carries one): encoded JPEG/PNG bytes, or a decoded,
+# ImageNet-normalised FP32 batch for clients that preprocess themselves.
 SIGNATURE: dict[str, Any] = {
-    "inputs": [{"name": "image", "datatype": "BYTES", "shape": [-1]}],
+    "inputs": [
+        {"name": "image", "datatype": "BYTES", "shape": [-1], "optional": True},
+        {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 224, 224], "optional": True},
+    ],
     "outputs": [
         {"name": "probabilities", "datatype": "FP32", "shape": [-1, 5]},
         {"name": "indices", "datatype": "INT64", "shape": [-1, 5]},

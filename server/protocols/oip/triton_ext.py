@@ -62,7 +62,10 @@ def _tensor(spec: Any, batched: bool) -> dict[str, Any]:
     if batched and dims:
         dims = dims[1:]  # Triton's dims leave out the batch dim when max_batch_size > 0
     datatype = "STRING" if spec.datatype == "BYTES" else spec.datatype
-    return {"name": spec.name, "data_type": f"TYPE_{datatype}", "dims": dims}
+    out: dict[str, Any] = {"name": spec.name, "data_type": f"TYPE_{datatype}", "dims": dims}
+    if spec.optional:
+        out["optional"] = True
+    return out
 
 
 def model_config(plane: oip.OipPlane, model: str, version: str | None) -> dict[str, Any]:
