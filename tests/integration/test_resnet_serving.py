@@ -111,3 +111,26 @@ def test_oip_bytes_tensor_matches_the_raw_body(server: InProcessMariner, jpeg: b
     assert out["indices"][0].tolist() == expected
     assert out["indices"][1].tolist() == expected
     assert np.all(np.diff(out["probabilities"][0]) <= 0)
+
+
+def test_oip_fp32_pixels_match_the_encoded_image(server: InProcessMariner, jpeg: bytes) -> None:
+    """The optional FP32 input: a client that preprocesses itself (the handler's own resize, crop
+    and normalisation) gets the same top-5 as for the JPEG; both forms in one request are refused."""
+    from mariner.handlers.resnet_image import preprocess
+
+    pixels = preprocess([jpeg]).numpy()
+    url = f"{server.http}/v2/models/resnet18_torchscript/infer"
+    body = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": list(pixels.shape),
+                        "data": pixels.ravel().tolist()}]}  # fmt: skip
+    answer = requests.post(url, json=body, timeout=TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
+    got = {o["name"]: o for o in answer.json()["outputs"]}
+    with GrpcClient(server.grpc_target, timeout_s=TIMEOUT_S) as client:
+        from_bytes = client.infer("resnet18_torchscript", {"image": np.array([jpeg], dtype=object)})
+    assert got["indices"]["data"] == from_bytes["indices"][0].tolist()
+    image = {"name": "image", "datatype": "BYTES", "shape": [1], "data": ["x"]}
+    both = {"inputs": [body["inputs"][0], image]}
+    refused = requests.post(url, json=both, timeout=TIMEOUT_S)
+    assert refused.status_code == 400
+    none = requests.post(url, json={"inputs": []}, timeout=TIMEOUT_S)
+    assert none.status_code == 400
