@@ -53,7 +53,7 @@ import numpy as np
 import requests
 import torch
 
-from mariner.loadtest.gpu_check_bench import accel_bench
+from mariner.loadtest.gpu_check_bench import accel_bench, digits_bench
 from mariner.loadtest.gpu_check_families import Budget, family_recompiles, serve_families, verify_families
 from mariner.server.core.archive import open_archive
 from mariner.server.core.context import Context
@@ -283,44 +283,6 @@ def serve(sec: Section, store: Path, device: str, work: Path) -> None:
             sec.status = "failed"
 
 
-def bench(sec: Section, store: Path, quick: bool, out: Path, budget: Budget) -> None:
-    if not budget.fits(90.0):
-        sec.status = "skipped"
-        sec.notes.append(f"time budget: {budget.left():.0f} s left, the digits benchmark takes ~90 s")
-        return
-    servers = ["raw", "mariner"]
-    try:
-        import ts  # noqa: F401  (stock TorchServe, when installed)
-
-        if not quick:  # its start-up alone outlasts the dry run
-            servers.append("torchserve")
-    except ImportError:
-        sec.notes.append("stock TorchServe is not installed here: Mariner and the raw handler only.")
-    args = ["--store", str(store), "--servers", ",".join(servers), "--out", str(out), "--no-startup"]
-    if quick:
-        args += [
-            "--levels",
-            "1,8",
-            "--duration",
-            "1",
-            "--warmup",
-            "20",
-            "--repeats",
-            "1",
-            "--raw-seconds",
-            "1",
-        ]
-        args += ["--protocols", "http"]
-    else:
-        args += ["--levels", "1,8,64", "--duration", "5", "--repeats", "1", "--protocols", "grpc,http"]
-    cmd = [sys.executable, "-m", "mariner.loadtest.bench", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    sec.notes.append(f"`{' '.join(cmd[1:])}` exited {proc.returncode}; report: {out / 'results.md'}")
-    if proc.returncode != 0:
-        sec.status = "failed"
-        sec.notes.append("```\n" + proc.stdout[-1500:] + proc.stderr[-1500:] + "```")
-
-
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
@@ -400,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     s, store, a.device, a.quick, work, out.parent / f"{out.stem}-accel", budget
                 ),
             ),
-            run_section("benchmark", lambda s: bench(s, store, a.quick, bench_out, budget)),
+            run_section("benchmark", lambda s: digits_bench(s, store, a.quick, bench_out, budget)),
         ]
     out.write_text(report(sections, a.device, a.quick, time.perf_counter() - t0))
     print(f"[gpu-check] report: {out}", flush=True)

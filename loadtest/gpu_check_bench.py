@@ -1,4 +1,5 @@
-"""The GPU checklist's benchmark of the MiniLM and ResNet-18 archives, with and without bf16/graphs.
+"""The GPU checklist's benchmarks: the digits archive's short one, and the MiniLM and ResNet-18
+archives with and without bf16 and CUDA graphs.
 
 What a user asks of a GPU lease: how much do `autocast: bf16` and `cudaGraphs: true` buy on each
 workload, served by Mariner and by stock TorchServe, at 1, 8 and 64 closed-loop clients. Each
@@ -167,3 +168,42 @@ def accel_bench(
         sec.notes.append("Some answers were errors (see the errors column).")
     if failed:
         sec.status = "failed"
+
+
+def digits_bench(sec: Section, store: Path, quick: bool, out: Path, budget: Budget) -> None:
+    """The digits archive's short benchmark: raw handler vs Mariner (stock TorchServe when installed)."""
+    if not budget.fits(90.0):
+        sec.status = "skipped"
+        sec.notes.append(f"time budget: {budget.left():.0f} s left, the digits benchmark takes ~90 s")
+        return
+    servers = ["raw", "mariner"]
+    try:
+        import ts  # noqa: F401  (stock TorchServe, when installed)
+
+        if not quick:  # its start-up alone outlasts the dry run
+            servers.append("torchserve")
+    except ImportError:
+        sec.notes.append("stock TorchServe is not installed here: Mariner and the raw handler only.")
+    args = ["--store", str(store), "--servers", ",".join(servers), "--out", str(out), "--no-startup"]
+    if quick:
+        args += [
+            "--levels",
+            "1,8",
+            "--duration",
+            "1",
+            "--warmup",
+            "20",
+            "--repeats",
+            "1",
+            "--raw-seconds",
+            "1",
+        ]
+        args += ["--protocols", "http"]
+    else:
+        args += ["--levels", "1,8,64", "--duration", "5", "--repeats", "1", "--protocols", "grpc,http"]
+    cmd = [sys.executable, "-m", "mariner.loadtest.bench", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    sec.notes.append(f"`{' '.join(cmd[1:])}` exited {proc.returncode}; report: {out / 'results.md'}")
+    if proc.returncode != 0:
+        sec.status = "failed"
+        sec.notes.append("```\n" + proc.stdout[-1500:] + proc.stderr[-1500:] + "```")

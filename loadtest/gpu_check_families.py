@@ -140,7 +140,8 @@ def _verify_one(
     row: dict[str, Any] = {"archive": name + (f" +{accel}" if accel else "")}
     keys: dict[str, Any] = dict(ACCEL_VARIANTS[accel]) if accel else {}
     artefact = None
-    needs = cost * 3 + (120.0 if fmt == "aoti" and device == "cuda" else 0.0)
+    compiles = device == "cuda" and (fmt in ("aoti", "compiled") or "graphs" in (accel or ""))
+    needs = cost * 3 + (120.0 if compiles else 0.0)  # an export or a graph per bucket: minutes
     if not budget.fits(needs):
         row.update(ok="skipped", note=f"time budget: {budget.left():.0f} s left, needs ~{needs:.0f} s")
         sec.rows.append(row)
