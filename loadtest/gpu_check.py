@@ -186,6 +186,7 @@ def verify_archives(sec: Section, store: Path, device: str, work: Path) -> None:
             section = cfg.setdefault("handler", {})
             if device == "cuda" and section.get("format") == "aoti":
                 section["device"] = "cuda"
+                cfg["deviceType"] = "gpu"  # the store's CPU package says deviceType: cpu
                 pt2 = export_aoti_here(*staged["digits_eager"], work)
                 shutil.copy(pt2, mdir / manifest["model"]["serializedFile"])
                 row["note"] = "AOTInductor exported on this device"
@@ -259,7 +260,10 @@ def serve(sec: Section, store: Path, device: str, work: Path) -> None:
     from mariner.loadtest.payloads import test_digit_bodies
     from mariner.loadtest.servers import MarinerProcess
 
-    names = [m.stem for m in archives(store) if device == "cpu" or "int8" not in m.stem]
+    # on CUDA, the GPU-capable archives only: int8 kernels and the store's AOTI package are CPU code
+    names = [
+        m.stem for m in archives(store) if device == "cpu" or not any(k in m.stem for k in ("int8", "aoti"))
+    ]
     extra = ("--require-gpu",) if device == "cuda" else ()
     bodies = test_digit_bodies()
     ref = load_on(*stage(store / "digits_eager.mar", work / "serve-ref"), device="cpu")

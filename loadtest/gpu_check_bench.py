@@ -4,8 +4,9 @@ archives with and without bf16 and CUDA graphs.
 What a user asks of a GPU lease: how much do `autocast: bf16` and `cudaGraphs: true` buy on each
 workload, served by Mariner and by stock TorchServe, at 1, 8 and 64 closed-loop clients. Each
 setting is the family's eager archive rewritten with that handler key (`variant_archive`, same
-file name and members) in a store of its own, and `mariner.loadtest.bench --model` runs it; this
-module only chooses the runs, fits them in the time left, and gathers one table.
+file name and members; on CUDA also `deviceType: gpu`) in a store of its own, and
+`mariner.loadtest.bench --model` runs it; this module only chooses the runs, fits them in the
+time left, and gathers one table.
 
 Stock TorchServe needs Java 17 and the torchserve wheel: where either is missing (the GPU
 machine has no Java) it is left out and the report says so. A run whose estimated cost no longer
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mariner.loadtest.gpu_check_families import Budget
-from mariner.loadtest.gpu_check_workloads import ACCEL_VARIANTS, family_archives, variant_archive
+from mariner.loadtest.gpu_check_workloads import ACCEL_VARIANTS, family_archives, on_gpu, variant_archive
 
 if TYPE_CHECKING:
     from mariner.loadtest.gpu_check import Section
@@ -143,11 +144,7 @@ def accel_bench(
                 continue
             vstore = work / "bench-stores" / setting
             mar = store / f"{model}.mar"
-            if setting == "fp32":
-                vstore.mkdir(parents=True, exist_ok=True)
-                shutil.copy(mar, vstore / mar.name)
-            else:
-                variant_archive(mar, vstore, ACCEL_VARIANTS[setting])
+            variant_archive(mar, vstore, ACCEL_VARIANTS.get(setting, {}), on_gpu(device, mar))
             run_out = out / setting
             cmd = [sys.executable, "-m", "mariner.loadtest.bench", *bench_args(p, model, vstore, run_out)]
             t0 = time.perf_counter()

@@ -37,6 +37,8 @@ from mariner.loadtest.gpu_check_workloads import (
     graph_counts,
     inputs,
     load,
+    on_gpu,
+    variant_archive,
 )
 
 if TYPE_CHECKING:  # gpu_check imports this module; the class is needed for annotations only
@@ -156,7 +158,7 @@ def _verify_one(
             artefact = export_aoti_here(family, eager, work, device)
             keys.update(format="aoti", device="cuda")
             row["note"] = f"AOTInductor exported on this device ({time.perf_counter() - t0:.0f} s)"
-        loaded = load(mar, work, device, keys, artefact)
+        loaded = load(mar, work, device, keys, artefact, top=on_gpu(device, mar))
         got = loaded.answers(bodies)
         reduced = fmt == "int8" or accel is not None
         figures = compare(family, ref, got, reduced)
@@ -194,7 +196,8 @@ def family_recompiles(sec: Section, store: Path, device: str, work: Path, top: i
         row: dict[str, Any] = {"archive": name}
         try:
             t0 = time.perf_counter()
-            loaded = load(mar, work, device, keys)  # the handler records/compiles its buckets here
+            # the handler records (CUDA graphs) or compiles its buckets here, at load
+            loaded = load(mar, work, device, keys, top=on_gpu(device, mar))
             load_s = time.perf_counter() - t0
             graphs0, recompiles0 = graph_counts()
             sizes = min(top, loaded.batch_size)  # a server never hands a handler more than batchSize
@@ -249,7 +252,10 @@ def serve_families(sec: Section, store: Path, device: str, work: Path, n: int, b
         bodies = inputs(family, n)
         refs[name] = (family, bodies, load(store / f"{name}.mar", work, "cpu").answers(bodies))
     extra = ("--require-gpu",) if device == "cuda" else ()
-    with MarinerProcess(store, ",".join(f"{m}.mar" for m in names), extra_args=extra) as srv:
+    served = work / "serve-store"  # the archives as built, on CUDA with deviceType: gpu
+    for name in names:
+        variant_archive(store / f"{name}.mar", served, {}, on_gpu(device, store / f"{name}.mar"))
+    with MarinerProcess(served, ",".join(f"{m}.mar" for m in names), extra_args=extra) as srv:
         for name, (family, bodies, ref) in refs.items():
             url = f"{srv.http_url}/predictions/{name}"
             replies = [

@@ -95,25 +95,39 @@ def inputs(family: str, n: int) -> list[Body]:
 # -- archives with another handler section -----------------------------------------------------
 
 
-def with_handler_keys(config: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+def with_keys(
+    config: dict[str, Any], handler: dict[str, Any], top: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """model-config with `handler` merged into its handler section and `top` into the top level."""
     cfg = copy.deepcopy(config)
     section = cfg.get("handler")
-    cfg["handler"] = {**(section if isinstance(section, dict) else {}), **keys}
+    cfg["handler"] = {**(section if isinstance(section, dict) else {}), **handler}
+    cfg.update(top or {})
     return cfg
 
 
-def variant_archive(mar: Path, out_dir: Path, keys: dict[str, Any]) -> Path:
+def on_gpu(device: str, mar: Path) -> dict[str, Any]:
+    """The top-level keys that make an archive run on the GPU being checked: `deviceType: gpu`
+    (which also forbids a silent CPU fallback), except for int8 artefacts, whose kernels are CPU
+    kernels. The MiniLM archives are built with `deviceType: cpu` (served on CPU machines); on
+    a GPU check that would put every one of them on the CPU."""
+    return {"deviceType": "gpu"} if device == "cuda" and "int8" not in mar.stem else {}
+
+
+def variant_archive(
+    mar: Path, out_dir: Path, keys: dict[str, Any], top: dict[str, Any] | None = None
+) -> Path:
     """A copy of the archive, same file name and members, whose model-config handler section
-    also carries `keys`: the accelerated variants run the archive users have, one knob changed."""
+    also carries `keys` (and its top level `top`): the variants are the archive users have, one
+    knob changed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / mar.name
     with zipfile.ZipFile(mar) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         for item in src.infolist():
             data = src.read(item)
             if item.filename == "model-config.yaml":
-                data = yaml.safe_dump(
-                    with_handler_keys(yaml.safe_load(data) or {}, keys), sort_keys=False
-                ).encode()
+                cfg = with_keys(yaml.safe_load(data) or {}, keys, top)
+                data = yaml.safe_dump(cfg, sort_keys=False).encode()
             dst.writestr(item, data)
     return out
 
@@ -175,13 +189,19 @@ def _decoded(item: Any) -> Any:
 
 
 def load(
-    mar: Path, work: Path, device: str, keys: dict[str, Any] | None = None, artefact: Path | None = None
+    mar: Path,
+    work: Path,
+    device: str,
+    keys: dict[str, Any] | None = None,
+    artefact: Path | None = None,
+    top: dict[str, Any] | None = None,
 ) -> Loaded:
-    """Unpack (as the server does), optionally change handler keys or serve another artefact
-    file (copied beside the others, the manifest's serializedFile pointed at it), then load."""
+    """Unpack (as the server does), optionally change handler keys (`keys`) and top-level ones
+    (`top`) or serve another artefact file (copied beside the others, the manifest's
+    serializedFile pointed at it), then load."""
     archive = open_archive(mar, work / f"{mar.stem}-{time.monotonic_ns()}")
-    if keys:
-        archive = replace(archive, model_config=with_handler_keys(archive.model_config, keys))
+    if keys or top:
+        archive = replace(archive, model_config=with_keys(archive.model_config, keys or {}, top))
     if artefact is not None:
         shutil.copy(artefact, archive.model_dir / artefact.name)
         manifest = copy.deepcopy(archive.manifest)

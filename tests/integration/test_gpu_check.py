@@ -22,7 +22,13 @@ import yaml
 from mariner.loadtest.gpu_check import Section, report, run_section
 from mariner.loadtest.gpu_check_bench import accel_bench, bench_args, plan, rows_from, speedups
 from mariner.loadtest.gpu_check_families import Budget, family_recompiles
-from mariner.loadtest.gpu_check_workloads import ACCEL_VARIANTS, compare, family_archives, variant_archive
+from mariner.loadtest.gpu_check_workloads import (
+    ACCEL_VARIANTS,
+    compare,
+    family_archives,
+    on_gpu,
+    variant_archive,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILY_ARCHIVES = ("minilm_onnx", "resnet18_onnx", "resnet18_torchscript")  # the default store's
@@ -129,6 +135,20 @@ def test_a_variant_archive_changes_only_its_handler_keys(tmp_path: Path) -> None
         "maxBatchTokens": 16384,
         "handler": {"format": "eager", "padding": "longest", "autocast": "bf16", "cudaGraphs": True},
     }
+
+
+def test_on_a_gpu_check_gpu_capable_archives_must_run_on_the_gpu(tmp_path: Path) -> None:
+    # the MiniLM archives say deviceType: cpu (CPU machines); checked on CUDA they must use it
+    config = {"deviceType": "cpu", "handler": {"format": "eager"}}
+    src = _mar(tmp_path / "minilm_eager.mar", config, {})
+    out = variant_archive(src, tmp_path / "gpu", {}, on_gpu("cuda", src))
+    with zipfile.ZipFile(out) as zf:
+        assert yaml.safe_load(zf.read("model-config.yaml")) == {
+            "deviceType": "gpu",
+            "handler": {"format": "eager"},
+        }
+    assert on_gpu("cpu", src) == {}
+    assert on_gpu("cuda", tmp_path / "minilm_int8_dynamic.mar") == {}  # int8 kernels are CPU kernels
 
 
 def test_tolerances_separate_fp32_from_reduced_precision() -> None:
