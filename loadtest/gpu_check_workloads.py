@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import time
 import zipfile
@@ -122,6 +123,13 @@ def variant_archive(
     knob changed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / mar.name
+    if not keys and not top:  # nothing to change: the same bytes, without re-compressing 90 MB
+        out.unlink(missing_ok=True)
+        try:
+            os.link(mar, out)
+        except OSError:
+            shutil.copy(mar, out)
+        return out
     with zipfile.ZipFile(mar) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
         for item in src.infolist():
             data = src.read(item)
