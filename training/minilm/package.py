@@ -47,7 +47,6 @@ def model_config(
         "batchSize": batch_size,
         "maxBatchDelay": max_batch_delay_ms,
         "responseTimeout": 60,
-        "deviceType": "cpu",
         "maxBatchTokens": MAX_BATCH_TOKENS,
         "tokenCounter": {"tokenizer": "tokenizer.json", "maxLength": MAX_LENGTH},
         "handler": {
@@ -61,6 +60,8 @@ def model_config(
         # Open Inference Protocol ModelMetadata: texts in (UTF-8 BYTES), unit vectors out.
         "signature": SIGNATURE,
     }
+    if device == "cpu":  # CPU-only artefacts (the int8 kernels, a CPU AOTInductor package), as digits
+        cfg["deviceType"] = "cpu"
     return cfg
 
 
