@@ -67,3 +67,34 @@ def eager_reference(model_store: Path) -> EagerReference:
         test_pixels=np.asarray(splits.test.x, dtype=np.float32),
         test_labels=np.asarray(splits.test.y),
     )
+
+
+@dataclass(frozen=True)
+class FamilyStore:
+    """One model family's archives from model_store/, hard-linked into a store of their own (so a
+    server started on it loads just them), with their index.json entries and report table: the
+    archives `make models` built and verified, not a second build."""
+
+    store: Path
+    entries: tuple[dict[str, Any], ...]
+    report: str
+
+
+def family_store(model_store: Path, prefix: str, family: str, dest: Path) -> FamilyStore:
+    import json
+
+    index = json.loads((model_store / "index.json").read_text())
+    entries = tuple(e for e in index["archives"] if e["file"].startswith(prefix))
+    if not entries:
+        pytest.fail(f"model_store/index.json lists no {prefix}* archives: {BUILD_HINT}")
+    import os
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in entries:
+        # A hard link (a copy across filesystems): the server refuses symlinks out of its store.
+        try:
+            os.link(model_store / entry["file"], dest / entry["file"])
+        except OSError:
+            shutil.copy2(model_store / entry["file"], dest / entry["file"])
+    return FamilyStore(dest, entries, (model_store / "report" / f"{family}.md").read_text())

@@ -1,6 +1,7 @@
-"""The default MiniLM archives, built by the family pipeline into a tmp store and served by
-Mariner on port 0: TorchServe HTTP (text/plain, JSON list, a bad request), the Open Inference
-Protocol over REST and gRPC with BYTES tensors, and its metadata from the archive's signature.
+"""The default MiniLM archives of model_store/ (as `make models` built and verified them), linked
+into a store of their own and served by Mariner on port 0: TorchServe HTTP (text/plain, JSON
+list, a bad request), the Open Inference Protocol over REST and gRPC with BYTES tensors, and its
+metadata from the archive's signature.
 
 What is checked is what users get: unit-length 384-d vectors equal (within float rounding) to
 the vectors the pipeline's verified eager handler computes, whichever variant answers.
@@ -9,6 +10,7 @@ the vectors the pipeline's verified eager handler computes, whichever variant an
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,10 @@ import requests
 import yaml
 
 from mariner.client.grpc_client import GrpcClient
-from mariner.training.family import FamilyBuild
 from mariner.training.minilm import pipeline
 from mariner.training.minilm.verify import load_handler
 from mariner.training.text_data import sentences
+from tests.conftest import FamilyStore, family_store
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -32,17 +34,15 @@ DIM = 384
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FamilyBuild]:
-    root = tmp_path_factory.mktemp("minilm_store")
-    store, work = root / "store", root / "work"
-    fb = pipeline.build(store, work, full=False, batch_size=8, max_batch_delay_ms=2, repeats=0)
-    return store, fb
+def built(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> FamilyStore:
+    return family_store(model_store, "minilm_", "minilm", tmp_path_factory.mktemp("minilm") / "store")
 
 
 @pytest.fixture(scope="module")
-def server(built: tuple[Path, FamilyBuild]) -> Iterator[InProcessMariner]:
-    store, _ = built
-    srv = InProcessMariner(store, "all").start()
+def server(built: FamilyStore) -> Iterator[InProcessMariner]:
+    srv = InProcessMariner(
+        built.store, ",".join(f"minilm_{v}.mar" for v in pipeline.DEFAULT_VARIANTS)
+    ).start()
     try:
         yield srv
     finally:
@@ -50,28 +50,25 @@ def server(built: tuple[Path, FamilyBuild]) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def reference(built: tuple[Path, FamilyBuild]) -> Any:
-    """The eager handler on its staged dir: the vectors the build verified."""
-    store, _ = built
-    staged = store.parent / "work" / "minilm" / "stage" / "minilm_eager"
-    manifest = {"model": {"modelName": "minilm_eager", "serializedFile": "model.safetensors"}}
-    config = yaml.safe_load((staged / "model-config.yaml").read_text())
-    return load_handler(staged, manifest, config)
+def reference(built: FamilyStore, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The eager handler on its unpacked archive: the vectors the build verified."""
+    unpacked = tmp_path_factory.mktemp("minilm_eager")
+    with zipfile.ZipFile(built.store / "minilm_eager.mar") as mar:
+        mar.extractall(unpacked)
+    manifest = json.loads((unpacked / "MAR-INF" / "MANIFEST.json").read_text())
+    config = yaml.safe_load((unpacked / "model-config.yaml").read_text())
+    return load_handler(unpacked, manifest, config)
 
 
-def test_default_build_is_verified_and_lists_its_archives(built: tuple[Path, FamilyBuild]) -> None:
-    store, fb = built
-    assert fb.family == "minilm"
-    assert fb.failed == ()
-    names = [e["model"] for e in fb.entries]
-    assert names == [f"minilm_{v}" for v in pipeline.DEFAULT_VARIANTS]
-    for entry in fb.entries:
-        assert (store / entry["file"]).stat().st_size == entry["bytes"]
+def test_the_store_holds_every_default_variant_verified(built: FamilyStore) -> None:
+    by_model = {e["model"]: e for e in built.entries}
+    assert {f"minilm_{v}" for v in pipeline.DEFAULT_VARIANTS} <= set(by_model)
+    for entry in built.entries:
+        assert (built.store / entry["file"]).stat().st_size == entry["bytes"]
         assert entry["verification"]["passed"] is True
         assert entry["version"] == "1.0"
-    eager = fb.entries[0]["verification"]
-    assert eager["oracle_max_abs_diff"] <= 1e-5
-    assert "| eager |" in fb.report_markdown
+    assert by_model["minilm_eager"]["verification"]["oracle_max_abs_diff"] <= 1e-5
+    assert "| eager |" in built.report
 
 
 @pytest.mark.parametrize("variant", pipeline.DEFAULT_VARIANTS)

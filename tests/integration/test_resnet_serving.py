@@ -1,9 +1,7 @@
-"""The default ResNet-18 archives, built by the family pipeline into a temporary store and served
-by Mariner on port 0: a JPEG as a raw body, as a multipart file field and as an Open Inference
-Protocol BYTES tensor gets the same top-5 from every variant.
-
-The build is the real one (export, verification through the handler, torch-model-archiver)
-with latency timing off and a few verification images, so it stays short on a shared machine.
+"""The default ResNet-18 archives of model_store/ (as `make models` built and verified them),
+linked into a store of their own and served by Mariner on port 0: a JPEG as a raw body, as a
+multipart file field and as an Open Inference Protocol BYTES tensor gets the same top-5 from
+every variant; a preprocessed FP32 batch gets the JPEG's answer.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import requests
 
 from mariner.client import GrpcClient
 from mariner.server import protogen
-from mariner.training.family import FamilyBuild
+from tests.conftest import FamilyStore, family_store
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,22 +26,14 @@ TIMEOUT_S = 120.0  # generous: a first batch on a loaded 2-core machine, never a
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FamilyBuild]:
-    from mariner.training.resnet.pipeline import build
-
-    root = tmp_path_factory.mktemp("resnet_store")
-    store = root / "store"
-    fb = build(
-        store, root / "work", full=False, batch_size=8, max_batch_delay_ms=5, repeats=0, verify_images=4
-    )
-    return store, fb
+def built(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> FamilyStore:
+    return family_store(model_store, "resnet18_", "resnet", tmp_path_factory.mktemp("resnet") / "store")
 
 
 @pytest.fixture(scope="module")
-def server(built: tuple[Path, FamilyBuild]) -> Iterator[InProcessMariner]:
+def server(built: FamilyStore) -> Iterator[InProcessMariner]:
     protogen.generate()
-    store, _ = built
-    srv = InProcessMariner(store, ",".join(f"resnet18_{v}.mar" for v in VARIANTS)).start()
+    srv = InProcessMariner(built.store, ",".join(f"resnet18_{v}.mar" for v in VARIANTS)).start()
     try:
         yield srv
     finally:
@@ -64,15 +54,13 @@ def _indices(answer: dict[str, Any]) -> list[int]:
     return [t["index"] for t in topk]
 
 
-def test_default_build_archives_every_default_variant_verified(built: tuple[Path, FamilyBuild]) -> None:
-    store, fb = built
-    assert fb.family == "resnet"
-    assert fb.failed == ()
-    assert sorted(e["model"] for e in fb.entries) == sorted(f"resnet18_{v}" for v in VARIANTS)
-    for entry in fb.entries:
-        assert (store / entry["file"]).stat().st_size == entry["bytes"]
+def test_the_store_holds_every_default_variant_verified(built: FamilyStore) -> None:
+    models = {e["model"] for e in built.entries}
+    assert {f"resnet18_{v}" for v in VARIANTS} <= models
+    for entry in built.entries:
+        assert (built.store / entry["file"]).stat().st_size == entry["bytes"]
         assert entry["verification"]["passed"] is True
-    assert "PERFORMANCE workload" in fb.report_markdown
+    assert "PERFORMANCE workload" in built.report
 
 
 def test_jpeg_raw_body_and_multipart_agree_across_variants(server: InProcessMariner, jpeg: bytes) -> None:
