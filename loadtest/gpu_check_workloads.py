@@ -108,10 +108,10 @@ def with_keys(
 
 
 def on_gpu(device: str, mar: Path) -> dict[str, Any]:
-    """The top-level keys that make an archive run on the GPU being checked: `deviceType: gpu`
-    (which also forbids a silent CPU fallback), except for int8 artefacts, whose kernels are CPU
-    kernels. The MiniLM archives are built with `deviceType: cpu` (served on CPU machines); on
-    a GPU check that would put every one of them on the CPU."""
+    """The top-level keys that make an archive run on the GPU being checked: `deviceType: gpu`,
+    which also forbids a silent CPU fallback, so a CPU row in the report is a refusal, never a
+    quiet success. Not for int8 artefacts (their kernels are CPU kernels); a CPU AOTInductor
+    archive gets its package exported again on the device first."""
     return {"deviceType": "gpu"} if device == "cuda" and "int8" not in mar.stem else {}
 
 

@@ -138,7 +138,7 @@ def test_a_variant_archive_changes_only_its_handler_keys(tmp_path: Path) -> None
 
 
 def test_on_a_gpu_check_gpu_capable_archives_must_run_on_the_gpu(tmp_path: Path) -> None:
-    # the MiniLM archives say deviceType: cpu (CPU machines); checked on CUDA they must use it
+    # an archive that says deviceType: cpu (a CPU artefact) or nothing must run on the GPU checked
     config = {"deviceType": "cpu", "handler": {"format": "eager"}}
     src = _mar(tmp_path / "minilm_eager.mar", config, {})
     out = variant_archive(src, tmp_path / "gpu", {}, on_gpu("cuda", src))
