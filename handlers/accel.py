@@ -96,6 +96,18 @@ def _clone_outputs(out: Any) -> Any:
     return out
 
 
+def _as_warmed(arg: Any) -> Any:
+    """A tensor argument as warm-up made them: an inference tensor at storage offset 0.
+
+    Dynamo guards on both: a tensor made outside inference mode (or a view into a larger
+    buffer) would compile and record a second graph for a shape already recorded, under live
+    traffic. Such an argument is copied once, in inference mode; the usual one passes as is.
+    """
+    if isinstance(arg, torch.Tensor) and (not arg.is_inference() or arg.storage_offset() != 0):
+        return arg.clone(memory_format=torch.contiguous_format)
+    return arg
+
+
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a replay is keyed on here: shape and dtype of each tensor argument."""
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a) for a in args)
@@ -149,6 +161,7 @@ class Graphed:
             with self._mode():
                 return self.fn(*args)
         with self._mode():
+            args = tuple(_as_warmed(a) for a in args)
             self.mark_step()  # a new step: the previous replay's outputs may be overwritten now
             return _clone_outputs(self.compiled(*args))
 

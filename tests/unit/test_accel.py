@@ -216,6 +216,36 @@ def test_graphed_with_autocast_warms_and_serves_under_the_same_autocast() -> Non
     assert next(iter(modes))[0] is True
 
 
+def test_with_real_dynamo_no_call_after_warm_up_compiles_a_graph() -> None:
+    """torch.compile itself (the eager backend: dynamo's tracing and guards, no code generation)
+    in place of mode="reduce-overhead": whatever tensors a handler passes at a warmed bucket,
+    inference tensors or not, fresh or views into a larger buffer, no new graph is made."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(3, 2).eval()
+    g = accel.graphed(
+        layer,
+        accel.Accel(cuda_graphs=True),
+        CUDA,
+        [2, 4],
+        lambda b: (torch.zeros(b, 3),),
+        compile_fn=lambda fn: torch.compile(fn, backend="eager", dynamic=False),
+        mark_step=lambda: None,
+    )
+    warmed = counters["stats"]["unique_graphs"]
+    assert warmed >= 2  # one graph per bucket, made at load
+    with torch.inference_mode():
+        inference = [g(torch.ones(2, 3)), g(torch.ones(4, 3))]
+    normal = [g(torch.ones(2, 3)), g(torch.ones(4, 3))]
+    view = g(torch.ones(8, 3)[4:6])
+    assert counters["stats"]["unique_graphs"] == warmed
+    assert g.fallbacks == 0
+    expected = layer(torch.ones(2, 3)).detach()
+    for out in (inference[0], normal[0], view):
+        torch.testing.assert_close(out, expected)
+
+
 def test_graphed_needs_a_bucket() -> None:
     with pytest.raises(ValueError, match="at least one batch bucket"):
         accel.graphed(
