@@ -44,7 +44,8 @@ BLOCKED_IMPORTS = (
     "grpc_tools",
     "onnx",
     "onnxscript",
-    "tqdm",
+    # not tqdm: transformers (base set, for the MiniLM archives) requires it, so pip installs it
+    # with any serving install.
     "model_archiver",
     "psutil",
     "pytest",
@@ -147,8 +148,8 @@ def test_server_client_and_handler_imports_are_in_the_base_set(base: set[str]) -
     assert len(_serving_sources()) > 20  # the walk really read the packages
 
 
-# Runs in a fresh interpreter: a meta-path finder refuses every blocked package first, then every
-# serving module is imported and every archive in the store answers one digit.
+# Runs in a fresh interpreter: every blocked package is made missing first, then every
+# serving module is imported and every archive in the store answers one request of its family.
 _BASE_ONLY = textwrap.dedent(
     """
     import importlib, importlib.abc, importlib.machinery, json, pkgutil, sys, tempfile
@@ -156,25 +157,25 @@ _BASE_ONLY = textwrap.dedent(
 
     BLOCKED = set(sys.argv[2].split(","))
 
-    class Refuse(importlib.abc.Loader):
-        # A spec with no origin whose loader refuses: `import x` raises ModuleNotFoundError as for a
-        # missing package, while probes such as importlib.util.find_spec (torch makes some) see
-        # no file and move on.
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                return importlib.machinery.ModuleSpec(name, self)
-            return None
-
-        def create_module(self, spec):
-            raise ModuleNotFoundError(f"{spec.name} is not in the base dependency set", name=spec.name)
-
-        def exec_module(self, module):
-            raise AssertionError("unreachable")
-
-    sys.meta_path.insert(0, Refuse())
+    # None in sys.modules is how Python spells "not installed" for both kinds of caller: `import x`
+    # raises ModuleNotFoundError, and probes (importlib.util.find_spec, which torch and
+    # transformers use to look for optional packages such as psutil) get None and move on.
     for name in list(sys.modules):
         if name.split(".")[0] in BLOCKED:
             del sys.modules[name]
+    for name in BLOCKED:
+        sys.modules[name] = None
+    # Some libraries also read an optional package's installed metadata: hide that too.
+    import importlib.metadata as md
+    _distribution = md.distribution
+
+    def hidden(name):
+        if name.replace("-", "_").lower() in BLOCKED:
+            raise md.PackageNotFoundError(name)
+        return _distribution(name)
+
+    md.distribution = hidden
+    md.version = lambda name: hidden(name).version
 
     import mariner.client, mariner.handlers, mariner.server
     imported = 0
@@ -187,8 +188,19 @@ _BASE_ONLY = textwrap.dedent(
     from mariner.server.core.context import Context
     from mariner.server.core.runner import load_entry_point
 
+    import io
+    from PIL import Image
+
     store = Path(sys.argv[1])
     digit = [0, 0, 5, 13, 9, 1, 0, 0] + [0] * 56  # any 64 intensities in 0..16 will do
+    photo = io.BytesIO()
+    Image.new("RGB", (320, 240), (200, 120, 40)).save(photo, format="JPEG")
+    # One request per family, and the key its answer must carry.
+    requests = {
+        "digits_": ({"body": json.dumps(digit).encode()}, "label"),
+        "minilm_": ({"body": b"a sentence to embed"}, "embedding"),
+        "resnet18_": ({"body": photo.getvalue()}, "topk"),
+    }
     answered = []
     with tempfile.TemporaryDirectory() as work:
         for entry in json.loads((store / "index.json").read_text())["archives"]:
@@ -199,11 +211,14 @@ _BASE_ONLY = textwrap.dedent(
                 batch_size=1, gpu_id=None, model_yaml_config=archive.model_config,
             )
             initialize(ctx)
-            (answer,) = handle([{"body": json.dumps(digit).encode()}], ctx)
-            label = (json.loads(answer) if isinstance(answer, (str, bytes)) else answer)["label"]
-            assert label in range(10), (entry["file"], answer)
+            request, key = next(r for p, r in requests.items() if entry["file"].startswith(p))
+            (answer,) = handle([request], ctx)
+            answer = json.loads(answer) if isinstance(answer, (str, bytes)) else answer
+            assert key in answer, (entry["file"], str(answer)[:200])
+            if key == "label":
+                assert answer["label"] in range(10), (entry["file"], answer)
             answered.append(entry["file"])
-    leaked = sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED)
+    leaked = sorted(n for n, m in sys.modules.items() if n.split(".")[0] in BLOCKED and m is not None)
     print(json.dumps({"imported": imported, "answered": answered, "leaked": leaked}))
     """
 )
