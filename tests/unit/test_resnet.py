@@ -325,7 +325,10 @@ def test_model_config_reaches_the_server_settings(tmp_path: Path) -> None:
     assert "deviceType" not in package.model_config("onnx", "any", batch_size=16, max_batch_delay_ms=3)
     sig = ModelSignature.from_config(cfg["signature"])
     assert sig is not None
-    assert [(s.name, s.datatype, s.shape) for s in sig.inputs] == [("image", "BYTES", (-1,))]
+    assert [(s.name, s.datatype, s.shape, s.optional) for s in sig.inputs] == [
+        ("image", "BYTES", (-1,), True),
+        ("pixels", "FP32", (-1, 3, 224, 224), True),
+    ]
     assert {s.name for s in sig.outputs} == {"probabilities", "indices"}
 
 
