@@ -81,6 +81,18 @@ def model_config(
     return cfg
 
 
+def fresh_stage_dir(work: Path, name: str, artefact: Path) -> tuple[Path, Path]:
+    """An empty `work/<name>/` holding a copy of the artefact; every family stages this way, so a
+    rebuilt archive never carries a file left over from an earlier build."""
+    d = work / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    art = d / artefact.name
+    shutil.copy2(artefact, art)
+    return d, art
+
+
 def stage(
     *,
     variant: str,
@@ -95,12 +107,7 @@ def stage(
 ) -> Staged:
     """Copy the artefact and the side files into `work/<model_name>/`."""
     name = f"digits_{variant}"
-    d = work / name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    art = d / artefact.name
-    shutil.copy2(artefact, art)
+    d, art = fresh_stage_dir(work, name, artefact)
     (d / "norm.json").write_text(json.dumps(norm, indent=2) + "\n")
     (d / "labels.json").write_text(json.dumps([str(i) for i in range(10)]) + "\n")
     cfg = model_config(

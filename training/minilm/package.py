@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from mariner.training.package import ARCHIVE_VERSION, ROOT, Staged
+from mariner.training.package import ARCHIVE_VERSION, ROOT, Staged, fresh_stage_dir
 
 HANDLER = ROOT / "handlers" / "minilm_handler.py"
 HELPERS = tuple(ROOT / "handlers" / name for name in ("minilm_text.py", "digits_device.py", "accel.py"))
@@ -92,12 +92,7 @@ def stage(
 ) -> Staged:
     """Copy the artefact and the side files into `work/<model_name>/`."""
     model_name = name or f"minilm_{variant}"
-    d = work / model_name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    art = d / artefact.name
-    shutil.copy2(artefact, art)
+    d, art = fresh_stage_dir(work, model_name, artefact)
     cfg = model_config(
         fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms, padding=padding
     )

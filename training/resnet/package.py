@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from mariner.training.package import ARCHIVE_VERSION, Staged
+from mariner.training.package import ARCHIVE_VERSION, Staged, fresh_stage_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER = ROOT / "handlers" / "resnet_handler.py"
@@ -70,12 +70,7 @@ def stage(
 ) -> Staged:
     """Copy the artefact and the side files into `work/resnet18_<variant>/`."""
     name = f"resnet18_{variant}"
-    d = work / name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    art = d / artefact.name
-    shutil.copy2(artefact, art)
+    d, art = fresh_stage_dir(work, name, artefact)
     (d / "labels.json").write_text(json.dumps(labels) + "\n")
     cfg = model_config(fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms)
     (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
