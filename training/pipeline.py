@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
-from mariner.server.core.archive import sha256_file
 from mariner.training import package, report
 from mariner.training.data import load_splits, to_model_input
 from mariner.training.export import Artefact, export_all, load_eager, model_kwargs
-from mariner.training.family import FamilyBuild
+from mariner.training.family import FamilyBuild, index_entry
 from mariner.training.train import TrainConfig, train
 from mariner.training.verify import Verification, verify_variant
 
@@ -144,16 +143,10 @@ def _build_variant(
     )
     record = {**asdict(rec), "export_seconds": round(art.seconds, 3)}
     mar = package.archive(staged, package.write_verification(staged, record), store)
-    entry = {
-        "model": staged.model_name,
-        "version": package.ARCHIVE_VERSION,
-        "file": mar.name,
-        "sha256": sha256_file(mar),
-        "bytes": mar.stat().st_size,
-        "format": art.format,
-        "device": art.device,
-        "verification": record,
-    }
+    entry = index_entry(
+        mar, model=staged.model_name, version=package.ARCHIVE_VERSION, fmt=art.format, device=art.device,
+        verification=record,
+    )  # fmt: skip
     return rec, entry
 
 

@@ -11,14 +11,11 @@ The eager variant is verified against sentence-transformers, the others against 
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from mariner.server.core.archive import sha256_file
-from mariner.training.family import FamilyBuild
+from mariner.training.family import FamilyBuild, family_main, index_entry
 from mariner.training.minilm import export as ex
 from mariner.training.minilm import package
 from mariner.training.minilm.model import load_encoder
@@ -93,16 +90,14 @@ def build(
         verification.write_text(_json(record))
         mar = package.archive(staged, verification, store)
         entries.append(
-            {
-                "model": staged.model_name,
-                "version": package.ARCHIVE_VERSION,
-                "file": mar.name,
-                "sha256": sha256_file(mar),
-                "bytes": mar.stat().st_size,
-                "format": art.format,
-                "device": art.device,
-                "verification": record,
-            }
+            index_entry(
+                mar,
+                model=staged.model_name,
+                version=package.ARCHIVE_VERSION,
+                fmt=art.format,
+                device=art.device,
+                verification=record,
+            )
         )
         rows.append(rec)
         print(
@@ -124,25 +119,14 @@ def _json(record: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", type=Path, default=Path("model_store"))
-    p.add_argument("--work", type=Path, default=Path("build"))
-    p.add_argument("--full", action="store_true", help="also the AOTInductor package (slow)")
-    p.add_argument("--batch-size", type=int, default=32, help="batchSize in every model-config")
-    p.add_argument("--max-batch-delay", type=int, default=5, help="maxBatchDelay (ms) in every model-config")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs per latency median")
-    args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    fb = build(
-        args.store, args.work, full=args.full, batch_size=args.batch_size,
-        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
-    )  # fmt: skip
-    print(fb.report_markdown)
-    print(f"minilm archives built in {time.perf_counter() - t0:.1f} s -> {args.store}")
-    if fb.failed:
-        print(f"variants out of tolerance: {', '.join(fb.failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return family_main(
+        build,
+        doc=__doc__,
+        label="minilm",
+        full_help="also the AOTInductor package (slow)",
+        repeats=10,
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":

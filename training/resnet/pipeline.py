@@ -9,18 +9,15 @@ Work files go under WORK/resnet/.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mariner.server.core.archive import sha256_file
 from mariner.training import package as archiver
-from mariner.training.family import FamilyBuild
+from mariner.training.family import FamilyBuild, family_main, index_entry
 from mariner.training.image_data import encoded_set
 from mariner.training.resnet import package, weights
 from mariner.training.resnet.export import DEFAULT_VARIANTS, FULL_VARIANTS, export_variants
@@ -72,16 +69,14 @@ def build(
         record = {**asdict(rec), "export_seconds": round(art.seconds, 3), "note": package.PERFORMANCE_NOTE}
         mar = archiver.archive(staged, archiver.write_verification(staged, record), store)
         entries.append(
-            {
-                "model": staged.model_name,
-                "version": archiver.ARCHIVE_VERSION,
-                "file": mar.name,
-                "sha256": sha256_file(mar),
-                "bytes": mar.stat().st_size,
-                "format": art.format,
-                "device": art.device,
-                "verification": record,
-            }
+            index_entry(
+                mar,
+                model=staged.model_name,
+                version=archiver.ARCHIVE_VERSION,
+                fmt=art.format,
+                device=art.device,
+                verification=record,
+            )
         )
         rows.append(rec)
         print(
@@ -96,25 +91,14 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--store", type=Path, default=Path("model_store"))
-    p.add_argument("--work", type=Path, default=Path("build"))
-    p.add_argument("--full", action="store_true", help="also AOTInductor, compiled and PT2E int8")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-batch-delay", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per latency median")
-    args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    fb = build(
-        args.store, args.work, full=args.full, batch_size=args.batch_size,
-        max_batch_delay_ms=args.max_batch_delay, repeats=args.repeats,
-    )  # fmt: skip
-    print(fb.report_markdown)
-    print(f"resnet18 archives built in {time.perf_counter() - t0:.1f} s -> {args.store}")
-    if fb.failed:
-        print(f"variants out of tolerance: {', '.join(fb.failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return family_main(
+        build,
+        doc=__doc__,
+        label="resnet18",
+        full_help="also AOTInductor, compiled and PT2E int8",
+        repeats=5,
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":
