@@ -163,7 +163,11 @@ def archive(staged: Staged, verification: Path, store: Path) -> Path:
         "--export-path", str(staging),
         "--force",
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # say why: the tool's stderr is captured, not shown
+        raise RuntimeError(
+            f"torch-model-archiver failed for {staged.model_name}: {done.stderr.strip()[-2000:]}"
+        )
     target = store / f"{staged.model_name}.mar"
     os.replace(staging / target.name, target)
     staging.rmdir()

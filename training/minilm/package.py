@@ -11,10 +11,7 @@ frontend's token counter, a user) counts every word piece; the handler applies `
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,34 +114,4 @@ def stage(
             "configFile": "model-config.yaml",
         }
     }
-    return Staged(variant, model_name, d, art, manifest, cfg, tuple(extras))
-
-
-def archive(staged: Staged, verification: Path, store: Path) -> Path:
-    """torch-model-archiver into a staging dir beside the store, then one rename into it, so a
-    server reading the store never sees a half-written archive."""
-    store.mkdir(parents=True, exist_ok=True)
-    staging = store / f".staging-{staged.model_name}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    tool = Path(sys.executable).parent / "torch-model-archiver"
-    cmd = [
-        str(tool if tool.exists() else "torch-model-archiver"),
-        "--model-name", staged.model_name,
-        "--version", ARCHIVE_VERSION,
-        "--serialized-file", str(staged.artefact),
-        "--handler", str(staged.dir / HANDLER.name),
-        "--extra-files", ",".join(str(p) for p in (*staged.extra_files, verification)),
-        "--config-file", str(staged.dir / "model-config.yaml"),
-        "--export-path", str(staging),
-        "--force",
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"torch-model-archiver failed for {staged.model_name}: {done.stderr.strip()[-2000:]}"
-        )
-    target = store / f"{staged.model_name}.mar"
-    os.replace(staging / target.name, target)
-    staging.rmdir()
-    return target
+    return Staged(variant, model_name, d, art, manifest, cfg, tuple(extras), handler=HANDLER.name)

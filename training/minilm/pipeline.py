@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mariner.training import package as archiver
 from mariner.training.family import FamilyBuild, family_main, index_entry
 from mariner.training.minilm import export as ex
 from mariner.training.minilm import package
@@ -86,9 +87,7 @@ def build(
         if reference is None:
             reference = vectors
         record = rec.record(art.seconds)
-        verification = staged.dir / "verification.json"
-        verification.write_text(_json(record))
-        mar = package.archive(staged, verification, store)
+        mar = archiver.archive(staged, archiver.write_verification(staged, record), store)
         entries.append(
             index_entry(
                 mar,
@@ -110,12 +109,6 @@ def build(
         report_markdown=markdown_table(rows),
         failed=tuple(r.variant for r in rows if not r.passed),
     )
-
-
-def _json(record: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(record, indent=2) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
