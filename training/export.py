@@ -79,7 +79,8 @@ def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     return torch.export.export(model, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
 
 
-def _timed(fn: Callable[[], None]) -> float:
+def timed(fn: Callable[[], None]) -> float:
+    """Seconds `fn` took: each family's export records how long its artefact took to build."""
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -87,7 +88,7 @@ def _timed(fn: Callable[[], None]) -> float:
 
 def export_state_dict(model: nn.Module, out: Path) -> Artefact:
     path = out / "digits_eager.pt"
-    secs = _timed(lambda: torch.save(model.state_dict(), path))
+    secs = timed(lambda: torch.save(model.state_dict(), path))
     return Artefact("eager", path, "eager", "any", secs)
 
 
@@ -103,7 +104,7 @@ def export_torchscript(
             scripted = torch.jit.script(model)
         scripted.save(str(path))
 
-    return Artefact(variant, path, "torchscript", device, _timed(run))
+    return Artefact(variant, path, "torchscript", device, timed(run))
 
 
 # Build-host flags that -march=native may turn into instructions (recorded when it cannot be avoided).
@@ -146,7 +147,7 @@ def aoti_target(path: Path) -> str:
 
 def export_aoti(program: torch.export.ExportedProgram, path: Path, variant: str) -> Artefact:
     """AOTInductor package; tied to this torch version and to the CPU, built for a baseline ISA."""
-    secs = _timed(lambda: aoti_cpu_package(program, path))
+    secs = timed(lambda: aoti_cpu_package(program, path))
     return Artefact(variant, path, "aoti", "cpu", secs, aoti_target(path))
 
 
@@ -167,7 +168,7 @@ def export_onnx(model: nn.Module, out: Path) -> Artefact:
             )
         program.save(str(path))
 
-    return Artefact("onnx", path, "onnx", "any", _timed(run))
+    return Artefact("onnx", path, "onnx", "any", timed(run))
 
 
 def quantize_dynamic_int8(model: nn.Module, out: Path) -> Artefact:
@@ -207,7 +208,7 @@ def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -
         program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
         aoti_cpu_package(program, path)
 
-    secs = _timed(run)
+    secs = timed(run)
     return Artefact("int8_pt2e", path, "aoti", "cpu", secs, aoti_target(path))
 
 

@@ -15,9 +15,7 @@ one length would either fail or silently pad everything to it.
 from __future__ import annotations
 
 import shutil
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +23,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from mariner.training.export import aoti_cpu_package, aoti_target
+from mariner.training.export import aoti_cpu_package, aoti_target, timed
 from mariner.training.minilm.model import MiniLMEncoder
 
 MAX_BATCH = 1024
@@ -72,15 +70,9 @@ class _TwoInputs(nn.Module):
         return self.encoder(input_ids, attention_mask)
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def export_eager(weights: Path, out: Path) -> Artefact:
     path = out / "model.safetensors"
-    secs = _timed(lambda: shutil.copy2(weights, path))
+    secs = timed(lambda: shutil.copy2(weights, path))
     return Artefact("eager", path, "eager", "any", secs)
 
 
@@ -108,13 +100,13 @@ def export_onnx(encoder: MiniLMEncoder, out: Path) -> Artefact:
             )
         program.save(str(path))
 
-    return Artefact("onnx", path, "onnx", "any", _timed(run))
+    return Artefact("onnx", path, "onnx", "any", timed(run))
 
 
 def export_aoti(encoder: MiniLMEncoder, out: Path) -> Artefact:
     """AOTInductor CPU package with dynamic batch and sequence; tied to this torch version."""
     path = out / "minilm_aoti.pt2"
-    secs = _timed(lambda: aoti_cpu_package(export_program(encoder), path))
+    secs = timed(lambda: aoti_cpu_package(export_program(encoder), path))
     return Artefact("aoti", path, "aoti", "cpu", secs, aoti_target(path))
 
 
@@ -155,4 +147,4 @@ def quantize_dynamic_int8(encoder: MiniLMEncoder, out: Path) -> Artefact:
                         raise RuntimeError(f"traced int8 encoder disagrees with the module at shape {shape}")
         traced.save(str(path))
 
-    return Artefact("int8_dynamic", path, "torchscript", "cpu", _timed(run), "cpu (x86 int8 kernels)")
+    return Artefact("int8_dynamic", path, "torchscript", "cpu", timed(run), "cpu (x86 int8 kernels)")

@@ -9,19 +9,15 @@ the handler compiles it at load with static shapes, one graph per batch bucket.
 
 from __future__ import annotations
 
-import time
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.export import Dim
 
-from mariner.training.export import Artefact, aoti_cpu_package, aoti_target
+from mariner.training.export import Artefact, aoti_cpu_package, aoti_target, batch_dynamic_shapes, timed
 
-MAX_BATCH = 1024
 DEFAULT_VARIANTS = ("eager", "torchscript", "onnx")
 FULL_VARIANTS = (*DEFAULT_VARIANTS, "aoti", "compiled", "int8_pt2e")
 
@@ -31,23 +27,13 @@ def example_input(batch: int = 2) -> torch.Tensor:
     return torch.randn(batch, 3, 224, 224)
 
 
-def dynamic_shapes() -> dict[str, dict[int, Dim]]:
-    return {"x": {0: Dim("batch", min=1, max=MAX_BATCH)}}
-
-
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
-    return torch.export.export(model, (example_input(),), dynamic_shapes=dynamic_shapes())
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return torch.export.export(model, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
 
 
 def export_eager(model: nn.Module, out: Path) -> Artefact:
     path = out / "resnet18_eager.pt"
-    return Artefact("eager", path, "eager", "any", _timed(lambda: torch.save(model.state_dict(), path)))
+    return Artefact("eager", path, "eager", "any", timed(lambda: torch.save(model.state_dict(), path)))
 
 
 def export_torchscript(model: nn.Module, out: Path) -> Artefact:
@@ -58,7 +44,7 @@ def export_torchscript(model: nn.Module, out: Path) -> Artefact:
             warnings.simplefilter("ignore", DeprecationWarning)  # deprecated upstream, still deployed
             torch.jit.script(model).save(str(path))
 
-    return Artefact("torchscript", path, "torchscript", "any", _timed(run))
+    return Artefact("torchscript", path, "torchscript", "any", timed(run))
 
 
 def export_onnx(model: nn.Module, out: Path) -> Artefact:
@@ -71,19 +57,19 @@ def export_onnx(model: nn.Module, out: Path) -> Artefact:
                 model,
                 (example_input(),),
                 dynamo=True,
-                dynamic_shapes=dynamic_shapes(),
+                dynamic_shapes=batch_dynamic_shapes(),
                 input_names=["x"],
                 output_names=["logits"],
                 external_data=False,
             )
         program.save(str(path))
 
-    return Artefact("onnx", path, "onnx", "any", _timed(run))
+    return Artefact("onnx", path, "onnx", "any", timed(run))
 
 
 def export_aoti(model: nn.Module, out: Path) -> Artefact:
     path = out / "resnet18_aoti.pt2"
-    secs = _timed(lambda: aoti_cpu_package(export_program(model), path))
+    secs = timed(lambda: aoti_cpu_package(export_program(model), path))
     return Artefact("aoti", path, "aoti", "cpu", secs, aoti_target(path))
 
 
@@ -105,10 +91,10 @@ def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -
             for chunk in calibration.split(16):
                 prepared(chunk)
         converted = convert_pt2e(prepared)
-        program = torch.export.export(converted, (example_input(),), dynamic_shapes=dynamic_shapes())
+        program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
         aoti_cpu_package(program, path)
 
-    art = Artefact("int8_pt2e", path, "aoti", "cpu", _timed(run))
+    art = Artefact("int8_pt2e", path, "aoti", "cpu", timed(run))
     return replace(art, target=aoti_target(path))
 
 
