@@ -154,7 +154,7 @@ class Metrics:
         `accept` asks for (OpenMetrics or Prometheus text), restricted to `names` if any."""
         self._sample_gpu()
         self.ts.flush()
-        from mariner.server.control.ts_handler_metrics import handler_registry
+        from mariner.server.core.handler_metrics import handler_registry
 
         spec = self.ts.spec
         families = [*self.registry.collect(), *handler_registry().collect()]

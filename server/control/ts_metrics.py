@@ -21,153 +21,48 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
+# The spec half lives in core (handlers' `context.metrics` reads it in the worker); these names
+# stay importable from here for the frontend, the supervisor and the exposition.
+from mariner.server.core.metrics_spec import (
+    COUNTER_SUFFIX,
+    DEFAULT_FRONTEND,
+    DEFAULT_MODEL,
+    HOSTNAME,
+    KINDS,
+    METRICS_CONFIG_ENV,
+    MetricSpec,
+    TsMetricsSpec,
+    current_spec,
+    label_values,
+    load_spec,
+    make_metric,
+    use_metrics_config,
+)
+
+__all__ = [
+    "COUNTER_SUFFIX",
+    "DEFAULT_FRONTEND",
+    "DEFAULT_MODEL",
+    "HOSTNAME",
+    "KINDS",
+    "METRICS_CONFIG_ENV",
+    "SYSTEM_METRICS",
+    "MetricSpec",
+    "SystemMetrics",
+    "TsFrontendMetrics",
+    "TsMetricsSpec",
+    "current_spec",
+    "label_values",
+    "load_spec",
+    "make_metric",
+    "record_worker_load",
+    "use_metrics_config",
+]
+
 log = logging.getLogger("mariner.metrics")
-
-# Set by the supervisor (from --metrics-config / metrics_config) so frontends and workers, which
-# inherit the environment, read the same file.
-METRICS_CONFIG_ENV = "MARINER_METRICS_CONFIG"
-COUNTER_SUFFIX = ":ts"
-HOSTNAME = socket.gethostname()
-KINDS = ("counter", "gauge", "histogram")
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric of a metrics.yaml: its name, Prometheus type, unit and label names."""
-
-    name: str
-    kind: str
-    unit: str
-    dimensions: tuple[str, ...]
-
-    @property
-    def help(self) -> str:
-        return f"TorchServe-compatible {self.kind} metric with unit: {self.unit}"
-
-
-_LH = ("Level", "Hostname")
-_MVH = ("model_name", "model_version", "hostname")
-
-
-def _m(name: str, kind: str, unit: str, dims: tuple[str, ...]) -> MetricSpec:
-    return MetricSpec(name, kind, unit, dims)
-
-
-# TorchServe 0.12's default ts/configs/metrics.yaml, as data (used when no metrics_config is set).
-DEFAULT_FRONTEND: tuple[MetricSpec, ...] = (
-    _m("Requests2XX", "counter", "Count", _LH),
-    _m("Requests4XX", "counter", "Count", _LH),
-    _m("Requests5XX", "counter", "Count", _LH),
-    _m("ts_inference_requests_total", "counter", "Count", _MVH),
-    _m("ts_inference_latency_microseconds", "counter", "Microseconds", _MVH),
-    _m("ts_queue_latency_microseconds", "counter", "Microseconds", _MVH),
-    _m("QueueTime", "gauge", "Milliseconds", _LH),
-    _m("WorkerThreadTime", "gauge", "Milliseconds", _LH),
-    _m("WorkerLoadTime", "gauge", "Milliseconds", ("WorkerName", *_LH)),
-    _m("CPUUtilization", "gauge", "Percent", _LH),
-    _m("MemoryUsed", "gauge", "Megabytes", _LH),
-    _m("MemoryAvailable", "gauge", "Megabytes", _LH),
-    _m("MemoryUtilization", "gauge", "Percent", _LH),
-    _m("DiskUsage", "gauge", "Gigabytes", _LH),
-    _m("DiskUtilization", "gauge", "Percent", _LH),
-    _m("DiskAvailable", "gauge", "Gigabytes", _LH),
-    _m("GPUMemoryUtilization", "gauge", "Percent", ("Level", "DeviceId", "Hostname")),
-    _m("GPUMemoryUsed", "gauge", "Megabytes", ("Level", "DeviceId", "Hostname")),
-    _m("GPUUtilization", "gauge", "Percent", ("Level", "DeviceId", "Hostname")),
-)
-DEFAULT_MODEL: tuple[MetricSpec, ...] = (
-    _m("HandlerTime", "gauge", "ms", ("ModelName", "Level")),
-    _m("PredictionTime", "gauge", "ms", ("ModelName", "Level")),
-)
-
-
-@dataclass(frozen=True)
-class TsMetricsSpec:
-    """The frontend (`ts_metrics`) and model (`model_metrics`) sections of a metrics.yaml."""
-
-    frontend: tuple[MetricSpec, ...] = DEFAULT_FRONTEND
-    model: tuple[MetricSpec, ...] = DEFAULT_MODEL
-
-    def frontend_metric(self, name: str) -> MetricSpec | None:
-        return next((m for m in self.frontend if m.name == name), None)
-
-    def model_metric(self, name: str) -> MetricSpec | None:
-        return next((m for m in self.model if m.name == name), None)
-
-
-def _section(doc: Mapping[str, Any], key: str) -> tuple[MetricSpec, ...]:
-    section = doc.get(key) or {}
-    if not isinstance(section, Mapping):
-        raise ValueError(f"metrics config: '{key}' must map counter/gauge/histogram to lists")
-    out: list[MetricSpec] = []
-    for kind, entries in section.items():
-        if kind not in KINDS:
-            raise ValueError(f"metrics config: '{key}.{kind}' is not one of {', '.join(KINDS)}")
-        for entry in entries or ():
-            try:
-                dims = tuple(str(d) for d in entry.get("dimensions") or ())
-                out.append(MetricSpec(str(entry["name"]), kind, str(entry.get("unit", "")), dims))
-            except (KeyError, AttributeError, TypeError) as exc:
-                raise ValueError(f"metrics config: bad entry under '{key}.{kind}': {entry!r}") from exc
-    return tuple(out)
-
-
-def load_spec(path: str | Path | None) -> TsMetricsSpec:
-    """TorchServe's metrics.yaml format (its anchors included); the default without a path."""
-    if not path:
-        return TsMetricsSpec()
-    import yaml
-
-    doc = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(doc, Mapping):
-        raise ValueError(f"metrics config {path}: not a YAML mapping")
-    return TsMetricsSpec(_section(doc, "ts_metrics"), _section(doc, "model_metrics"))
-
-
-@lru_cache(maxsize=4)
-def _spec_for(path: str) -> TsMetricsSpec:
-    return load_spec(path or None)
-
-
-def use_metrics_config(path: str | Path | None) -> None:
-    """Serve the metrics.yaml at `path` (checked now, so a bad file fails the start with its
-    reason); the frontends and workers started later inherit it through the environment."""
-    if not path:
-        return
-    resolved = str(Path(path).resolve())
-    load_spec(resolved)
-    os.environ[METRICS_CONFIG_ENV] = resolved
-
-
-def current_spec() -> TsMetricsSpec:
-    """The spec this process serves: the file named by MARINER_METRICS_CONFIG, else the default."""
-    return _spec_for(os.environ.get(METRICS_CONFIG_ENV, ""))
-
-
-def label_values(dims: Sequence[str], known: Mapping[str, str]) -> tuple[str, ...]:
-    """A metric's label values by dimension name (a custom yaml may reorder or drop them)."""
-    return tuple(known.get(d, "") for d in dims)
-
-
-def make_metric(spec: MetricSpec, labelnames: Sequence[str], registry: Any) -> Any:
-    """The prometheus_client metric behind a TorchServe one (counters under their internal name).
-
-    Gauges keep the most recent value written by any process, as TorchServe's gauges do.
-    """
-    from prometheus_client import Counter, Gauge, Histogram
-
-    if spec.kind == "counter":
-        return Counter(spec.name + COUNTER_SUFFIX, spec.help, labelnames, registry=registry)
-    if spec.kind == "gauge":
-        return Gauge(spec.name, spec.help, labelnames, multiprocess_mode="mostrecent", registry=registry)
-    return Histogram(spec.name, spec.help, labelnames, registry=registry)
 
 
 class TsFrontendMetrics:

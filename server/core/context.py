@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mariner.server.control.ts_handler_metrics import HandlerMetrics
+from mariner.server.core.handler_metrics import HandlerMetrics
 
 
 @dataclass

@@ -20,8 +20,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from mariner.server.config import load_config
 from mariner.server.control import ts_exposition, ts_metrics
 from mariner.server.control.metrics_http import metrics_app
-from mariner.server.control.ts_handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
 from mariner.server.core.context import Context
+from mariner.server.core.handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import run_call
 from mariner.server.torchserve_properties import from_torchserve_properties

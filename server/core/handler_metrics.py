@@ -21,7 +21,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mariner.server.control.ts_metrics import HOSTNAME, MetricSpec, TsMetricsSpec, current_spec, make_metric
+from mariner.server.core.metrics_spec import HOSTNAME, MetricSpec, TsMetricsSpec, current_spec, make_metric
 
 log = logging.getLogger("mariner.handler_metrics")
 
@@ -149,7 +149,7 @@ class HandlerMetrics:
         self.model_name = model_name
         self.request_ids: Any = None
         self._spec = spec
-        self._cache: dict[tuple[str, str], HandlerMetric] = {}
+        self._cache: dict[tuple[str, str], HandlerMetric | DroppedMetric] = {}
         self._declared = False
 
     def _declare(self) -> None:
