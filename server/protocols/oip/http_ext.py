@@ -13,6 +13,7 @@ decodes nothing else, so the catch-all routes that end each list answer an unkno
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +22,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.protocols.http_common import JSON, error_json_response, read_body
+from mariner.server.protocols.http_common import JSON, error_json_response, make_guard, read_body
 from mariner.server.protocols.oip import triton_ext
-from mariner.server.protocols.oip.http import _guarded
 
 # Repository request bodies are a few parameters; more is refused.
 MAX_REPOSITORY_BODY_BYTES = 64 * 1024
@@ -32,6 +32,11 @@ MANAGEMENT_ONLY = (
     "{what} is a management call: send it to the management address (port 8081 by default) "
     "with the management token"
 )
+
+
+# The same guard as the inference routes' (oip.http), built here: the management app serves the
+# repository routes and must not import the inference adapter.
+_guarded = make_guard("OIP", logging.getLogger("mariner.http.oip"), error_json_response)
 
 
 def _json(obj: Any) -> Response:
