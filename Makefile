@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
+.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -56,7 +56,7 @@ serve: models protos
 	$(VENV)/bin/mariner serve --model-store $(STORE) --models all
 
 serve-torchserve: models java
-	$(PY) -m mariner.loadtest.stock_torchserve --model-store $(STORE) --models all
+	$(PY) -m mariner.loadtest.bench serve-torchserve --model-store $(STORE) --models all
 
 # Locust against a Mariner it starts on 127.0.0.1 (bounded in users and seconds); exits non-zero
 # when p99 > LOADTEST_P99_MS or more than 1% of requests fail. Reports: build/loadtest/.
@@ -81,7 +81,7 @@ bench-scaling: models protos
 
 # One sequential client: Mariner vs stock TorchServe vs the bare transport floor.
 quickbench: models protos java
-	$(PY) -m mariner.loadtest.quickbench
+	$(PY) -m mariner.loadtest.bench quick
 
 # Hypothesis fuzzing of a live server (>= 10,000 examples); prints the answers counted by status.
 MARINER_FUZZ_EXAMPLES ?= 10000
@@ -95,9 +95,22 @@ GPU_CHECK_ARGS ?=
 gpu-check: models protos
 	$(PY) -m mariner.loadtest.gpu_check $(GPU_CHECK_ARGS)
 
+# Style, the import rules between layers ([tool.importlinter]) and the types ([tool.mypy]); all
+# configured in pyproject.toml. Every check runs even when an earlier one fails, so one run
+# reports everything; the target fails if any did.
 lint: venv protos
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	@rc=0; \
+	$(VENV)/bin/ruff check . || rc=1; \
+	$(VENV)/bin/ruff format --check . || rc=1; \
+	$(VENV)/bin/lint-imports || rc=1; \
+	$(VENV)/bin/mypy || rc=1; \
+	exit $$rc
+
+# The fast tests: in-process, with fakes; no Java, model store, kubectl, promtool or side venvs
+# (the one there that needs the store is marked integration, the slowest are marked slow; `make
+# test` runs them all).
+test-unit: venv protos
+	$(PY) -m pytest tests/unit -m "not slow and not integration" $(PYTEST_ARGS)
 
 format: venv
 	$(VENV)/bin/ruff format .

@@ -7,6 +7,12 @@
     python -m mariner.loadtest.bench --scaling            # Mariner alone: frontends 1/2 x workers 1/2
     python -m mariner.loadtest.bench --servers raw,mariner --duration 10   # e.g. on a GPU machine
 
+Three more modes, each the first word (`python -m mariner.loadtest.bench MODE --help`):
+
+    python -m mariner.loadtest.bench quick                 # one sequential client (make quickbench)
+    python -m mariner.loadtest.bench ceiling --model resnet18_onnx   # the raw ceiling alone
+    python -m mariner.loadtest.bench serve-torchserve      # stock TorchServe until Ctrl-C
+
 What it measures (method and reasons: docs/benchmark.md):
 
 - **raw**: the archive's handler loaded in-process (a spawned process of its own) exactly as the
@@ -14,14 +20,11 @@ What it measures (method and reasons: docs/benchmark.md):
   `handle()` and its throughput on full batches of batchSize requests
   (`mariner.loadtest.ceiling`). No transport, no queue: the ceiling.
 - **mariner** (`mariner serve` subprocess, `--mariner-args` passed through) and **torchserve**
-  (stock TorchServe 0.12, via `mariner.loadtest.stock_torchserve`), both with the same
+  (stock TorchServe 0.12), both started through `mariner.loadtest.servers`, both with the same
   batchSize / maxBatchDelay (the archive's unless given), one worker and torch threads, over
   the client set-ups: `grpc` (TorchServe `Predictions` over `--grpc-channels` channels, each its
   own HTTP/2 connection), `grpc-1ch` (every call multiplexed on one channel) and `http`
-  (`POST /predictions/{model}`, one keep-alive connection per client). For the digits CNN, when
-  this build of Mariner has `--worker-mode`, **mariner-thread** (thread workers, one frontend:
-  the single-process server as it was) runs at the lowest level, for the cost of the process
-  hop, and `grpc-1ch` at the highest.
+  (`POST /predictions/{model}`, one keep-alive connection per client).
 - **payloads** per family (`mariner.loadtest.workloads`): digits from the test split, MiniLM
   texts of 5..200 word pieces, ResNet JPEGs of varied sizes; every answer is checked.
 - MiniLM archives only, **mariner-pad-max** at the highest level: the same archive rewritten
@@ -50,7 +53,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,7 +61,7 @@ from pathlib import Path
 import psutil
 
 from mariner.loadtest.bench_cli import archive_settings, parse_args
-from mariner.loadtest.bench_env import machine_info, mariner_features, versions
+from mariner.loadtest.bench_env import machine_info, versions
 from mariner.loadtest.bench_plots import plot
 from mariner.loadtest.bench_report import output_names, render_markdown, render_scaling, targets
 from mariner.loadtest.bench_servers import (
@@ -71,7 +74,6 @@ from mariner.loadtest.bench_servers import (
 from mariner.loadtest.bench_values import (
     PADDING_MAX,
     REPO,
-    THREAD_BASELINE,
     Cell,
     RawResult,
     Report,
@@ -111,11 +113,10 @@ def ceiling_spec(settings: Settings) -> CeilingSpec:
 def plan_cells(settings: Settings, servers: Sequence[str]) -> list[Cell]:
     """Every measurement, in order. Lower levels run once; the highest `settings.repeats` times,
     each repeat every server in turn (reversed on odd repeats, so neither always goes first after
-    the other's load), raw first. grpc-1ch is skipped at one client (the same as grpc there); the
-    thread baseline runs only where it answers a target: the lowest level (the process hop) and
-    grpc-1ch at the highest (no worse than before). The length-blind MiniLM copy runs at the
-    highest level only: the comparison it answers is about full batches."""
-    lo, hi = min(settings.levels), max(settings.levels)
+    the other's load), raw first. grpc-1ch is skipped at one client (the same as grpc there). The
+    length-blind MiniLM copy runs at the highest level only: the comparison it answers is about
+    full batches."""
+    hi = max(settings.levels)
     served = [s for s in servers if s != "raw"]
     out: list[Cell] = []
     for level in settings.levels:
@@ -130,26 +131,13 @@ def plan_cells(settings: Settings, servers: Sequence[str]) -> list[Cell]:
                 for server in order:
                     if server == PADDING_MAX and level != hi:
                         continue
-                    if server == THREAD_BASELINE and not (
-                        (level == lo and proto != "grpc-1ch") or (level == hi and proto == "grpc-1ch")
-                    ):
-                        continue
                     out.append(Cell(level, rep, server, proto))
     return out
 
 
 def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report) -> None:
     """Start every server, warm each, then run the planned cells in order."""
-    features = report.features
     servers = list(settings.servers)
-    baseline = settings.baseline(features)
-    if "mariner" in servers and baseline is not None:
-        servers.insert(servers.index("mariner") + 1, THREAD_BASELINE)
-    elif "mariner" in servers and settings.family == "digits":
-        report.notes.append(
-            "This build of `mariner serve` has no `--worker-mode`: no thread-worker baseline, so the "
-            "process hop and the one-channel comparison with the single-process server are not measured."
-        )
     pad_store = None
     if settings.padding_compare and "mariner" in servers:
         pad_store = padding_copy(settings, report)
@@ -170,8 +158,7 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
                 running, facts = start_torchserve(stack, settings)
                 cap = settings.torchserve_warmup_cap_s
             else:
-                extra = baseline if name == THREAD_BASELINE and baseline is not None else ()
-                running, facts = start_mariner(stack, settings, name, extra)
+                running, facts = start_mariner(stack, settings, name)
                 cap = min(20.0, settings.torchserve_warmup_cap_s)
             print(
                 f"{name} ready in {facts.ready_s:.1f} s (pid {running.pid}, {facts.processes} processes, "
@@ -202,11 +189,10 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
 
 
 def scaling_configs(
-    features: dict[str, bool], frontends: Sequence[int] = (1, 2), workers: Sequence[int] = (1, 2)
+    frontends: Sequence[int] = (1, 2), workers: Sequence[int] = (1, 2)
 ) -> list[tuple[int, int]]:
-    """(frontends, workers) pairs this build can run: more than one frontend only with `--frontends`."""
-    fronts = tuple(frontends) if features.get("frontends") else (1,)
-    return [(f, w) for f in fronts for w in workers]
+    """Every (frontends, workers) pair, frontends outermost."""
+    return [(f, w) for f in frontends for w in workers]
 
 
 def scaling_name(frontends: int, workers: int) -> str:
@@ -216,17 +202,13 @@ def scaling_name(frontends: int, workers: int) -> str:
 def run_scaling(settings: Settings, bodies: tuple[bytes, ...], report: Report) -> list[tuple[int, int]]:
     """Mariner alone at the highest level: every (frontends, workers) config up at once, each
     repeat running all of them in turn (order flipped every repeat), like the main run."""
-    configs = scaling_configs(report.features, settings.scaling_frontends, settings.scaling_workers)
-    if not report.features.get("frontends"):
-        report.notes.append("This build of `mariner serve` has no `--frontends`: one frontend only.")
+    configs = scaling_configs(settings.scaling_frontends, settings.scaling_workers)
     hi = max(settings.levels)
     with contextlib.ExitStack() as stack:
         up: dict[str, Running] = {}
         for f, w in configs:
             name = scaling_name(f, w)
-            extra = ["--min-workers", str(w)] + (
-                ["--frontends", str(f)] if report.features.get("frontends") else []
-            )
+            extra = ["--min-workers", str(w), "--frontends", str(f)]
             running, facts = start_mariner(stack, settings, name, extra)
             print(
                 f"{name} ready in {facts.ready_s:.1f} s ({facts.processes} processes, {facts.device})",
@@ -255,7 +237,18 @@ def padding_copy(settings: Settings, report: Report) -> Path:
     return store
 
 
+def modes() -> dict[str, Callable[[Sequence[str]], int]]:
+    """The benchmark's other modes, by their first word on the command line."""
+    from mariner.loadtest import ceiling, quickbench
+    from mariner.loadtest.servers.serve_torchserve import serve_torchserve
+
+    return {"quick": quickbench.main, "ceiling": ceiling.main, "serve-torchserve": serve_torchserve}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in modes():
+        return modes()[args[0]](args[1:])
     settings = parse_args(argv)
     archive = settings.store / f"{settings.model}.mar"
     if not archive.is_file():
@@ -276,7 +269,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         started=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=machine_info(),
         versions=versions(),
-        features=mariner_features(),
     )
     if (report.machine["logical_cpus"] or 0) <= 4:
         report.notes.append(
@@ -296,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"bench: {settings.model}, {what}, batchSize {settings.batch_size}, maxBatchDelay "
         f"{settings.max_batch_delay_ms} ms, levels {settings.levels}, {settings.repeats} repeat(s), "
-        f"protocols {','.join(settings.protocols)}, mariner features {report.features}\n"
+        f"protocols {','.join(settings.protocols)}\n"
         f"  payloads: {report.workload}",
         flush=True,
     )

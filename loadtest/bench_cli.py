@@ -106,14 +106,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument(
         "--mariner-args",
         default="",
-        help='extra `mariner serve` arguments, one string, e.g. "--frontends 2 --worker-mode thread"',
-    )
-    p.add_argument(
-        "--baseline-args",
-        default=None,
-        help="`mariner serve` arguments of the single-process baseline (mariner-thread), added to "
-        '--mariner-args; default "--worker-mode thread --frontends 1" when this build has them, '
-        "else no baseline",
+        help='extra `mariner serve` arguments, one string, e.g. "--frontends 2"',
     )
     p.add_argument(
         "--torchserve-warmup-cap",
@@ -217,7 +210,6 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         ),
         scaling=a.scaling,
         startup=d.startup if a.startup is None else a.startup,
-        baseline_args=None if a.baseline_args is None else tuple(shlex.split(a.baseline_args)),
         scaling_frontends=a.scaling_frontends,
         scaling_workers=a.scaling_workers,
         warmup_per_client=d.warmup_per_client,

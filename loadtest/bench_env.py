@@ -1,5 +1,5 @@
-"""The machine and the software a benchmark ran on, and which flags this build of Mariner has:
-the head of every report, so a figure is never read without its circumstances.
+"""The machine and the software a benchmark ran on: the head of every report, so a figure is
+never read without its circumstances.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import contextlib
 import os
 import platform
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +62,3 @@ def versions() -> dict[str, str]:
     except (OSError, subprocess.CalledProcessError):
         out["mariner"] = "unknown"
     return out
-
-
-def mariner_features(python: str = sys.executable) -> dict[str, bool]:
-    """Which process-model flags this build's `mariner serve` has (they may not exist yet)."""
-    try:
-        text = subprocess.run(
-            [python, "-m", "mariner.server.cli", "serve", "--help"],
-            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        text = ""
-    return {flag: f"--{flag}" in text for flag in ("frontends", "worker-mode", "min-workers")}

@@ -8,15 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mariner.loadtest.bench_report import (
-    MARINER,
-    PADDING_MAX,
-    THREAD_BASELINE,
-    TS,
-    CellSummary,
-    output_names,
-    summarize,
-)
+from mariner.loadtest.bench_report import output_names
+from mariner.loadtest.bench_summary import MARINER, PADDING_MAX, TS, CellSummary, summarize
 
 if TYPE_CHECKING:
     from mariner.loadtest.bench_values import Report
@@ -49,7 +42,7 @@ def plot(report: Report, out: Path) -> list[Path]:
 
     s = report.settings
     names = output_names(s.model)
-    colors = {MARINER: "tab:blue", TS: "tab:orange", THREAD_BASELINE: "tab:green", PADDING_MAX: "tab:red"}
+    colors = {MARINER: "tab:blue", TS: "tab:orange", PADDING_MAX: "tab:red"}
     servers = [x for x in colors if any(r.server == x for r in report.levels)]
     styles = {"p50_ms": "-", "p99_ms": ":"}
     paths = []

@@ -1,28 +1,37 @@
-"""The benchmark's report: results.md (tables, medians of repeats, ratios, the targets), the scaling
-table, and the PNG plots.
-
-Ratios between servers are the median of per-repeat ratios: each repeat runs the servers back to
-back, so both see about the same machine, and pairing by repeat cancels the drift of a shared
-machine that a ratio of two separately-taken medians would keep.
+"""The benchmark's report: results.md (tables, medians of repeats, ratios, the digits CNN's
+targets) and the scaling table; the arithmetic is `bench_summary`'s, the plots `bench_plots`'.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mariner.loadtest.bench_summary import (
+    MARINER,
+    TS,
+    Target,
+    cpu_per_request,
+    fmt,
+    median,
+    median_ratio,
+    other_cores,
+    p50,
+    paired_ratios,
+    ratio,
+    rps,
+    runs,
+    summarize,
+    throughput,
+)
 from mariner.loadtest.closedloop import LevelResult
 
 if TYPE_CHECKING:
     from mariner.loadtest.bench_values import Report
 
-TS = "torchserve"
-MARINER = "mariner"
-THREAD_BASELINE = "mariner-thread"
-PADDING_MAX = "mariner-pad-max"
 DEFAULT_MODEL = "digits_torchscript"
 
 
@@ -45,170 +54,6 @@ def output_names(model: str) -> OutputNames:
     )
 
 
-# ==================================================================================================
-# Arithmetic on runs
-# ==================================================================================================
-def median(xs: Sequence[float]) -> float:
-    """Median of the measured values (NaN ignored); NaN when nothing was measured."""
-    vals = [x for x in xs if not math.isnan(x)]
-    return statistics.median(vals) if vals else math.nan
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def runs(levels: Sequence[LevelResult], server: str, protocol: str, c: int) -> list[LevelResult]:
-    """Every repeat of one cell, in repeat order."""
-    found = [r for r in levels if (r.server, r.protocol, r.concurrency) == (server, protocol, c)]
-    return sorted(found, key=lambda r: r.repeat)
-
-
-def paired_ratios(
-    levels: Sequence[LevelResult],
-    num: str,
-    den: str,
-    protocol: str,
-    c: int,
-    key: Callable[[LevelResult], float],
-) -> list[float]:
-    """key(num) / key(den) for each repeat both servers ran (a repeat missing on either is left out)."""
-    dens = {r.repeat: r for r in runs(levels, den, protocol, c)}
-    out = []
-    for r in runs(levels, num, protocol, c):
-        d = dens.get(r.repeat)
-        if d is not None:
-            q = ratio(key(r), key(d))
-            if not math.isnan(q):
-                out.append(q)
-    return out
-
-
-def median_ratio(
-    levels: Sequence[LevelResult],
-    num: str,
-    den: str,
-    protocol: str,
-    c: int,
-    key: Callable[[LevelResult], float],
-) -> float:
-    return median(paired_ratios(levels, num, den, protocol, c, key))
-
-
-def throughput(r: LevelResult) -> float:
-    return r.throughput_rps
-
-
-def p50(r: LevelResult) -> float:
-    return r.latency.p50_ms
-
-
-def cpu_per_request(r: LevelResult) -> float:
-    return r.cpu_us_per_request
-
-
-@dataclass(frozen=True)
-class CellSummary:
-    """The repeats of one cell, summarised: medians, and the spread of throughput."""
-
-    server: str
-    protocol: str
-    concurrency: int
-    runs: int
-    errors: int
-    rps: float
-    rps_min: float
-    rps_max: float
-    p50_ms: float
-    p99_ms: float
-    server_cores: float
-    cpu_us_per_request: float
-    connections: int
-
-
-def summarize(levels: Sequence[LevelResult], server: str, protocol: str, c: int) -> CellSummary | None:
-    rs = runs(levels, server, protocol, c)
-    if not rs:
-        return None
-    rps = [r.throughput_rps for r in rs]
-    return CellSummary(
-        server=server,
-        protocol=protocol,
-        concurrency=c,
-        runs=len(rs),
-        errors=sum(r.errors for r in rs),
-        rps=median(rps),
-        rps_min=min(rps),
-        rps_max=max(rps),
-        p50_ms=median([r.latency.p50_ms for r in rs]),
-        p99_ms=median([r.latency.p99_ms for r in rs]),
-        server_cores=median([r.server_cores for r in rs]),
-        cpu_us_per_request=median([r.cpu_us_per_request for r in rs]),
-        connections=rs[0].connections,
-    )
-
-
-def stopped_rising(rates: Sequence[float], tolerance: float) -> bool:
-    """True when the last two throughput windows are within `tolerance` of each other: the server
-    has stopped getting faster (a JVM's JIT) and a measurement now says what it sustains."""
-    if len(rates) < 2:
-        return False
-    a, b = rates[-2], rates[-1]
-    return max(a, b) > 0 and abs(b - a) <= tolerance * max(a, b)
-
-
-def rps(x: float) -> str:
-    """Requests/s for a table: whole numbers, one decimal below 100 (a transformer's 11.4 req/s)."""
-    return "n/a" if math.isnan(x) else f"{x:,.{1 if x < 100 else 0}f}"
-
-
-def fmt(x: float, digits: int = 2) -> str:
-    """A figure for the report; n/a when it was not measured."""
-    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
-
-
-def other_cores(r: LevelResult) -> float:
-    """Cores used by everything but the clients and the server during a level (never negative)."""
-    return max(0.0, r.machine_cores - r.client_cores - r.server_cores)
-
-
-# ==================================================================================================
-# Targets
-# ==================================================================================================
-@dataclass(frozen=True)
-class Target:
-    what: str
-    value: float
-    limit: float
-    higher_is_better: bool
-    not_applicable: str = ""  # why the target does not apply to this run, e.g. "ran on cpu"
-    unit: str = ""
-
-    @property
-    def held(self) -> bool | None:
-        if self.not_applicable or math.isnan(self.value):
-            return None
-        return self.value >= self.limit if self.higher_is_better else self.value <= self.limit
-
-    @property
-    def verdict(self) -> str:
-        if self.not_applicable:
-            return f"n/a ({self.not_applicable})"
-        return {True: "held", False: "missed", None: "not measured"}[self.held]
-
-    @property
-    def shown(self) -> str:
-        return "n/a" if math.isnan(self.value) else fmt(self.value) + self.unit
-
-    @property
-    def wanted(self) -> str:
-        return f"{'>=' if self.higher_is_better else '<='} {self.limit:g}{self.unit}"
-
-    def row(self) -> str:
-        verdict = self.verdict if self.held is None else f"**{self.verdict}**"
-        return f"| {self.what} | {self.shown} | {self.wanted} | {verdict} |"
-
-
 def _ran_on(report: Report, server: str) -> str:
     facts = report.servers.get(server)
     return facts.device if facts else "unknown"
@@ -218,9 +63,7 @@ def targets(report: Report) -> list[Target]:
     """The targets of the process model, from the measured cells:
 
     - highest level: median throughput Mariner / TorchServe >= 1.5 on grpc (many channels) and
-      http; Mariner's server CPU per request <= TorchServe's (ratio <= 1) on both; grpc-1ch no
-      worse than the single-process server with thread workers (>= 0.95: the medians of three
-      runs move by a few percent between runs of the same build);
+      http; Mariner's server CPU per request <= TorchServe's (ratio <= 1) on both;
     - lowest level: p50 TorchServe / Mariner >= 5 on grpc and http;
     - start-up to ready for the whole store <= 3 s;
     - on a GPU only: Mariner >= 90% of the raw batched handler (n/a when it ran on a CPU).
@@ -256,16 +99,6 @@ def targets(report: Report) -> list[Target]:
                 False,
             )
         )
-    if "grpc-1ch" in s.protocols:
-        n = len(paired_ratios(lv, MARINER, THREAD_BASELINE, "grpc-1ch", hi, throughput))
-        out.append(
-            Target(
-                f"grpc-1ch c={hi}: throughput Mariner / baseline {THREAD_BASELINE} (median of {n})",
-                median_ratio(lv, MARINER, THREAD_BASELINE, "grpc-1ch", hi, throughput),
-                0.95,
-                True,
-            )
-        )
     for proto in ("grpc", "http"):
         if proto in s.protocols:
             out.append(
@@ -299,19 +132,6 @@ def targets(report: Report) -> list[Target]:
                     not_applicable="" if "cuda" in device else f"ran on {device}",
                 )
             )
-    return out
-
-
-def process_hop_us(report: Report) -> dict[str, float]:
-    """p50 of Mariner (process workers) minus p50 of the thread-worker build at the lowest level,
-    in microseconds, per protocol: what the hop to a worker process adds to one request."""
-    lo = min(report.settings.levels)
-    out = {}
-    for proto in ("grpc", "http"):
-        m = summarize(report.levels, MARINER, proto, lo)
-        t = summarize(report.levels, THREAD_BASELINE, proto, lo)
-        if m and t:
-            out[proto] = (m.p50_ms - t.p50_ms) * 1e3
     return out
 
 
@@ -424,23 +244,6 @@ def _medians_table(levels: Sequence[LevelResult]) -> list[str]:
     return lines
 
 
-def _hop_section(report: Report) -> list[str]:
-    """The digits CNN's process hop: what the hop to a worker process adds at one client."""
-    hop = process_hop_us(report)
-    lines = ["", "## The process hop", ""]
-    if hop:
-        base = report.servers.get(THREAD_BASELINE)
-        lines.append(
-            f"p50 at c={min(report.settings.levels)} of Mariner minus the baseline {THREAD_BASELINE} "
-            f"(`{base.args if base else '?'}`), same run: "
-            + ", ".join(f"{p} {v:+.0f} µs" for p, v in hop.items())
-            + "."
-        )
-    else:
-        lines.append("Not measured: no single-process baseline ran (this build has no `--worker-mode`).")
-    return lines
-
-
 def render_markdown(report: Report) -> str:
     s = report.settings
     names = output_names(s.model)
@@ -533,8 +336,6 @@ def render_markdown(report: Report) -> str:
 
         lines += padding_section(report)
         lines += inside_section(report)
-    else:
-        lines += _hop_section(report)
     lines += [
         "",
         "## Performance targets",

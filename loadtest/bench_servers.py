@@ -1,7 +1,7 @@
 """Starting, describing, warming and driving the servers the benchmark compares.
 
-Mariner runs as `mariner serve` (`mariner.loadtest.servers.MarinerProcess`), stock TorchServe
-through `mariner.loadtest.stock_torchserve`; both are asked for the same batchSize,
+Both servers start through `mariner.loadtest.servers` (`mariner serve` and stock TorchServe's
+own launcher), both are asked for the same batchSize,
 maxBatchDelay, one worker and the same torch threads, and each reports back what it actually
 ran with (`ServerFacts`). Every measurement goes through `run_cell`, with the family's payloads,
 content type and answer check (`mariner.loadtest.workloads`).
@@ -16,12 +16,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 import requests
 
-from mariner.loadtest.bench_report import fmt, other_cores, stopped_rising
+from mariner.loadtest.bench_summary import fmt, other_cores, stopped_rising
 from mariner.loadtest.bench_values import (
     WARMUP_TOLERANCE,
     WARMUP_WINDOW_S,
@@ -35,7 +34,7 @@ from mariner.loadtest.bench_values import (
 )
 from mariner.loadtest.closedloop import LevelResult, run_level
 from mariner.loadtest.server_stats import difference, scrape
-from mariner.loadtest.servers import MarinerProcess
+from mariner.loadtest.servers import MarinerProcess, ServerProcess, StockTorchServe, read_archive
 from mariner.loadtest.workloads import content_type
 
 
@@ -52,38 +51,23 @@ def _cpus_allowed(pid: int | None) -> int:
     return psutil.cpu_count() or 0
 
 
-def _describe_workers(url: str) -> list[dict[str, Any]]:
-    with contextlib.suppress(requests.RequestException, ValueError):
-        r = requests.get(url, timeout=5)
-        if r.status_code == 200:
-            return [w for v in r.json() for w in v.get("workers", [])]
-    return []
-
-
-def mariner_device(server: MarinerProcess, model_name: str) -> str:
-    """The devices of the model's workers, from Mariner's own describe (`mariner.devices`)."""
-    url = f"http://127.0.0.1:{server.ports.management}/models/{model_name}"
+def workers_device(server: ServerProcess, model_name: str) -> str:
+    """The devices of the model's workers: Mariner's describe names them (`mariner.devices`);
+    TorchServe's says per worker only whether it holds a GPU (`gpu`), not which one."""
+    url = f"{server.management_url}/models/{model_name}"
     with contextlib.suppress(requests.RequestException, ValueError):
         r = requests.get(url, timeout=5)
         if r.status_code == 200:
             devices = sorted({d for v in r.json() for d in v.get("mariner", {}).get("devices", [])})
             if devices:
                 return ",".join(devices)
-    workers = _describe_workers(url)
-    return ("cuda" if any(w.get("gpu") for w in workers) else "cpu") if workers else "unknown"
-
-
-def torchserve_device(management_url: str, model_name: str) -> str:
-    """TorchServe's describe says per worker whether it holds a GPU (`gpu`), not which one."""
-    workers = _describe_workers(f"{management_url}/models/{model_name}")
-    if not workers:
-        return "unknown"
-    return "cuda" if any(w.get("gpu") for w in workers) else "cpu"
+            workers = [w for v in r.json() for w in v.get("workers", [])]
+            if workers:
+                return "cuda" if any(w.get("gpu") for w in workers) else "cpu"
+    return "unknown"
 
 
 def model_name(settings: Settings) -> str:
-    from mariner.loadtest.stock_torchserve import read_archive
-
     return read_archive(settings.store / f"{settings.model}.mar").name
 
 
@@ -101,6 +85,23 @@ def new_mariner(
     )
 
 
+def start(
+    stack: contextlib.ExitStack, settings: Settings, name: str, server: ServerProcess, args: str
+) -> tuple[Running, ServerFacts]:
+    """Start `server` for the rest of the run (`stack`) and say what it runs with."""
+    stack.enter_context(server)
+    facts = ServerFacts(
+        name=name,
+        args=args,
+        device=workers_device(server, model_name(settings)),
+        processes=_tree_size(server.pid),
+        cpus_allowed=_cpus_allowed(server.pid),
+        ready_s=server.ready_seconds or math.nan,
+    )
+    # Batch statistics come from Mariner's own /metrics; TorchServe's do not have them.
+    return Running(name, server, batch_stats=isinstance(server, MarinerProcess)), facts
+
+
 def start_mariner(
     stack: contextlib.ExitStack,
     settings: Settings,
@@ -108,53 +109,20 @@ def start_mariner(
     extra: Sequence[str] = (),
     store: Path | None = None,
 ) -> tuple[Running, ServerFacts]:
-    server = stack.enter_context(new_mariner(settings, extra, store=store))
-    running = Running(
-        name,
-        ("127.0.0.1", server.ports.grpc_inference),
-        ("127.0.0.1", server.ports.inference),
-        server.pid,
-        server.metrics_url,
-    )
-    facts = ServerFacts(
-        name=name,
-        args=shlex.join([*settings.mariner_args, *extra]) or "(defaults)",
-        device=mariner_device(server, model_name(settings)),
-        processes=_tree_size(server.pid),
-        cpus_allowed=_cpus_allowed(server.pid),
-        ready_s=server.ready_seconds or math.nan,
-    )
-    return running, facts
+    args = shlex.join([*settings.mariner_args, *extra]) or "(defaults)"
+    return start(stack, settings, name, new_mariner(settings, extra, store=store), args)
 
 
 def start_torchserve(stack: contextlib.ExitStack, settings: Settings) -> tuple[Running, ServerFacts]:
-    from mariner.loadtest.stock_torchserve import StockTorchServe
-
-    t0 = time.monotonic()
-    ts = stack.enter_context(
-        StockTorchServe(
-            settings.store,
-            [settings.model],
-            batch_size=settings.batch_size,
-            max_batch_delay_ms=settings.max_batch_delay_ms,
-            workers=1,
-        )
+    ts = StockTorchServe(
+        settings.store,
+        [settings.model],
+        batch_size=settings.batch_size,
+        max_batch_delay_ms=settings.max_batch_delay_ms,
+        workers=1,
     )
-    running = Running(
-        "torchserve",
-        ("127.0.0.1", ts.ports.grpc_inference),
-        ("127.0.0.1", ts.ports.inference),
-        ts.pid,
-    )
-    facts = ServerFacts(
-        name="torchserve",
-        args=f"1 worker, OMP_NUM_THREADS={settings.torch_threads}, metrics_mode=prometheus",
-        device=torchserve_device(ts.management_url, ts.model_names[0]),
-        processes=_tree_size(ts.pid),
-        cpus_allowed=_cpus_allowed(ts.pid),
-        ready_s=time.monotonic() - t0,
-    )
-    return running, facts
+    args = f"1 worker, OMP_NUM_THREADS={settings.torch_threads}, metrics_mode=prometheus"
+    return start(stack, settings, "torchserve", ts, args)
 
 
 def warm_up(

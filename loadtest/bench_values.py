@@ -9,19 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mariner.loadtest.bench_summary import PADDING_MAX
 from mariner.loadtest.ceiling import RawResult
 from mariner.loadtest.closedloop import LevelResult, LoadSpec
 from mariner.loadtest.server_stats import BatchStats
 from mariner.loadtest.workloads import family_of
+
+if TYPE_CHECKING:
+    from mariner.loadtest.servers import ServerProcess
 
 __all__ = [
     "PADDING_MAX",
     "PROTOCOLS",
     "REPO",
     "SERVERS",
-    "THREAD_BASELINE",
     "WIRE",
     "Cell",
     "RawResult",
@@ -36,9 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 SERVERS = ("raw", "mariner", "torchserve")
 PROTOCOLS = ("grpc", "grpc-1ch", "http")  # client set-ups; grpc-1ch: every call on one channel
 WIRE = {"grpc": "grpc", "grpc-1ch": "grpc", "http": "http"}
-THREAD_BASELINE = "mariner-thread"  # today's single-process server, when the build can run it
-# MiniLM only: the same archive with padding to max_length and no token budget (length-blind batches)
-PADDING_MAX = "mariner-pad-max"
 WARMUP_WINDOW_S = 2.0
 WARMUP_TOLERANCE = 0.05
 
@@ -67,7 +67,6 @@ class Settings:
     torchserve_warmup_cap_s: float = 60.0
     scaling: bool = False
     startup: bool = True
-    baseline_args: tuple[str, ...] | None = None  # mariner-thread's extra args; None: the default
     scaling_frontends: tuple[int, ...] = (1, 2)
     scaling_workers: tuple[int, ...] = (1, 2)
     warmup_per_client: int = 4  # untimed requests per client at least, before every measurement
@@ -78,16 +77,6 @@ class Settings:
     def family(self) -> str:
         """The model family (`mariner.loadtest.workloads`): digits, minilm or resnet18."""
         return family_of(self.model)
-
-    def baseline(self, features: dict[str, bool]) -> tuple[str, ...] | None:
-        """Arguments of the single-process baseline server, or None when it is not run: thread
-        workers and one frontend by default, when this build has `--worker-mode` (digits only: the
-        hop costs microseconds, invisible beside a transformer's or a ResNet's batch)."""
-        if self.baseline_args is not None:
-            return self.baseline_args
-        if self.family != "digits" or not features.get("worker-mode"):
-            return None
-        return ("--worker-mode", "thread", *(("--frontends", "1") if features.get("frontends") else ()))
 
     @property
     def load(self) -> LoadSpec:
@@ -143,7 +132,6 @@ class Report:
     levels: list[LevelResult] = field(default_factory=list)
     servers: dict[str, ServerFacts] = field(default_factory=dict)
     startup_s: dict[str, list[float]] = field(default_factory=dict)  # models -> seconds to ready
-    features: dict[str, bool] = field(default_factory=dict)  # which Mariner flags this build has
     notes: list[str] = field(default_factory=list)
     workload: str = ""  # what the payloads were (mariner.loadtest.workloads)
     padding: list[str] = field(default_factory=list)  # PADDING_MAX: what the rewrite changed
@@ -163,13 +151,21 @@ class Cell:
 
 @dataclass(frozen=True)
 class Running:
-    """A server that is up: where to send each protocol, and whose CPU to count."""
+    """A server that is up under its benchmark name: where to send each protocol, whose CPU to
+    count, and whether its /metrics has Mariner's batch statistics."""
 
     name: str
-    grpc: tuple[str, int]
-    http: tuple[str, int]
-    pid: int | None
-    metrics_url: str | None = None  # Mariner's metrics endpoint (batch stats per measurement)
+    server: ServerProcess
+    batch_stats: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.server.metrics_url if self.batch_stats else None
 
     def endpoint(self, protocol: str) -> tuple[str, int]:
-        return self.grpc if WIRE[protocol] == "grpc" else self.http
+        ports = self.server.ports
+        return (self.server.host, ports.grpc_inference if WIRE[protocol] == "grpc" else ports.inference)

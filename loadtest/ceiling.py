@@ -14,7 +14,7 @@ For MiniLM it also times full batches of texts sorted by length (`sorted_batched
 server that groups requests by length (a token budget) could reach, against arrival-order
 batches padded to their longest text.
 
-    python -m mariner.loadtest.ceiling --model minilm_onnx      # any archive in the store
+    python -m mariner.loadtest.bench ceiling --model minilm_onnx      # any archive in the store
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import json
 import math
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -256,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mariner.server.core.archive import open_archive
 
     repo = Path(__file__).resolve().parent.parent
-    p = argparse.ArgumentParser(prog="python -m mariner.loadtest.ceiling", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m mariner.loadtest.bench ceiling", description=__doc__)
     p.add_argument("--store", type=Path, default=repo / "model_store")
     p.add_argument("--model", required=True, help="archive stem in the store, e.g. resnet18_onnx")
     p.add_argument("--batch-size", type=int, default=None, help="default: the archive's batchSize")
@@ -277,7 +276,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"batch {r.batch_size}: {r.batch_ms:.1f} ms, {r.batched_rps:,.1f} req/s"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

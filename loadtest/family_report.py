@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mariner.loadtest.bench_report import (
+from mariner.loadtest.bench_summary import (
     MARINER,
+    PADDING_MAX,
     TS,
     Target,
     cpu_per_request,
@@ -33,7 +34,6 @@ from mariner.loadtest.closedloop import LevelResult
 if TYPE_CHECKING:
     from mariner.loadtest.bench_values import Report
 
-PADDING_MAX = "mariner-pad-max"  # bench_values.PADDING_MAX (kept here too: no import cycle)
 RAW_SHARE = 0.90
 OVER_TORCHSERVE = 1.2
 LENGTH_AWARE = 1.5

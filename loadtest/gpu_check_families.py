@@ -43,6 +43,7 @@ from mariner.loadtest.gpu_check_workloads import (
 
 if TYPE_CHECKING:  # gpu_check imports this module; the class is needed for annotations only
     from mariner.loadtest.gpu_check import Section
+    from mariner.loadtest.servers import ServerProcess
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,14 @@ def family_recompiles(sec: Section, store: Path, device: str, work: Path, top: i
         sec.status = "failed"
 
 
+def workers_on(server: ServerProcess, name: str) -> list[str]:
+    """Where the model's workers run ("cpu", "gpu"), from the management API's describe."""
+    import requests
+
+    desc = requests.get(f"{server.management_url}/models/{name}", timeout=30).json()
+    return sorted({("gpu" if w.get("gpu") else "cpu") for d in desc for w in d.get("workers", [])})
+
+
 def serve_families(sec: Section, store: Path, device: str, work: Path, n: int, budget: Budget) -> None:
     """Each family's eager archive served by `mariner serve` (`--require-gpu` on CUDA): answers
     as the CPU reference's, workers on the device."""
@@ -269,8 +278,7 @@ def serve_families(sec: Section, store: Path, device: str, work: Path, n: int, b
                 for b in bodies
             ]
             bad = [r.status_code for r in replies if r.status_code != 200]
-            desc = requests.get(f"http://127.0.0.1:{srv.ports.management}/models/{name}", timeout=30).json()
-            devices = sorted({("gpu" if w.get("gpu") else "cpu") for d in desc for w in d.get("workers", [])})
+            devices = workers_on(srv, name)
             row: dict[str, Any] = {"model": name, "requests": len(bodies), "non-200": len(bad)}
             if not bad:
                 figures = compare(family, ref, [r.json() for r in replies], reduced=False)

@@ -1,21 +1,21 @@
 """Quick latency benchmark: one sequential client, Mariner vs stock TorchServe vs bare floors.
 
-`python -m mariner.loadtest.quickbench` serves one archive (default: the TorchScript digits model) with
-Mariner and with stock TorchServe, one after the other on free 127.0.0.1 ports, and measures a
-single closed-loop client over gRPC (TorchServe Predictions) and HTTP (/predictions). Two floors
-show what the transport alone costs: a bare grpc.aio server answering the same RPC with fixed
-bytes, and a bare Starlette/uvicorn app doing the same over HTTP. It also reports Mariner's
-time from process start to /readyz 200 for the whole store. Figures are medians of the run;
-ratios are computed within the run, so a noisy machine affects both sides alike.
+`python -m mariner.loadtest.bench quick` (`make quickbench`) serves one archive (default: the
+TorchScript digits model) with Mariner and with stock TorchServe, one after the other on free
+127.0.0.1 ports, and measures a single closed-loop client over gRPC (TorchServe Predictions) and
+HTTP (/predictions). Two floors show what the transport alone costs: a bare grpc.aio server
+answering the same RPC with fixed bytes, and a bare Starlette/uvicorn app doing the same over
+HTTP (`mariner.loadtest.servers.floor`). It also reports Mariner's time from process start to
+/readyz 200 for the whole store. Figures are medians of the run; ratios are computed within the
+run, so a noisy machine affects both sides alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +23,7 @@ import grpc
 import requests
 
 from mariner.loadtest.payloads import test_digit_bodies
-from mariner.loadtest.servers import FloorProcess, MarinerProcess, ServerProcess
-from mariner.loadtest.stock_torchserve import StockTorchServe
+from mariner.loadtest.servers import FloorProcess, MarinerProcess, ServerProcess, StockTorchServe
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,25 +85,21 @@ def run(args: argparse.Namespace) -> list[Latency]:
     model = Path(args.archive).stem
     results: list[Latency] = []
 
-    def bench(name: str, grpc_target: str, http_url: str) -> None:
-        call, channel = grpc_caller(grpc_target, model, body)
-        try:
-            results.append(measure(name, "grpc", call, args.requests, args.warmup))
-        finally:
-            channel.close()
-        results.append(measure(name, "http", http_caller(http_url, body), args.requests, args.warmup))
-
-    def bench_server(name: str, server: ServerProcess) -> None:
+    def bench(name: str, server: ServerProcess) -> None:
         with server:
-            bench(name, server.grpc_target, f"{server.http_url}/predictions/{model}")
+            call, channel = grpc_caller(server.grpc_target, model, body)
+            try:
+                results.append(measure(name, "grpc", call, args.requests, args.warmup))
+            finally:
+                channel.close()
+            http = http_caller(f"{server.http_url}/predictions/{model}", body)
+            results.append(measure(name, "http", http, args.requests, args.warmup))
 
-    bench_server("floor", FloorProcess())
+    bench("floor", FloorProcess())
     mariner = MarinerProcess(args.store, args.archive)
-    bench_server("mariner", mariner)
+    bench("mariner", mariner)
     ready = mariner.ready_seconds or 0.0
-
-    with StockTorchServe(args.store, [model]) as ts:
-        bench("torchserve", ts.grpc_inference_target, f"{ts.base_url}/predictions/{model}")
+    bench("torchserve", StockTorchServe(args.store, [model]))
 
     with MarinerProcess(args.store, "all") as whole_store:
         store_ready = whole_store.ready_seconds or 0.0
@@ -133,8 +128,12 @@ def report(results: list[Latency]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m mariner.loadtest.bench quick",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--store", type=Path, default=REPO / "model_store")
     p.add_argument("--archive", default="digits_torchscript.mar")
     p.add_argument("--requests", type=int, default=2000, help="timed requests per target and protocol")
@@ -143,7 +142,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"quickbench: {args.archive}, {args.requests} sequential requests per target x protocol")
     print(report(run(args)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,8 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mariner.loadtest.servers import ServerError, wait_http_ok
-from mariner.loadtest.stock_torchserve import pick_free_ports
+from mariner.loadtest.servers import ServerError, pick_free_ports, wait_http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 # Each frontend logs its own accounting when it has drained; the server's is their sum.

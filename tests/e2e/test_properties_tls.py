@@ -21,7 +21,7 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mariner.loadtest.stock_torchserve import pick_free_ports
+from mariner.loadtest.servers import pick_free_ports
 from mariner.server import protogen
 from tests.integration.test_security import _self_signed
 

@@ -26,8 +26,9 @@ import pytest
 import requests
 
 from mariner.loadtest import oip, payloads
-from mariner.loadtest.gate import USER_CLASS_NAMES, Slo, fine_bucket_response_time, judge
+from mariner.loadtest.gate import USER_CLASS_NAMES, fine_bucket_response_time
 from mariner.loadtest.servers import MarinerProcess
+from mariner.loadtest.slo import Slo, judge
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from mariner.loadtest.stock_torchserve import StockTorchServe
+from mariner.loadtest.servers import StockTorchServe
 from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_explanations import current_digits_archive
 
@@ -84,10 +84,10 @@ def test_explanations_match_stock_torchserve(
         ([99.0] * 64, 400),
     ]
     for body, status in cases:
-        theirs, ours = both(torchserve.base_url, mariner.http, "/explanations/digits_torchscript", body)
+        theirs, ours = both(torchserve.http_url, mariner.http, "/explanations/digits_torchscript", body)
         assert (theirs.status_code, ours.status_code) == (status, status), (theirs.text, ours.text)
         assert same_json(ours.json(), theirs.json()), (theirs.text[:300], ours.text[:300])
-    theirs, ours = both(torchserve.base_url, mariner.http, "/explanations/digits_onnx", px[0])
+    theirs, ours = both(torchserve.http_url, mariner.http, "/explanations/digits_onnx", px[0])
     assert (theirs.status_code, ours.status_code) == (501, 501)
     assert ours.json() == theirs.json()
 
@@ -96,13 +96,13 @@ def test_invocations_match_stock_torchserve(
     torchserve: StockTorchServe, mariner: InProcessMariner, eager_reference: Any
 ) -> None:
     px = eager_reference.test_pixels[0].tolist()
-    theirs, ours = both(torchserve.base_url, mariner.http, "/invocations?model_name=digits_torchscript", px)
+    theirs, ours = both(torchserve.http_url, mariner.http, "/invocations?model_name=digits_torchscript", px)
     assert (theirs.status_code, ours.status_code) == (200, 200)
     assert same_json(ours.json(), theirs.json())
-    theirs, ours = both(torchserve.base_url, mariner.http, "/models/digits_onnx/invoke", px)
+    theirs, ours = both(torchserve.http_url, mariner.http, "/models/digits_onnx/invoke", px)
     assert same_json(ours.json(), theirs.json())
     # Two models loaded at startup and no model_name: both refuse with 400.
-    theirs, ours = both(torchserve.base_url, mariner.http, "/invocations", px)
+    theirs, ours = both(torchserve.http_url, mariner.http, "/invocations", px)
     assert (theirs.status_code, ours.status_code) == (400, 400)
 
 
@@ -113,6 +113,6 @@ def test_kserve_v1_matches_torchserves_kserve_envelope(
     with stock(store, service_envelope="kserve") as ts:
         for verb in ("predict", "explain"):
             path = f"/v1/models/digits_torchscript:{verb}"
-            theirs, ours = both(ts.base_url, mariner.http, path, {"instances": instances})
+            theirs, ours = both(ts.http_url, mariner.http, path, {"instances": instances})
             assert (theirs.status_code, ours.status_code) == (200, 200), (theirs.text, ours.text)
             assert same_json(ours.json(), theirs.json()), (theirs.text[:300], ours.text[:300])

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import requests
 
-from mariner.loadtest.stock_torchserve import StockTorchServe, leftover_processes
+from mariner.loadtest.servers import StockTorchServe, leftover_processes
 from tests.integration.mariner_inproc import InProcessMariner
 
 pytestmark = pytest.mark.integration
@@ -111,7 +111,7 @@ def post_all(base: str, model: str, reqs: list[Request]) -> list[requests.Respon
 def both(
     ts: StockTorchServe, ours: InProcessMariner, model: str, reqs: list[Request]
 ) -> list[tuple[requests.Response, requests.Response]]:
-    return list(zip(post_all(ts.base_url, model, reqs), post_all(ours.http, model, reqs), strict=True))
+    return list(zip(post_all(ts.http_url, model, reqs), post_all(ours.http, model, reqs), strict=True))
 
 
 def text_requests() -> list[Request]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from mariner.loadtest.stock_torchserve import SOCKET_PATH_MAX, StockTorchServe, leftover_processes
+from mariner.loadtest.servers import SOCKET_PATH_MAX, StockTorchServe, leftover_processes
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def test_stock_torchserve_serves_from_a_temp_root_too_long_for_a_socket_path(
         assert ts.temp_dir is not None
         assert len(str(ts.temp_dir / ".ts.sock.65535")) <= SOCKET_PATH_MAX
         short = ts.temp_dir
-        r = requests.post(f"{ts.base_url}/predictions/digits_onnx", data=json.dumps([0.0] * 64), timeout=60)
+        r = requests.post(f"{ts.http_url}/predictions/digits_onnx", data=json.dumps([0.0] * 64), timeout=60)
         assert r.status_code == 200, r.text
         assert "label" in r.json()
     assert not short.exists(), "the short temp dir is removed with the instance"

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from mariner.loadtest.servers import MarinerProcess
-from mariner.loadtest.stock_torchserve import StockTorchServe
+from mariner.loadtest.servers import MarinerProcess, StockTorchServe
 from tests.integration.metrics_archive import (
     NAME,
     Family,
@@ -80,7 +79,7 @@ def torchserve_metrics(setup: tuple[Path, Path]) -> dict[str, Family]:
         pytest.fail("stock TorchServe needs Java 17 on PATH: run `make java`")
     store, config = setup
     with StockTorchServe(store, [NAME], extra_config={"metrics_config": str(config)}) as ts:
-        traffic(ts.base_url)
+        traffic(ts.http_url)
         return scrape_when_answered(ts.metrics_url)
 
 

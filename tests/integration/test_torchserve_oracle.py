@@ -22,7 +22,7 @@ import pytest
 import requests
 from PIL import Image
 
-from mariner.loadtest.stock_torchserve import StockTorchServe, TorchServeError, leftover_processes
+from mariner.loadtest.servers import ServerError, StockTorchServe, leftover_processes
 
 if TYPE_CHECKING:  # conftest is pytest's to import; the class is only needed for annotations
     from tests.conftest import EagerReference
@@ -67,7 +67,7 @@ def test_a_handler_that_cannot_load_fails_start_fast_and_leaves_nothing_behind(
                 data = data.replace(b"format: onnx", b"format: bogus")
             dst.writestr(item, data)
     ts = StockTorchServe(store, "digits_onnx", max_worker_restarts=1, temp_root=tmp_path)
-    with pytest.raises(TorchServeError, match="handler fails to load") as failure:
+    with pytest.raises(ServerError, match="handler fails to load") as failure:
         ts.start(timeout=60)
     assert "handler.format must be one of" in str(failure.value)  # the worker's error, from the log
     assert not ts.running
@@ -78,9 +78,9 @@ def test_a_handler_that_cannot_load_fails_start_fast_and_leaves_nothing_behind(
 
 def predict(ts: StockTorchServe, model: str, body: Any, content_type: str | None = None) -> requests.Response:
     if content_type is None:
-        return requests.post(f"{ts.base_url}/predictions/{model}", json=body, timeout=TIMEOUT_S)
+        return requests.post(f"{ts.http_url}/predictions/{model}", json=body, timeout=TIMEOUT_S)
     return requests.post(
-        f"{ts.base_url}/predictions/{model}",
+        f"{ts.http_url}/predictions/{model}",
         data=body,
         headers={"Content-Type": content_type},
         timeout=TIMEOUT_S,
@@ -235,12 +235,12 @@ def test_mariner_returns_the_same_bytes_as_torchserve(
     for px in eager_reference.test_pixels[:8]:
         body = json.dumps([float(v) for v in px]).encode()
         hdr = {"Content-Type": "application/json"}
-        ts_url, ours_url = f"{torchserve.base_url}/predictions/{model}", f"{mariner.http}/predictions/{model}"
+        ts_url, ours_url = f"{torchserve.http_url}/predictions/{model}", f"{mariner.http}/predictions/{model}"
         ts_http = requests.post(ts_url, data=body, headers=hdr, timeout=30)
         ours_http = requests.post(ours_url, data=body, headers=hdr, timeout=30)
         assert ts_http.status_code == ours_http.status_code == 200
         assert ours_http.content == ts_http.content
-        ts_grpc = _grpc_predict(torchserve.grpc_inference_target, model, body)
+        ts_grpc = _grpc_predict(torchserve.grpc_target, model, body)
         ours_grpc = _grpc_predict(mariner.grpc_target, model, body)
         assert ours_grpc == ts_grpc == ts_http.content
 
@@ -248,7 +248,7 @@ def test_mariner_returns_the_same_bytes_as_torchserve(
 def test_mariner_bad_request_matches_torchserve(torchserve: StockTorchServe, mariner: Any) -> None:
     bad = b"[1, 2, 3]"
     hdr = {"Content-Type": "application/json"}
-    ts = requests.post(f"{torchserve.base_url}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
+    ts = requests.post(f"{torchserve.http_url}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
     ours = requests.post(f"{mariner.http}/predictions/digits_onnx", data=bad, headers=hdr, timeout=30)
     assert ts.status_code == ours.status_code == 400
     assert ours.content == ts.content
@@ -331,7 +331,7 @@ def test_management_answers_as_torchserve(torchserve: StockTorchServe, managed_m
     assert customized.json()[0]["customizedMetadata"] == stock_customized.json()[0]["customizedMetadata"]
     for ours_base, stock_base in (
         (managed_mariner.management, torchserve.management_url),
-        (managed_mariner.http, torchserve.base_url),
+        (managed_mariner.http, torchserve.http_url),
     ):
         ours_doc = requests.options(f"{ours_base}/", timeout=30).json()
         stock_doc = requests.options(f"{stock_base}/", timeout=30).json()

@@ -12,17 +12,13 @@ from dataclasses import replace
 import pytest
 
 from mariner.loadtest import bench
-from mariner.loadtest.bench_report import (
+from mariner.loadtest.bench_report import render_markdown, render_scaling, scaling_rows, targets
+from mariner.loadtest.bench_summary import (
     median,
     median_ratio,
     paired_ratios,
-    process_hop_us,
-    render_markdown,
-    render_scaling,
-    scaling_rows,
     stopped_rising,
     summarize,
-    targets,
     throughput,
 )
 from mariner.loadtest.closedloop import LevelResult, Percentiles, client_layout
@@ -178,27 +174,13 @@ def test_startup_target_is_the_median_of_the_whole_store_runs() -> None:
     assert next(t for t in targets(make_report([])) if t.what.startswith("start-up")).shown == "n/a"
 
 
-def test_one_channel_target_compares_with_the_thread_worker_server() -> None:
+def test_no_target_compares_with_a_thread_worker_server() -> None:
     levels = [
         cell("mariner", "grpc-1ch", 64, 1900, repeat=0),
-        cell("mariner-thread", "grpc-1ch", 64, 2000, repeat=0),
-        cell("mariner", "grpc-1ch", 64, 1500, repeat=1),
-        cell("mariner-thread", "grpc-1ch", 64, 2000, repeat=1),
+        cell("torchserve", "grpc-1ch", 64, 900, repeat=0),
     ]
-    one = next(t for t in targets(make_report(levels)) if t.what.startswith("grpc-1ch"))
-    assert one.value == pytest.approx((0.95 + 0.75) / 2)
-    assert one.held is False
-
-
-def test_process_hop_is_the_p50_difference_at_the_lowest_level_in_microseconds() -> None:
-    levels = [
-        cell("mariner", "grpc", 1, 900, p50_ms=0.80),
-        cell("mariner-thread", "grpc", 1, 1000, p50_ms=0.65),
-        cell("mariner", "http", 1, 900, p50_ms=1.0),  # no thread run over http
-    ]
-    hop = process_hop_us(make_report(levels))
-    assert list(hop) == ["grpc"]
-    assert hop["grpc"] == pytest.approx(150.0)
+    assert not [t for t in targets(make_report(levels)) if t.what.startswith("grpc-1ch")]
+    assert "The process hop" not in render_markdown(make_report(levels))
 
 
 def test_stopped_rising_needs_two_windows_within_the_tolerance() -> None:
@@ -212,22 +194,20 @@ def test_stopped_rising_needs_two_windows_within_the_tolerance() -> None:
 
 def test_plan_interleaves_servers_and_repeats_only_the_highest_level() -> None:
     s = bench.parse_args(["--levels", "1,64", "--repeats", "2", "--protocols", "grpc,grpc-1ch"])
-    cells = bench.plan_cells(s, ["raw", "mariner", "mariner-thread", "torchserve"])
+    cells = bench.plan_cells(s, ["raw", "mariner", "torchserve"])
     low = [(c.server, c.protocol) for c in cells if c.level == 1]
-    assert low == [("mariner", "grpc"), ("mariner-thread", "grpc"), ("torchserve", "grpc")]
+    assert low == [("mariner", "grpc"), ("torchserve", "grpc")]
     high = [(c.repeat, c.server, c.protocol) for c in cells if c.level == 64]
     assert high == [
         (0, "raw", ""),
         (0, "mariner", "grpc"),
         (0, "torchserve", "grpc"),
         (0, "mariner", "grpc-1ch"),
-        (0, "mariner-thread", "grpc-1ch"),
         (0, "torchserve", "grpc-1ch"),
         (1, "raw", ""),
         (1, "torchserve", "grpc"),
         (1, "mariner", "grpc"),
         (1, "torchserve", "grpc-1ch"),
-        (1, "mariner-thread", "grpc-1ch"),
         (1, "mariner", "grpc-1ch"),
     ]
 
@@ -249,10 +229,10 @@ def test_cli_defaults_and_mariner_args_pass_through() -> None:
         16,
         ("grpc", "grpc-1ch", "http"),
     )
-    s = bench.parse_args(["--requests", "500", "--mariner-args", "--frontends 2 --worker-mode thread"])
+    s = bench.parse_args(["--requests", "500", "--mariner-args", "--frontends 2 --min-workers 2"])
     assert s.duration_s is None
     assert s.requests == 500
-    assert s.mariner_args == ("--frontends", "2", "--worker-mode", "thread")
+    assert s.mariner_args == ("--frontends", "2", "--min-workers", "2")
     assert s.load_for("grpc").grpc_channels == 16
     assert s.load_for("grpc-1ch").grpc_channels == 1
     assert s.load_for("http").grpc_channels is None
@@ -272,34 +252,5 @@ def test_scaling_table_rows_and_relative_throughput() -> None:
     report = make_report(levels, protocols=("http",), repeats=2)
     text = render_scaling(report, [(1, 1), (2, 1)])
     assert "## Scaling at c=64 (median of 2 run(s)" in text
-    assert bench.scaling_configs({"frontends": False}) == [(1, 1), (1, 2)]
-    assert bench.scaling_configs({"frontends": True}) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert bench.scaling_configs({"frontends": True}, (1, 4), (2,)) == [(1, 2), (4, 2)]
-    assert bench.scaling_configs({"frontends": False}, (1, 4), (2,)) == [(1, 2)]
-
-
-def test_baseline_is_thread_workers_when_the_build_has_them_or_what_was_asked() -> None:
-    s = bench.parse_args([])
-    assert s.baseline({"worker-mode": False, "frontends": True}) is None
-    assert s.baseline({"worker-mode": True, "frontends": True}) == (
-        "--worker-mode",
-        "thread",
-        "--frontends",
-        "1",
-    )
-    assert s.baseline({"worker-mode": True, "frontends": False}) == ("--worker-mode", "thread")
-    asked = bench.parse_args(["--baseline-args", "--frontends 1"])
-    assert asked.baseline({"worker-mode": False}) == ("--frontends", "1")
-
-
-def test_report_names_the_baseline_the_hop_was_measured_against() -> None:
-    levels = [
-        cell("mariner", "http", 1, 900, p50_ms=0.9),
-        cell("mariner-thread", "http", 1, 1000, p50_ms=0.7),
-    ]
-    report = make_report(levels)
-    report.servers["mariner-thread"] = bench.ServerFacts(
-        "mariner-thread", "--worker-mode thread", "cpu", 1, 2, 1.0
-    )
-    text = render_markdown(report)
-    assert "minus the baseline mariner-thread (`--worker-mode thread`), same run: http +200 µs." in text
+    assert bench.scaling_configs() == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert bench.scaling_configs((1, 4), (2,)) == [(1, 2), (4, 2)]

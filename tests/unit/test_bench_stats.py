@@ -111,7 +111,7 @@ async def _serve_then_close_idle(reader: Any, writer: Any) -> None:
 def test_http_client_resends_once_on_a_keep_alive_connection_the_server_closed() -> None:
     import asyncio
 
-    from mariner.loadtest.closedloop import HttpConnection
+    from mariner.loadtest.http_connection import HttpConnection
 
     async def main() -> tuple[int, int]:
         accepted = 0
@@ -139,7 +139,7 @@ def test_http_client_resends_once_on_a_keep_alive_connection_the_server_closed()
 def test_http_client_does_not_resend_on_a_fresh_connection() -> None:
     import asyncio
 
-    from mariner.loadtest.closedloop import HttpConnection
+    from mariner.loadtest.http_connection import HttpConnection
 
     async def main() -> None:
         async def slam(reader: Any, writer: Any) -> None:

@@ -234,7 +234,6 @@ def test_padding_copy_runs_only_at_the_highest_level_interleaved() -> None:
         (1, "mariner-pad-max"),
         (1, "mariner"),
     ]
-    assert s.baseline({"worker-mode": True, "frontends": True}) is None  # no thread baseline
 
 
 # -- the family targets -----------------------------------------------------------------------------
