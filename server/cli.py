@@ -36,8 +36,7 @@ def _private_metrics_dir(argv: Sequence[str]) -> Path:
 
 
 def _serve(argv: Sequence[str]) -> int:
-    """`mariner serve`: the supervisor, which starts the frontends and the model workers; with
-    `--worker-mode thread`, the single-process server (handlers on threads of this process)."""
+    """`mariner serve`: the supervisor, which starts the frontends and the model workers."""
     if "-h" in argv or "--help" in argv:
         from mariner.server.config import build_parser
 
@@ -64,10 +63,8 @@ def _supervise(argv: Sequence[str]) -> int:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    if cfg.worker_mode == "thread":
-        from mariner.server.app import run
-    else:
-        from mariner.server.supervisor import run
+    from mariner.server.supervisor import run
+
     try:
         import uvloop
 

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from mariner.server.core.archive import UNLISTED
-from mariner.server.core.dataplane import ModelSpec
+from mariner.server.core.endpoint import ModelSpec
 from mariner.server.core.model_settings import ServerLayers, SettingsOverrides
 from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
 
@@ -48,7 +48,6 @@ class ServerConfig:
     max_queue: int = 1024
     torch_threads: int | None = None
     frontends: int | None = None
-    worker_mode: str = "process"
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
     # Connection limits of every HTTP listener (see protocols.http_limits), nginx-like defaults.
@@ -97,10 +96,6 @@ _HELP = {
     "torch_threads": "torch intra-op threads for CPU inference (default: all cores but one)",
     "frontends": "inference frontend processes sharing the inference ports (default: 1 on up to 7 cores, "
     "else cores // 4, at most 8; provisional until the benchmark settles it)",
-    "worker_mode": "'process' (default): a supervisor, frontends and model worker processes; 'thread': "
-    "one process that runs the handlers on its own threads, as the previous release did (no isolation; "
-    "--frontends is ignored). A baseline for the benchmark and for tiny models where the process hop "
-    "matters; it may be removed if the benchmark shows no clear win",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
     "http_max_header_bytes": "largest HTTP request line + headers, in bytes (larger: 431 and the connection "
@@ -137,7 +132,7 @@ _HELP = {
 }
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {"worker_mode": ("process", "thread")}
+_CHOICES: dict[str, tuple[str, ...]] = {}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -10,8 +10,8 @@ Table updates: a worker that became ready is connected and added to its model's 
 that is gone (restarting, scaled down, unregistered) is retired from it (a batch it runs now
 finishes). A worker that dies mid-batch fails that batch only; a batch past responseTimeout
 gets its worker SIGKILLed; either way the supervisor restarts it and a later table brings the
-new one. SIGTERM, or the supervisor going away, drains this frontend as the single-process
-server drains: not ready, new calls refused with UNAVAILABLE, every accepted call answered.
+new one. SIGTERM, or the supervisor going away, drains this frontend: not ready, new calls
+refused with UNAVAILABLE, every accepted call answered.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.core.batcher import BatchRunner
-from mariner.server.core.dataplane import DataPlane, PlaneSettings
+from mariner.server.core.dataplane import DataPlane
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature
@@ -226,14 +225,7 @@ class Frontend:
         self.index = init.index
         self._control = control
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
-        self.dataplane = DataPlane(
-            PlaneSettings(
-                model_store=cfg.model_store,
-                work_dir=Path(tempfile.gettempdir()),
-                default_max_queue=cfg.max_queue,
-            ),
-            self.metrics,
-        )
+        self.dataplane = DataPlane(self.metrics)
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
         grpc_host, _ = split_address(cfg.grpc_inference_address)
         self.grpc = build_grpc_servers(
@@ -262,15 +254,15 @@ class Frontend:
         dp = self.dataplane
         wanted = {(e.name, e.version) for e in table.entries}
         for e in table.entries:
-            ep = dp._endpoints.get(e.name, {}).get(e.version)
+            ep = dp.endpoint(e.name, e.version)
             if ep is None:
                 ep = RemoteEndpoint.from_entry(e, self.metrics)
                 dp.install_endpoint(ep)
             assert isinstance(ep, RemoteEndpoint)
             await ep.update(e)
             if e.is_default:
-                dp._defaults[e.name] = e.version
-        gone = [(name, v) for name, vs in dp._endpoints.items() for v in vs if (name, v) not in wanted]
+                dp.set_default(e.name, e.version)
+        gone = [key for key in dp.installed() if key not in wanted]
         for name, version in gone:
             ep = dp.remove_endpoint(name, version)
             closing = asyncio.create_task(ep.close(ep.response_timeout_s))  # its accepted calls finish
@@ -327,7 +319,7 @@ class Frontend:
         log.info("frontend %d (pid %d) listening", self.index, os.getpid())
         follower = asyncio.create_task(self._follow(reader, writer, stop))
         await stop.wait()
-        # The same ordered drain as the single-process server (app.MarinerServer.shutdown).
+        # The ordered drain: not ready, refuse new calls, answer every accepted one, close.
         dp, cfg = self.dataplane, self.cfg
         dp.start_draining()
         await self.grpc.set_not_serving()

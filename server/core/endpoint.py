@@ -1,16 +1,12 @@
 """One served model version: its settings, signature, instances (runners) and batcher.
 
-`ModelEndpoint` holds what every served version has, however its instances run: admission,
-the deadline, the batcher, readiness and what management shows. It is built from pieces that
-are already resolved. Where the instances come from is a subclass's job:
+`ModelEndpoint` holds what a served version has in a frontend: admission, the deadline, the
+batcher, readiness and its facts. It is built from pieces that are already resolved; where the
+instances come from is the subclass's job (`frontend.RemoteEndpoint.from_entry`: connections to
+the worker processes the supervisor's model table lists; the supervisor runs and restarts them).
 
-- `ArchiveEndpoint.from_archive`: an archive this process opened; its instances are worker
-  processes (or threads) this endpoint starts and restarts itself (the single-process server).
-- `frontend.RemoteEndpoint.from_entry`: a supervisor's model-table entry; its instances are
-  connections to worker processes that the supervisor runs and restarts.
-
-The settings of a version are resolved once, by `resolve_model`, in whichever process opens
-the archive (the single-process server or the supervisor).
+The settings of a version are resolved once, by `resolve_model`, in the supervisor, which is
+the only process that opens archives.
 """
 
 from __future__ import annotations
@@ -18,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from mariner.server.control.metrics import Metrics
-from mariner.server.core.archive import ArchiveLimits, ModelArchive
+from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import (
@@ -36,11 +30,9 @@ from mariner.server.core.model_settings import (
     archive_overrides,
     resolve_model_settings,
 )
-from mariner.server.core.runner import Placement, Runner, place_instances
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.token_cost import TokenCounter, load_token_counter
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
-from mariner.server.workers.process import ProcessRunner, socket_dir_for
 
 log = logging.getLogger("mariner.dataplane")
 
@@ -63,32 +55,6 @@ class ModelSpec:
     overrides: SettingsOverrides = SettingsOverrides()
     sha256: str | None = None
     loaded_at_startup: bool = True
-
-
-@dataclass(frozen=True)
-class PlaneSettings:
-    """Server-wide settings of the DataPlane. `model_layers` are the config.properties
-    `models={...}` entries and the flags/env that every model version's settings resolve over,
-    at start-up and for a register call alike."""
-
-    model_store: Path
-    work_dir: Path
-    default_max_queue: int = 1024
-    torch_threads: int | None = None
-    management_enabled: bool = False
-    limits: ArchiveLimits = ArchiveLimits()
-    model_layers: ServerLayers = ServerLayers()
-    # "process": every model instance is a worker process (the default); "thread": a thread of
-    # this process (no isolation: a hung handler cannot be killed, archives share sys.path).
-    worker_mode: str = "process"
-    # How long a worker may take to load its model before it is killed and counted as failed.
-    worker_start_timeout_s: float = 600.0
-    # --require-gpu: a model that does not ask for the CPU fails to load without a usable GPU.
-    require_gpu: bool = False
-
-    def __post_init__(self) -> None:
-        if self.worker_mode not in ("process", "thread"):
-            raise ValueError(f"worker_mode must be 'process' or 'thread', not {self.worker_mode!r}")
 
 
 @dataclass(frozen=True)
@@ -275,157 +241,55 @@ class ModelEndpoint:
 
     def info(self, is_default: bool) -> ModelInfo:
         """This version's facts for management: settings, live queue depth and its workers."""
-        return ModelInfo(
-            name=self.name,
-            version=self.version,
-            archive=self.source.archive_file,
-            sha256=self.source.sha256,
-            handler=self.source.handler,
+        return version_info(
+            self.name,
+            self.version,
+            self.source,
+            self.settings,
             is_default=is_default,
             state=self.state,
-            batch_size=self.batch_size,
-            max_batch_delay_ms=self.max_batch_delay_ms,
-            response_timeout_s=self.response_timeout_s,
-            queue_size=self.max_queue,
-            min_workers=self.min_workers,
-            max_workers=self.max_workers,
             workers=tuple(self._worker_info(r) for r in self.runners),
             load_seconds=self.load_seconds,
             signature=self.signature,
-            loaded_at_startup=self.loaded_at_startup,
             pending_requests=self.batcher.queued_items if self.batcher is not None else 0,
-            device_type=self.settings.device_type,
         )
 
 
-class ArchiveEndpoint(ModelEndpoint):
-    """A version from an archive this process opened; it starts and restarts its own instances:
-    worker processes (the default) or threads of this process (`PlaneSettings.worker_mode`)."""
-
-    def __init__(
-        self,
-        archive: ModelArchive,
-        source: ModelSource,
-        settings: ModelSettings,
-        signature: ModelSignature | None,
-        plane: PlaneSettings,
-        metrics: Metrics,
-    ) -> None:
-        super().__init__(archive.name, archive.version, source, settings, signature, metrics)
-        self.archive = archive
-        self._plane = plane
-        self.token_counter = load_token_counter(archive.model_config, archive.path.name, archive.model_dir)
-        self._socket_dir: Path | None = None
-        self._socket_dir_is_temp = False
-        torch_threads = plane.torch_threads
-        if plane.worker_mode == "process" and torch_threads:
-            # The thread budget is the cores: each worker process takes its share of it.
-            torch_threads = max(1, torch_threads // self.min_workers)
-        placements = place_instances(
-            self.min_workers,
-            device_type=settings.device_type,
-            torch_threads=torch_threads,
-            require_gpu=plane.require_gpu,
-            model_config=archive.model_config,
-        )
-        self.runners = [self._new_runner(i, p) for i, p in enumerate(placements)]
-
-    @classmethod
-    def from_archive(
-        cls, archive: ModelArchive, spec: ModelSpec, plane: PlaneSettings, metrics: Metrics
-    ) -> ArchiveEndpoint:
-        """Resolve the archive's settings and signature (refusing bad ones) and build its runners."""
-        settings, signature = resolve_model(
-            archive, spec, default_max_queue=plane.default_max_queue, layers=plane.model_layers
-        )
-        source = ModelSource(archive.path.name, archive.sha256, archive.handler, spec.loaded_at_startup)
-        return cls(archive, source, settings, signature, plane, metrics)
-
-    def _new_runner(self, instance: int, placement: Placement, generation: int = 0) -> Runner | ProcessRunner:
-        if self._plane.worker_mode == "process":
-            if self._socket_dir is None:
-                self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self._plane.work_dir)
-            return ProcessRunner(
-                self.archive,
-                instance=instance,
-                placement=placement,
-                batch_size=self.batch_size,
-                socket_dir=self._socket_dir,
-                generation=generation,
-                on_oom=self._oom.inc,
-                start_timeout_s=self._plane.worker_start_timeout_s,
-            )
-        return Runner(
-            self.archive,
-            instance=instance,
-            placement=placement,
-            batch_size=self.batch_size,
-            generation=generation,
-            on_oom=self._oom.inc,
-        )
-
-    def _refresh_state(self) -> None:
-        """READY while at least one instance is; RESTARTING while every instance is being replaced."""
-        if self.state in (ModelState.STOPPING, ModelState.LOADING, ModelState.FAILED):
-            return
-        ready = any(r.status == "READY" for r in self.runners)
-        self.state = ModelState.READY if ready else ModelState.RESTARTING
-        self._set_ready(ready)
-
-    async def replace_runner(self, old: BatchRunner, reason: str) -> Runner | ProcessRunner | None:
-        """Replace a hung or failed instance on the same device, retrying with backoff.
-
-        A worker process is SIGKILLed first (a hung one holds a core until then); its
-        replacement is a new process, generation + 1.
-        """
-        assert isinstance(old, Runner | ProcessRunner)
-        old.abandon()
-        self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
-        self._refresh_state()
-        backoff = 0.2
-        generation = old.generation + 1
-        while self.state is not ModelState.STOPPING:
-            new = self._new_runner(old.instance, old.placement, generation)
-            self.runners[self.runners.index(old)] = new
-            old = new
-            try:
-                await new.start()
-            except Exception:
-                log.exception("restarting instance %s failed; retrying in %.1f s", new.id, backoff)
-                new.abandon()
-                generation += 1
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                continue
-            self._ready_since[new.id] = time.time()
-            self._refresh_state()
-            log.info("instance %s replaced (%s) and ready", new.id, reason)
-            return new
-        return None
-
-    async def load(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(r.start() for r in self.runners))
-            self._ready_since.update(dict.fromkeys((r.id for r in self.runners), time.time()))
-        except BaseException:
-            # Workers that did load must not outlive a model that failed to.
-            for r in self.runners:
-                r.abandon()
-            self.state = ModelState.FAILED
-            self._set_ready(False)
-            raise
-        self._start_batcher(self.runners)
-        self.load_seconds = time.perf_counter() - t0
-        self.state = ModelState.READY
-        self._metrics.model_load_seconds.labels(self.name, self.version).set(self.load_seconds)
-        self._set_ready(True)
-
-    async def close(self, timeout: float | None) -> None:
-        await super().close(timeout)
-        # Workers finish the batch in hand (none: the batcher is closed) and exit; a worker that
-        # does not is killed after a short grace, so no process outlives the server.
-        await asyncio.gather(*(r.stop(5.0) for r in self.runners))
-        if self._socket_dir is not None and self._socket_dir_is_temp:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-        shutil.rmtree(self.archive.model_dir, ignore_errors=True)
+def version_info(
+    name: str,
+    version: str,
+    source: ModelSource,
+    settings: ModelSettings,
+    *,
+    is_default: bool,
+    state: ModelState,
+    workers: tuple[WorkerInfo, ...],
+    load_seconds: float | None,
+    signature: ModelSignature | None,
+    pending_requests: int = 0,
+    error: str | None = None,
+) -> ModelInfo:
+    """One version's ModelInfo from its source and settings: the one builder, for a frontend's
+    endpoint and for the supervisor's registry alike."""
+    return ModelInfo(
+        name=name,
+        version=version,
+        archive=source.archive_file,
+        sha256=source.sha256,
+        handler=source.handler,
+        is_default=is_default,
+        state=state,
+        batch_size=settings.batch_size,
+        max_batch_delay_ms=settings.max_batch_delay_ms,
+        response_timeout_s=settings.response_timeout_s,
+        queue_size=settings.max_queue,
+        min_workers=settings.min_workers,
+        max_workers=settings.max_workers,
+        workers=workers,
+        load_seconds=load_seconds,
+        signature=signature,
+        loaded_at_startup=source.loaded_at_startup,
+        pending_requests=pending_requests,
+        device_type=settings.device_type,
+        error=error,
+    )

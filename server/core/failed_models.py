@@ -6,22 +6,16 @@ and must not vanish either: it is listed and described with state FAILED and the
 `/v2/models/{name}/ready` is false, and the whole server is not ready while it is there (a pod
 that lacks a model it was asked to serve should not get traffic). Unregistering it, or
 registering a fixed archive under its name, clears it. The supervisor's ModelRegistry keeps
-them as `FailedModels` (and tells frontends about them as versions without workers); the
-single-process DataPlane serves them as `FailedEndpoint`s.
+them as `FailedModels` and tells frontends about them as versions without workers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.batcher import BatchRunner
-from mariner.server.core.endpoint import ModelEndpoint, ModelSource, failed_message
-from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
+from mariner.server.core.types import ModelInfo, ModelState
 
 UNKNOWN_VERSION = "unknown"  # an archive refused before its manifest could be read
 
@@ -91,23 +85,3 @@ class FailedModels:
         for f in gone:
             del self._failed[(f.name, f.version)]
         return bool(gone)
-
-
-class FailedEndpoint(ModelEndpoint):
-    """A FAILED version in the single-process DataPlane's table: resolvable, so its readiness is
-    false (not "unknown model") and a call to it says it is not served; it never runs anything."""
-
-    def __init__(self, failed: FailedModel, metrics: Metrics) -> None:
-        source = ModelSource(failed.archive_file, "", "", loaded_at_startup=True)
-        super().__init__(failed.name, failed.version, source, ModelSettings(), None, metrics)
-        self.failed = failed
-        self.state = ModelState.FAILED
-
-    async def infer(self, req: InferRequest) -> InferResult:
-        raise ServingError(Code.UNAVAILABLE, failed_message(self.name, self.version))
-
-    async def replace_runner(self, old: BatchRunner, reason: str) -> BatchRunner | None:
-        return None
-
-    def info(self, is_default: bool) -> ModelInfo:
-        return dataclasses.replace(self.failed.info(is_default), archive=self.source.archive_file)

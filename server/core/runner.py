@@ -1,23 +1,18 @@
-"""A model instance: `ModelHost` loads one handler and runs its batches (synchronously), and
-`Runner` drives a host on a dedicated thread of this process.
+"""A model instance's body: `ModelHost` loads one handler and runs its batches (synchronously).
 
-By default each instance is a worker process (`mariner.server.workers`) that runs a `ModelHost`
-of its own; `Runner` is the in-process option. Either way inference never runs on the event
-loop: the handler is initialised and called on the same OS thread for its whole life (CUDA
-context, stream and thread-local torch state stay put), and the event loop only awaits.
+Each instance is a model worker process (`mariner.server.workers.main`) running one
+`ModelHost` on one thread for its whole life (CUDA context, stream and thread-local torch state
+stay put); no event loop ever runs a handler.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
 import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,16 +24,14 @@ from mariner.server.core.entry_point import load_entry_point
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failures import Failure, classify, fatal_reason
 from mariner.server.core.rows import join_rows, max_rows_for, split_rows, splittable
-from mariner.server.core.types import InferRequest, InferResult, instance_id
+from mariner.server.core.types import InferRequest, InferResult
 
 __all__ = [
     "ModelHost",
     "Placement",
-    "Runner",
     "encode_output",
     "handler_input",
     "load_entry_point",
-    "place_instances",
     "pretty_json",
 ]
 
@@ -58,37 +51,6 @@ class Placement:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
-
-
-def place_instances(
-    count: int,
-    *,
-    device_type: str | None,
-    torch_threads: int | None,
-    require_gpu: bool = False,
-    model_config: Mapping[str, Any] | None = None,
-) -> list[Placement]:
-    """Instances over the visible GPUs, round-robin across every model of this process (see
-    `supervisor.devices`); CPU when there are none or the model asks for CPU. Counting GPUs
-    never initialises CUDA here. The model-config's `deviceIds` limits the GPUs used."""
-    # Imported here: the supervisor package imports the server's config, which imports this.
-    from mariner.server.supervisor.devices import allocator, device_ids_of
-
-    try:
-        device_ids = device_ids_of(model_config or {})
-    except ValueError as exc:  # as the supervisor's pool does: say so, use every visible GPU
-        log.warning("%s; using every visible GPU", exc)
-        device_ids = None
-    required = device_type == "gpu" or (require_gpu and device_type != "cpu")
-    gpus = allocator()
-    return [
-        Placement(
-            gpu_id=None if device_type == "cpu" else gpus.next(device_ids),
-            torch_threads=torch_threads,
-            require_gpu=required,
-        )
-        for _ in range(count)
-    ]
 
 
 def _release_cached_memory() -> None:
@@ -382,81 +344,3 @@ class ModelHost:
                 )
             )
         return results
-
-
-class Runner:
-    """One instance of one model version on a dedicated thread of this process.
-
-    Kept as an explicit option (`PlaneSettings.worker_mode = "thread"`): a hung handler cannot
-    be killed here, and every model shares this process's `sys.path`.
-    """
-
-    def __init__(
-        self,
-        archive: ModelArchive,
-        *,
-        instance: int,
-        placement: Placement,
-        batch_size: int,
-        generation: int = 0,
-        on_oom: Callable[[], None] | None = None,
-    ) -> None:
-        self.archive = archive
-        self.instance = instance
-        self.generation = generation
-        self.id = instance_id(archive.name, archive.version, instance, generation)
-        self.batch_size = batch_size
-        self.status = "LOADING"
-        self.load_seconds: float | None = None
-        self.host = ModelHost(archive, id=self.id, placement=placement, batch_size=batch_size, on_oom=on_oom)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{self.id}")
-
-    @property
-    def placement(self) -> Placement:
-        """Where the instance runs: where it was placed, or the CPU if it fell back at load."""
-        return self.host.placement
-
-    @property
-    def batches(self) -> int:
-        return self.host.batches
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            self.load_seconds = await loop.run_in_executor(self._executor, self.host.load)
-        except BaseException:
-            self.status = "FAILED"
-            raise
-        self.status = "READY"
-
-    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
-        """Run one batch on this instance's thread; raises ServingError for whole-batch failures."""
-        loop = asyncio.get_running_loop()
-        try:
-            fut = loop.run_in_executor(self._executor, self.host.run_batch, list(requests))
-        except RuntimeError as exc:  # executor shut down: this instance is gone
-            raise InstanceFailed(f"instance {self.id} is stopped") from exc
-        try:
-            return await fut
-        except InstanceFailed:
-            self.status = "FAILED"
-            raise
-
-    def close(self) -> None:
-        self.status = "STOPPED"
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.host.unload()
-
-    async def stop(self, grace: float) -> None:
-        """Same as close(): a thread has nothing to wait for once its batcher is closed."""
-        self.close()
-
-    def abandon(self) -> None:
-        """Give up on this instance (hung or failed). Python cannot kill a thread: a handler stuck
-        in a call keeps its thread until the call returns, but nothing will be sent to it again."""
-        self.status = "FAILED"
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -38,6 +38,7 @@ from mariner.server.control.management_grpc import SERVICE_NAME as MANAGEMENT_SE
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
+from mariner.server.core.types import ModelState
 from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
 from mariner.server.protocols.grpc_listener import bind_port, build_management_server
 from mariner.server.protocols.http_common import json_response
@@ -200,14 +201,22 @@ class Supervisor:
         self._health_task = asyncio.create_task(self._poll_health(), name="supervisor-health")
 
     async def wait_ready(self) -> None:
-        """Log once when every model has a live worker and every frontend listens."""
+        """Log once start-up has settled: every frontend listens and every worker's first start
+        has ended, in a worker ready or a failure (a FAILED model keeps retrying with backoff;
+        operators and readiness probes see it in describe and /readyz, this line says it once)."""
         t0 = time.perf_counter()
-        while not self.registry.is_ready() and not self.draining:
+        reg = self.registry
+        while not (reg.startup_settled() and self._frontends_ok()) and not self.draining:
             await asyncio.sleep(0.05)
-        if not self.draining:
-            ready = [f"{i.name}:{i.version}" for i in self.registry.models()]
-            log.info("models ready: %s (all ready: True, %.2f s after the listeners)", ", ".join(ready),
-                     time.perf_counter() - t0)  # fmt: skip
+        if self.draining:
+            return
+        infos = reg.models()
+        ready = [f"{i.name}:{i.version}" for i in infos if i.state is ModelState.READY]
+        failed = [f"{i.name}:{i.version}" for i in infos if i.state is not ModelState.READY]
+        log.info(
+            "models ready: %s%s (all ready: %s, %.2f s after the listeners)", ", ".join(ready) or "none",
+            f"; not ready: {', '.join(failed)}" if failed else "", reg.is_ready(), time.perf_counter() - t0,
+        )  # fmt: skip
 
     async def shutdown(self) -> None:
         """Not ready; frontends drain and exit; workers stop; listeners close."""

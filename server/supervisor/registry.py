@@ -2,8 +2,9 @@
 
 `ModelRegistry` opens and checks each archive once (in the supervisor: workers and frontends
 unpack nothing), decides which worker slots each version has (start-up, register, scale,
-unregister) and answers the management apps (REST 8081, gRPC 7071) with the same methods the
-single-process server's DataPlane has. Keeping the slots' processes running is `WorkerPool`'s.
+unregister) and answers the management apps (REST 8081, gRPC 7071). It is the one owner of
+the model lifecycle; a frontend only follows its model table. Keeping the slots' processes
+running is `WorkerPool`'s.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ MAX_SCALE_WORKERS = 64
 class ModelRegistry:
     """Every model version, its worker processes, and the management API over them.
 
-    It provides the methods the management apps call on the single-process server's DataPlane
-    (models, describe, register, unregister, scale, set_default, readiness), so the same
-    management REST and gRPC apps serve both. `on_change` is called whenever what frontends
+    It provides the methods the management apps call (models, describe, register, unregister,
+    scale, set_default, readiness). `on_change` is called whenever what frontends
     must know changed (a worker ready or gone, a model added or removed, a new default); it
     returns once every frontend applied the change (bounded). `frontends_ok` says whether
     every frontend is up (part of the whole server's readiness).
@@ -108,7 +108,7 @@ class ModelRegistry:
                     Code.ALREADY_EXISTS,
                     f"Model version {archive.version} is already registered for model {archive.name}",
                 )
-            # The one resolution, shared with the single-process server's endpoints.
+            # The one resolution of a version's settings (core.endpoint.resolve_model).
             settings, signature = resolve_model(
                 archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
             )
@@ -224,6 +224,11 @@ class ModelRegistry:
         does not count yet: a register in progress does not take the server out of rotation)."""
         every = [v for v in self._every() if (v.name, v.version) not in self._registering]
         return bool(every) and not self._failed and all(v.state is ModelState.READY for v in every)
+
+    def startup_settled(self) -> bool:
+        """Every worker's first start has ended (ready or failed): nothing is still loading for
+        the first time."""
+        return all(i.first is None or i.first.done() for v in self._every() for i in v.instances.values())
 
     def is_ready(self) -> bool:
         """Every model has a live worker, every frontend is up, and the server is not draining."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mariner.server.core.archive import ModelArchive
-from mariner.server.core.endpoint import ModelSpec, resident_bytes
+from mariner.server.core.endpoint import ModelSource, ModelSpec, resident_bytes, version_info
 from mariner.server.core.failed_models import FailedModel
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.core.tensors import ModelSignature
@@ -144,7 +144,6 @@ def failed_entry(f: FailedModel, is_default: bool) -> ModelEntry:
 
 def model_info(v: Version, is_default: bool) -> ModelInfo:
     """The version as management shows it: settings, state, and each worker's pid and memory."""
-    s = v.settings
     workers = []
     for inst in v.live_instances():
         pid = inst.process.pid if inst.process is not None else None
@@ -160,24 +159,16 @@ def model_info(v: Version, is_default: bool) -> ModelInfo:
                 started_at=inst.started_at if inst.status == "READY" else None,
             )
         )
-    return ModelInfo(
-        name=v.name,
-        version=v.version,
-        archive=v.archive.path.name,
-        sha256=v.archive.sha256,
-        handler=v.archive.handler,
+    source = ModelSource(v.archive.path.name, v.archive.sha256, v.archive.handler, v.spec.loaded_at_startup)
+    return version_info(
+        v.name,
+        v.version,
+        source,
+        v.settings,
         is_default=is_default,
         state=v.state,
-        batch_size=s.batch_size,
-        max_batch_delay_ms=s.max_batch_delay_ms,
-        response_timeout_s=s.response_timeout_s,
-        queue_size=s.max_queue,
-        min_workers=s.min_workers,
-        max_workers=s.max_workers,
         workers=tuple(workers),
         load_seconds=v.load_seconds,
         signature=v.signature,
-        loaded_at_startup=v.spec.loaded_at_startup,
-        device_type=s.device_type,
         error=v.error,
     )

@@ -1,5 +1,4 @@
-"""The supervisor's handle on one model worker process, and `ProcessRunner`, a worker plus its
-connection behind the batcher's runner interface (what a single-process server uses).
+"""The supervisor's handle on one model worker process: start it, kill it, stop it, wait for it.
 
 A CPU worker is forked by the zygote (`zygote.py`: a fresh interpreter that imported torch once
 and never touches CUDA; a fork of the supervisor would not do, a forked CUDA context is unusable),
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -25,16 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.runner import Placement
-from mariner.server.core.types import InferRequest, InferResult, instance_id
 from mariner.server.workers import zygote
 from mariner.server.workers.api import WorkerEndpoint, WorkerSpec
-from mariner.server.workers.connection import WorkerConnection, kill_worker
+from mariner.server.workers.connection import kill_worker
 from mariner.server.workers.main import EXIT_LOAD_FAILED, spec_to_json
 
 log = logging.getLogger("mariner.worker_process")
@@ -296,7 +292,7 @@ def worker_spec(
     require_gpu: bool = False,
 ) -> WorkerSpec:
     """What a worker needs to load one instance of an opened, checked archive: the one place a
-    WorkerSpec is built, for the supervisor's workers and for the in-process ProcessRunner."""
+    WorkerSpec is built (the supervisor's worker pool; tests that start a worker alone)."""
     return WorkerSpec(
         model=archive.name,
         version=archive.version,
@@ -313,127 +309,3 @@ def worker_spec(
         socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
         require_gpu=require_gpu,
     )
-
-
-class ProcessRunner:
-    """One model instance as a worker process, with the thread `Runner`'s interface: a
-    replacement is a new process (generation + 1); `abandon()` SIGKILLs it."""
-
-    def __init__(
-        self,
-        archive: ModelArchive,
-        *,
-        instance: int,
-        placement: Placement,
-        batch_size: int,
-        socket_dir: Path,
-        generation: int = 0,
-        on_oom: Callable[[], None] | None = None,
-        start_timeout_s: float = 600.0,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.archive = archive
-        self.instance = instance
-        self.generation = generation
-        self.id = instance_id(archive.name, archive.version, instance, generation)
-        self.placement = placement
-        self.batch_size = batch_size
-        self.status = "LOADING"
-        self.load_seconds: float | None = None
-        self._on_oom = on_oom
-        self._start_timeout_s = start_timeout_s
-        self.spec = worker_spec(
-            archive,
-            instance=instance,
-            generation=generation,
-            batch_size=batch_size,
-            gpu_id=placement.gpu_id,
-            torch_threads=placement.torch_threads,
-            socket_dir=socket_dir,
-            require_gpu=placement.require_gpu,
-        )
-        self.process = WorkerProcess(self.spec, env=env)
-        self.connection: WorkerConnection | None = None
-        self._reaper: asyncio.Task[int] | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
-    def batches(self) -> int:
-        return 0 if self.connection is None else self.connection.batches
-
-    def _count_oom(self, splits: int) -> None:
-        if self._on_oom is not None:
-            for _ in range(splits):
-                self._on_oom()
-
-    async def start(self) -> None:
-        try:
-            endpoint = await self.process.start(self._start_timeout_s)
-            self.connection = WorkerConnection(endpoint, batch_size=self.batch_size, on_oom=self._count_oom)
-            await self.connection.start()
-        except BaseException:
-            self.status = "FAILED"
-            self.process.kill()
-            raise
-        self.load_seconds = endpoint.load_seconds
-        if endpoint.device != self.placement.device:  # the worker fell back to the CPU: say so
-            gpu = None if endpoint.device == "cpu" else int(endpoint.device.partition(":")[2] or 0)
-            self.placement = dataclasses.replace(self.placement, gpu_id=gpu)
-        self.status = "READY"
-        # Notice a worker that dies while idle: the model must not claim a live worker it lacks.
-        self._reaper = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> int:
-        code = await self.process.wait()
-        if self.status == "READY":
-            log.error("worker %s (pid %s) exited with %s", self.id, self.pid, _describe_exit(code))
-            self.status = "FAILED"
-        return code
-
-    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
-        from mariner.server.core.batcher import InstanceFailed
-        from mariner.server.workers.connection import worker_died
-
-        if self.connection is None:
-            raise InstanceFailed(f"instance {self.id} is not started", error=worker_died(self.pid or 0))
-        try:
-            return await self.connection.run(requests)
-        except InstanceFailed:
-            self.status = "FAILED"
-            raise
-
-    def abandon(self) -> None:
-        """Give up on this instance (hung or failed): SIGKILL its process now."""
-        self.status = "FAILED"
-        if self.connection is not None:
-            self.connection.abandon()
-        self.process.kill()
-        self._reap()
-
-    def close(self) -> None:
-        """Stop without waiting (a sync caller): SIGTERM now, SIGKILL after a grace, reaped later."""
-        self.status = "STOPPED"
-        if self.connection is not None:
-            self.connection.close()
-        if self.process.pid is not None:
-            with contextlib.suppress(RuntimeError):
-                asyncio.get_running_loop().create_task(self.process.stop(5.0))
-
-    async def stop(self, grace: float) -> None:
-        """Close the connection, stop the worker (SIGTERM, SIGKILL after `grace`), reap it."""
-        self.status = "STOPPED"
-        if self.connection is not None:
-            self.connection.close()
-        if self.process.pid is not None:
-            await self.process.stop(grace)
-        if self._reaper is not None:
-            self._reaper.cancel()
-
-    def _reap(self) -> None:
-        if self.process.pid is None:
-            return
-        with contextlib.suppress(RuntimeError):  # no running loop: Popen reaps it later
-            asyncio.get_running_loop().create_task(self.process.wait())

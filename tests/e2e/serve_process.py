@@ -42,12 +42,6 @@ class ServeProcess:
             zip(("http", "mgmt", "metrics", "grpc", "grpc_mgmt"), pick_free_ports().all(), strict=True)
         )
         self.log_path = log_path
-        args = list(extra_args)
-        # `--worker-mode thread` is the single-process server: no supervisor, so no whole-server /ping.
-        self.supervised = not any(
-            a == "--worker-mode=thread" or (a == "--worker-mode" and args[i + 1 : i + 2] == ["thread"])
-            for i, a in enumerate(args)
-        )
         cmd = [
             sys.executable, "-m", "mariner.server.cli", "serve",
             "--model-store", str(model_store), "--models", models,
@@ -72,10 +66,9 @@ class ServeProcess:
 
     def wait_ready(self, timeout: float = 120.0) -> float:
         """Seconds until the whole server is ready: the supervisor's /ping (every frontend up,
-        every model with a live worker), then a frontend's /readyz (the single-process server's
-        /readyz alone)."""
+        every model with a live worker), then a frontend's /readyz."""
         try:
-            took = wait_http_ok(f"{self.url('mgmt')}/ping", self.proc, timeout) if self.supervised else 0.0
+            took = wait_http_ok(f"{self.url('mgmt')}/ping", self.proc, timeout)
             return took + wait_http_ok(f"{self.url()}/readyz", self.proc, timeout)
         except ServerError as exc:
             raise AssertionError(f"{exc}:\n{self.log_path.read_text()[-3000:]}") from None

@@ -1,4 +1,4 @@
-"""Bad archives and the model lifecycle on the single-process server, in both worker modes.
+"""Bad archives and the model lifecycle on `mariner serve` (supervisor, frontend, worker processes).
 
 A store with one good archive beside broken ones (a manifest that is not JSON, a model-config
 with `batchSize: lots`, a handler path that leaves the archive) serves the good one and reports
@@ -21,8 +21,8 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.fault_archive import HANDLER, build_fault_archive
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_versions_and_management import grpc_management
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -82,29 +82,20 @@ def bad_store(root: Path) -> tuple[Path, Path]:
     return store, marker
 
 
-@pytest.fixture(params=["process", "thread"])
-def worker_mode(request: pytest.FixtureRequest) -> str:
-    return request.param
+def _served(tmp_path: Path, store: Path, models: str) -> MarinerServe:
+    return MarinerServe(store, models, enable_model_management=True, work_dir=tmp_path / "work").start()
 
 
-def _served(tmp_path: Path, store: Path, models: str, worker_mode: str) -> InProcessMariner:
-    return InProcessMariner(
-        store, models, enable_model_management=True, worker_mode=worker_mode, work_dir=tmp_path / "work"
-    ).start()
-
-
-def _describe(srv: InProcessMariner, model: str) -> dict:
+def _describe(srv: MarinerServe, model: str) -> dict:
     r = requests.get(f"{srv.management}/models/{model}", timeout=30)
     assert r.status_code == 200, r.text
     (entry,) = r.json()
     return entry
 
 
-def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(
-    tmp_path: Path, worker_mode: str
-) -> None:
+def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(tmp_path: Path) -> None:
     store, marker = bad_store(tmp_path)
-    srv = _served(tmp_path, store, "all", worker_mode)
+    srv = _served(tmp_path, store, "all")
     try:
         r = requests.post(f"{srv.http}/predictions/good", data=OK, headers=HDR, timeout=30)
         assert r.status_code == 200, r.text
@@ -137,13 +128,13 @@ def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(
         for model in reasons:
             assert requests.delete(f"{srv.management}/models/{model}", timeout=30).status_code == 200
         assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
-        assert [m.name for m in srv.server.dataplane.models()] == ["good"]
+        assert srv.served_models() == ["good"]
     finally:
         srv.stop()
     assert not marker.exists()
 
 
-def _health(srv: InProcessMariner) -> int:
+def _health(srv: MarinerServe) -> int:
     with grpc.insecure_channel(srv.grpc_target) as ch:
         return (
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status
@@ -154,16 +145,14 @@ def _leftovers(work: Path, stem: str) -> list[str]:
     return sorted(p.name for p in work.iterdir() if p.name.startswith(f"{stem}-"))
 
 
-def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(
-    tmp_path: Path, worker_mode: str
-) -> None:
+def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build_fault_archive(store, name="good")
     fault = tmp_path / "fault-on"
     fault.write_text("")
     model = {"modelName": "initfail", "modelVersion": "1.0", "handler": "fault_handler.py"}
     write_mar(store / "initfail.mar", model, {"fault_handler.py": init_fault_handler(fault)})
-    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    srv = _served(tmp_path, store, "good.mar")
     work = tmp_path / "work"
     try:
         assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
@@ -178,7 +167,7 @@ def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(
                 assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
                 message = info.value.details()
             assert "initfail version 1.0 failed to load: RuntimeError: injected init failure" in message
-            assert [m.name for m in srv.server.dataplane.models()] == ["good"], attempt
+            assert srv.served_models() == ["good"], attempt
             assert _leftovers(work, "initfail") == [], "a failed register leaves no unpacked dir"
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
             assert _health(srv) == health_pb2.HealthCheckResponse.SERVING
@@ -192,11 +181,11 @@ def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(
         srv.stop()
 
 
-def test_a_model_from_a_renamed_archive_unregisters_by_its_name(tmp_path: Path, worker_mode: str) -> None:
+def test_a_model_from_a_renamed_archive_unregisters_by_its_name(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build_fault_archive(store, name="good")
     build_fault_archive(store, name="renamedmodel").rename(store / "some-other-file.mar")
-    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    srv = _served(tmp_path, store, "good.mar")
     try:
         for _ in range(2):
             r = requests.post(f"{srv.management}/models?url=some-other-file.mar", timeout=120)
@@ -204,21 +193,21 @@ def test_a_model_from_a_renamed_archive_unregisters_by_its_name(tmp_path: Path, 
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
             r = requests.delete(f"{srv.management}/models/renamedmodel", timeout=60)
             assert r.status_code == 200, r.text
-            assert [m.name for m in srv.server.dataplane.models()] == ["good"]
+            assert srv.served_models() == ["good"]
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
         assert _leftovers(tmp_path / "work", "some-other-file") == []
     finally:
         srv.stop()
 
 
-def test_a_register_in_progress_keeps_the_server_ready(tmp_path: Path, worker_mode: str) -> None:
+def test_a_register_in_progress_keeps_the_server_ready(tmp_path: Path) -> None:
     store = tmp_path / "store"
     build_fault_archive(store, name="good")
     gate = tmp_path / "gate"
     gate.mkdir()
     model = {"modelName": "slow", "modelVersion": "1.0", "handler": "fault_handler.py"}
     write_mar(store / "slow.mar", model, {"fault_handler.py": init_gate_handler(gate)})
-    srv = _served(tmp_path, store, "good.mar", worker_mode)
+    srv = _served(tmp_path, store, "good.mar")
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             register = pool.submit(requests.post, f"{srv.management}/models?url=slow.mar", timeout=300)

@@ -39,7 +39,7 @@ from mariner.client import (
 )
 from mariner.client.retry import Deadline, call_with_retry
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 if TYPE_CHECKING:
     from tests.conftest import EagerReference
@@ -56,23 +56,23 @@ Client = GrpcClient | HttpClient
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
     protogen.generate()
-    srv = InProcessMariner(model_store, f"{MODEL}.mar").start()
+    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def _make_client(mariner: InProcessMariner, transport: str, **kw: Any) -> Client:
+def _make_client(mariner: MarinerServe, transport: str, **kw: Any) -> Client:
     if transport == "grpc":
         return GrpcClient(mariner.grpc_target, management_target=mariner.grpc_management_target, **kw)
     return HttpClient(mariner.http, management_url=mariner.management, **kw)
 
 
 @pytest.fixture(params=TRANSPORTS)
-def client(request: pytest.FixtureRequest, mariner: InProcessMariner) -> Iterator[Client]:
+def client(request: pytest.FixtureRequest, mariner: MarinerServe) -> Iterator[Client]:
     with _make_client(mariner, request.param, timeout_s=30.0) as c:
         yield c
 
@@ -147,7 +147,7 @@ def test_health_and_readiness(client: Client) -> None:
 
 
 def test_metadata_is_the_declared_signature_and_the_same_on_both_transports(
-    mariner: InProcessMariner,
+    mariner: MarinerServe,
 ) -> None:
     with _make_client(mariner, "grpc") as g, _make_client(mariner, "http") as h:
         meta = g.metadata(MODEL)
@@ -175,7 +175,7 @@ def test_infer_matches_the_eager_logits(client: Client, eager_reference: EagerRe
     np.testing.assert_allclose(out["probabilities"].sum(axis=1), 1.0, atol=1e-5)
 
 
-def test_infer_over_plain_json_tensors(mariner: InProcessMariner, eager_reference: EagerReference) -> None:
+def test_infer_over_plain_json_tensors(mariner: MarinerServe, eager_reference: EagerReference) -> None:
     pixels = eager_reference.test_pixels[:3]
     with HttpClient(mariner.http, binary=False) as c:
         out = c.infer(MODEL, {"pixels": pixels})
@@ -562,13 +562,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _where(mariner: InProcessMariner, transport: str) -> list[str]:
+def _where(mariner: MarinerServe, transport: str) -> list[str]:
     return ["--grpc", mariner.grpc_target] if transport == "grpc" else ["--url", mariner.http]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cli_predict_prints_the_label_for_json_and_png(
-    mariner: InProcessMariner, eager_reference: EagerReference, tmp_path: Path, transport: str
+    mariner: MarinerServe, eager_reference: EagerReference, tmp_path: Path, transport: str
 ) -> None:
     row = eager_reference.test_pixels[1]
     json_file = tmp_path / "digit.json"
@@ -587,7 +587,7 @@ def test_cli_predict_prints_the_label_for_json_and_png(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cli_infer_prints_every_output(
-    mariner: InProcessMariner, eager_reference: EagerReference, tmp_path: Path, transport: str
+    mariner: MarinerServe, eager_reference: EagerReference, tmp_path: Path, transport: str
 ) -> None:
     rows = eager_reference.test_pixels[:3]
     path = tmp_path / "rows.json"
@@ -601,7 +601,7 @@ def test_cli_infer_prints_every_output(
 
 
 def test_cli_infer_takes_a_single_row_and_named_inputs(
-    mariner: InProcessMariner, eager_reference: EagerReference, tmp_path: Path
+    mariner: MarinerServe, eager_reference: EagerReference, tmp_path: Path
 ) -> None:
     row = eager_reference.test_pixels[2]
     single = tmp_path / "row.json"
@@ -616,7 +616,7 @@ def test_cli_infer_takes_a_single_row_and_named_inputs(
 
 
 def test_cli_reports_server_errors_and_bad_files_with_distinct_exit_codes(
-    mariner: InProcessMariner, tmp_path: Path
+    mariner: MarinerServe, tmp_path: Path
 ) -> None:
     good = tmp_path / "zeros.json"
     good.write_text(json.dumps([0] * 64))

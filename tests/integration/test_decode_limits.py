@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -48,8 +48,8 @@ def pb() -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(model_store, f"{MODEL}.mar").start()
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
     try:
         yield srv
     finally:
@@ -57,12 +57,12 @@ def mariner(model_store: Path) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def channel(mariner: InProcessMariner) -> Iterator[grpc.Channel]:
+def channel(mariner: MarinerServe) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(mariner.grpc_target) as ch:
         yield ch
 
 
-def _liveness_during(mariner: InProcessMariner, pb: SimpleNamespace, attack: Callable[[], object]) -> object:
+def _liveness_during(mariner: MarinerServe, pb: SimpleNamespace, attack: Callable[[], object]) -> object:
     """Run `attack` while another connection sends ServerLive calls; every one must be answered."""
     latencies: list[float] = []
     failures: list[str] = []
@@ -133,7 +133,7 @@ def _model_infer(pb: SimpleNamespace, datatype: str, shape: list[int], field: st
     ids=["int64", "bytes", "rows"],
 )
 def test_grpc_contents_refused_from_the_header(
-    mariner: InProcessMariner,
+    mariner: MarinerServe,
     pb: SimpleNamespace,
     channel: grpc.Channel,
     datatype: str,
@@ -162,9 +162,7 @@ def test_grpc_contents_within_the_signature_are_served(pb: SimpleNamespace, chan
 
 
 @pytest.mark.parametrize("form", ["json", "binary"])
-def test_rest_tensors_refused_from_the_header(
-    mariner: InProcessMariner, pb: SimpleNamespace, form: str
-) -> None:
+def test_rest_tensors_refused_from_the_header(mariner: MarinerServe, pb: SimpleNamespace, form: str) -> None:
     url = f"{mariner.http}/v2/models/{MODEL}/infer"
     if form == "json":
         doc = {"inputs": [{"name": "pixels", "datatype": "INT64", "shape": [ELEMENTS // 64, 64]}]}
@@ -189,7 +187,7 @@ def test_rest_tensors_refused_from_the_header(
 
 
 def test_predictions_input_map_is_capped_before_it_is_read(
-    mariner: InProcessMariner, pb: SimpleNamespace, channel: grpc.Channel
+    mariner: MarinerServe, pb: SimpleNamespace, channel: grpc.Channel
 ) -> None:
     request = pb.ts.PredictionsRequest(model_name=MODEL)
     for i in range(200_000):

@@ -21,8 +21,8 @@ import pytest
 import requests
 
 from tests.integration.fault_archive import write_handler_archive
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_faults import counter, wait_for
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -83,17 +83,17 @@ def current_digits_archive(model_store: Path, name: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("echo")
     build_echo_archive(store, "echo")
-    srv = InProcessMariner(store, "echo.mar").start()
+    srv = MarinerServe(store, "echo.mar").start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def test_explanations_reach_the_handler_with_the_explain_header(echo: InProcessMariner) -> None:
+def test_explanations_reach_the_handler_with_the_explain_header(echo: MarinerServe) -> None:
     explained = requests.post(f"{echo.http}/explanations/echo", json={"op": "x"}, timeout=TIMEOUT)
     assert explained.status_code == 200, explained.text
     assert explained.json()["explained"] is True
@@ -110,13 +110,13 @@ def test_explanations_reach_the_handler_with_the_explain_header(echo: InProcessM
     assert kserve.json()["explanations"][0]["explained"] is True
 
 
-def test_unknown_model_is_404(echo: InProcessMariner) -> None:
+def test_unknown_model_is_404(echo: MarinerServe) -> None:
     resp = requests.post(f"{echo.http}/explanations/nope", json={"op": "x"}, timeout=TIMEOUT)
     assert resp.status_code == 404
     assert "nope" in resp.json()["message"]
 
 
-def test_a_handler_that_cannot_explain_answers_a_clear_error(echo: InProcessMariner) -> None:
+def test_a_handler_that_cannot_explain_answers_a_clear_error(echo: MarinerServe) -> None:
     resp = requests.post(f"{echo.http}/explanations/echo", json={"op": "no_explain"}, timeout=TIMEOUT)
     assert resp.status_code == 500
     body = resp.json()
@@ -127,9 +127,7 @@ def test_a_handler_that_cannot_explain_answers_a_clear_error(echo: InProcessMari
     assert ok.status_code == 200, "the same input predicts: only the explanation failed"
 
 
-def test_explanations_and_predictions_never_share_a_handler_call(
-    echo: InProcessMariner, tmp_path: Path
-) -> None:
+def test_explanations_and_predictions_never_share_a_handler_call(echo: MarinerServe, tmp_path: Path) -> None:
     """Queued together behind a busy instance, each kind runs in its own handler call."""
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -156,7 +154,7 @@ def test_explanations_and_predictions_never_share_a_handler_call(
 
 
 # -- SageMaker /invocations ---------------------------------------------------------------------
-def test_invocations_serves_the_only_model_and_passes_query_parameters(echo: InProcessMariner) -> None:
+def test_invocations_serves_the_only_model_and_passes_query_parameters(echo: MarinerServe) -> None:
     resp = requests.post(f"{echo.http}/invocations", json={"op": "x"}, timeout=TIMEOUT)
     assert resp.status_code == 200, resp.text
     assert resp.json()["keys"] == ["body"]
@@ -171,7 +169,7 @@ def test_invocations_serves_the_only_model_and_passes_query_parameters(echo: InP
 def test_invocations_needs_a_model_name_when_several_are_loaded(tmp_path: Path) -> None:
     build_echo_archive(tmp_path, "one")
     build_echo_archive(tmp_path, "two")
-    srv = InProcessMariner(tmp_path, "one.mar,two.mar").start()
+    srv = MarinerServe(tmp_path, "one.mar,two.mar").start()
     try:
         resp = requests.post(f"{srv.http}/invocations", json={"op": "x"}, timeout=TIMEOUT)
         assert resp.status_code == 400
@@ -184,23 +182,23 @@ def test_invocations_needs_a_model_name_when_several_are_loaded(tmp_path: Path) 
 
 # -- the digits handler ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def digits(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def digits(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("digits")
     names = ("digits_torchscript.mar", "digits_onnx.mar", "digits_int8_dynamic.mar")
     for name in names:
         current_digits_archive(model_store, name, store)
-    srv = InProcessMariner(store, ",".join(names)).start()
+    srv = MarinerServe(store, ",".join(names)).start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def explain_digit(srv: InProcessMariner, model: str, body: Any) -> requests.Response:
+def explain_digit(srv: MarinerServe, model: str, body: Any) -> requests.Response:
     return requests.post(f"{srv.http}/explanations/{model}", json=body, timeout=TIMEOUT)
 
 
-def test_digits_explanation_is_a_saliency_map(digits: InProcessMariner, eager_reference: Any) -> None:
+def test_digits_explanation_is_a_saliency_map(digits: MarinerServe, eager_reference: Any) -> None:
     px = eager_reference.test_pixels[0]
     resp = explain_digit(digits, "digits_torchscript", px.tolist())
     assert resp.status_code == 200, resp.text
@@ -226,7 +224,7 @@ def test_digits_explanation_is_a_saliency_map(digits: InProcessMariner, eager_re
     ("model", "variant"), [("digits_onnx", "onnx"), ("digits_int8_dynamic", "torchscript")]
 )
 def test_digits_variant_without_gradients_answers_501(
-    digits: InProcessMariner, eager_reference: Any, model: str, variant: str
+    digits: MarinerServe, eager_reference: Any, model: str, variant: str
 ) -> None:
     """ONNX has no autograd at all; the dynamic-int8 TorchScript's quantized linear has no backward."""
     px = eager_reference.test_pixels[0].tolist()

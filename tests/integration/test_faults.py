@@ -22,29 +22,29 @@ import requests
 
 from mariner.server import protogen
 from tests.integration.fault_archive import build_fault_archive
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("store")
     # The timeout bounds how long a blocked first batch may wait for the test: far more than the
     # test needs to queue a few requests, on any machine; the hang test waits it out once.
     build_fault_archive(store, response_timeout_s=6)
-    srv = InProcessMariner(store, "faulty.mar").start()
+    srv = MarinerServe(store, "faulty.mar").start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def post(srv: InProcessMariner, op: str, value: Any = None, timeout: float = 30) -> requests.Response:
+def post(srv: MarinerServe, op: str, value: Any = None, timeout: float = 30) -> requests.Response:
     return requests.post(f"{srv.http}/predictions/faulty", json={"op": op, "value": value}, timeout=timeout)
 
 
-def counter(srv: InProcessMariner, name: str, **labels: str) -> float:
+def counter(srv: MarinerServe, name: str, **labels: str) -> float:
     text = requests.get(f"{srv.metrics}/metrics", timeout=10).text
     total = 0.0
     for line in text.splitlines():
@@ -62,7 +62,7 @@ def wait_for(condition: Callable[[], bool], what: str, cap_s: float = 120.0) -> 
 
 
 def behind_a_busy_instance(
-    srv: InProcessMariner, gate: Path, ops: list[tuple[str, Any]]
+    srv: MarinerServe, gate: Path, ops: list[tuple[str, Any]]
 ) -> list[requests.Response]:
     """Occupy the single instance, queue `ops` meanwhile, so they run together as one batch.
 
@@ -83,7 +83,7 @@ def behind_a_busy_instance(
         return [f.result() for f in futures]
 
 
-def wait_until_ok(srv: InProcessMariner, timeout: float = 120.0) -> None:
+def wait_until_ok(srv: MarinerServe, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = post(srv, "ok", "again")
@@ -94,7 +94,7 @@ def wait_until_ok(srv: InProcessMariner, timeout: float = 120.0) -> None:
     raise AssertionError("the model did not come back")
 
 
-def test_bad_item_fails_alone(server: InProcessMariner, tmp_path: Path) -> None:
+def test_bad_item_fails_alone(server: MarinerServe, tmp_path: Path) -> None:
     out = behind_a_busy_instance(server, tmp_path / "gate", [("ok", 1), ("bad_item", 2), ("ok", 3)])
     assert [r.status_code for r in out] == [200, 400, 200]
     assert [r.json()["batch"] for r in (out[0], out[2])] == [3, 3], "the three requests share one batch"
@@ -102,7 +102,7 @@ def test_bad_item_fails_alone(server: InProcessMariner, tmp_path: Path) -> None:
 
 
 def test_a_batch_failure_fails_only_that_batch_with_a_sanitized_error(
-    server: InProcessMariner, tmp_path: Path
+    server: MarinerServe, tmp_path: Path
 ) -> None:
     out = behind_a_busy_instance(server, tmp_path / "gate", [("ok", 1), ("raise_batch", 2)])
     assert [r.status_code for r in out] == [500, 500]
@@ -111,16 +111,14 @@ def test_a_batch_failure_fails_only_that_batch_with_a_sanitized_error(
     assert post(server, "ok", 4).status_code == 200
 
 
-def test_wrong_result_count_is_an_internal_error(server: InProcessMariner) -> None:
+def test_wrong_result_count_is_an_internal_error(server: MarinerServe) -> None:
     r = post(server, "wrong_count")
     assert r.status_code == 500
     assert "returned 0 results for a batch of 1" in r.json()["message"]
     assert post(server, "ok").status_code == 200
 
 
-def test_out_of_memory_splits_the_batch_and_answers_everyone(
-    server: InProcessMariner, tmp_path: Path
-) -> None:
+def test_out_of_memory_splits_the_batch_and_answers_everyone(server: MarinerServe, tmp_path: Path) -> None:
     before = counter(server, "mariner_oom_batch_splits_total")
     out = behind_a_busy_instance(server, tmp_path / "gate", [("oom_batched", i) for i in range(4)])
     assert [r.status_code for r in out] == [200] * 4
@@ -131,9 +129,7 @@ def test_out_of_memory_splits_the_batch_and_answers_everyone(
     assert "memory" in r.json()["message"]
 
 
-def test_a_hung_handler_times_out_and_its_instance_is_replaced(
-    server: InProcessMariner, tmp_path: Path
-) -> None:
+def test_a_hung_handler_times_out_and_its_instance_is_replaced(server: MarinerServe, tmp_path: Path) -> None:
     before = counter(server, "mariner_instance_restarts_total", reason="hung")
     release = tmp_path / "release"
     r = post(server, "hang", str(release))  # the handler runs until `release` exists
@@ -143,7 +139,7 @@ def test_a_hung_handler_times_out_and_its_instance_is_replaced(
     assert counter(server, "mariner_instance_restarts_total", reason="hung") - before == 1
 
 
-def test_an_instance_that_ends_is_restarted_and_health_recovers(server: InProcessMariner) -> None:
+def test_an_instance_that_ends_is_restarted_and_health_recovers(server: MarinerServe) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -175,7 +171,7 @@ def test_an_instance_that_ends_is_restarted_and_health_recovers(server: InProces
 
 def test_overload_rejects_at_once_and_answers_every_accepted_request(tmp_path: Path) -> None:
     build_fault_archive(tmp_path, name="faulty", response_timeout_s=60)
-    srv = InProcessMariner(tmp_path, "faulty.mar", max_queue=4).start()
+    srv = MarinerServe(tmp_path, "faulty.mar", max_queue=4).start()
     gate = tmp_path / "gate"
     gate.mkdir()
     try:

@@ -1,6 +1,6 @@
 """Fuzzing a live Mariner: hostile bytes, messages and HTTP requests only get documented answers.
 
-One InProcessMariner serves digits_onnx.mar for the whole module, its request limit lowered to
+One MarinerServe serves digits_onnx.mar for the whole module, its request limit lowered to
 64 KiB so the fuzzer crosses it cheaply. Hypothesis drives
   (a) gRPC: arbitrary bytes as the serialized request of every method on both ports (inference,
       Open Inference Protocol, health, reflection, management), sent with identity serializers;
@@ -75,7 +75,7 @@ from tests.integration.fuzzing import (
     ts_requests,
     undecodable_calls,
 )
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -153,9 +153,9 @@ def no_traceback_logged(server_log: TracebackLog) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def server(model_store: Path, server_log: TracebackLog) -> Iterator[InProcessMariner]:
+def server(model_store: Path, server_log: TracebackLog) -> Iterator[MarinerServe]:
     stubs()
-    srv = InProcessMariner(model_store, f"{MODEL}.mar", max_request_bytes=MAX_REQUEST_BYTES).start()
+    srv = MarinerServe(model_store, f"{MODEL}.mar", max_request_bytes=MAX_REQUEST_BYTES).start()
     try:
         yield srv
     finally:
@@ -163,9 +163,9 @@ def server(model_store: Path, server_log: TracebackLog) -> Iterator[InProcessMar
 
 
 @pytest.fixture(scope="module")
-def managed_server(model_store: Path, server_log: TracebackLog) -> Iterator[InProcessMariner]:
+def managed_server(model_store: Path, server_log: TracebackLog) -> Iterator[MarinerServe]:
     """A second server with model management enabled, for the tests that register models."""
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store, f"{MODEL}.mar", max_request_bytes=MAX_REQUEST_BYTES, enable_model_management=True
     ).start()
     try:
@@ -175,7 +175,7 @@ def managed_server(model_store: Path, server_log: TracebackLog) -> Iterator[InPr
 
 
 @pytest.fixture(scope="module")
-def channels(server: InProcessMariner) -> Iterator[dict[str, grpc.Channel]]:
+def channels(server: MarinerServe) -> Iterator[dict[str, grpc.Channel]]:
     with (
         grpc.insecure_channel(server.grpc_target) as inference,
         grpc.insecure_channel(server.grpc_management_target) as management,
@@ -183,12 +183,12 @@ def channels(server: InProcessMariner) -> Iterator[dict[str, grpc.Channel]]:
         yield {"inference": inference, "management": management}
 
 
-def port_of(srv: InProcessMariner, which: str) -> int:
+def port_of(srv: MarinerServe, which: str) -> int:
     assert srv.ports is not None
     return srv.ports.inference if which == "inference" else srv.ports.management
 
 
-def http_ok(srv: InProcessMariner, port: str, method: str, path: str, body: Any = None) -> Any:
+def http_ok(srv: MarinerServe, port: str, method: str, path: str, body: Any = None) -> Any:
     """The JSON of a 200 answer to a good request."""
     raw = b"" if body is None else json.dumps(body).encode()
     answer = http_exchange(port_of(srv, port), http_request(method, path, body=raw))
@@ -205,7 +205,7 @@ def grpc_ok(channels: dict[str, grpc.Channel], method: Method, request: Any) -> 
 
 
 @pytest.fixture(autouse=True)
-def still_serving(server: InProcessMariner, channels: dict[str, grpc.Channel]) -> Iterator[None]:
+def still_serving(server: MarinerServe, channels: dict[str, grpc.Channel]) -> Iterator[None]:
     """After each fuzzing phase, one good request on every surface gets its normal answer."""
     yield
     pb = stubs()
@@ -299,7 +299,7 @@ def test_hostile_predictions_requests_get_documented_answers(
 # -- (c) raw HTTP requests -------------------------------------------------------------------------
 @fuzz_settings("http")
 @given(case=http_cases())
-def test_http_requests_get_documented_answers(server: InProcessMariner, case: HttpCase) -> None:
+def test_http_requests_get_documented_answers(server: MarinerServe, case: HttpCase) -> None:
     answer = http_exchange(port_of(server, case.port), case.wire())
     problem = http_problem(case.method, answer, http_known(case))
     assert problem is None, problem
@@ -312,7 +312,7 @@ def form_request(case: MultipartCase) -> bytes:
 
 @fuzz_settings("multipart")
 @given(case=multipart_cases())
-def test_multipart_forms_get_documented_answers(server: InProcessMariner, case: MultipartCase) -> None:
+def test_multipart_forms_get_documented_answers(server: MarinerServe, case: MultipartCase) -> None:
     answer = http_exchange(port_of(server, "inference"), form_request(case))
     if answer is not None:
         STATUS_COUNTS[f"multipart:{answer.status}"] += 1
@@ -352,7 +352,7 @@ DEEP = b"[" * 20000 + b"]" * 20000  # 40 KB: under the body limit, past Python's
      "http-management-register"],
 )  # fmt: skip
 def test_deeply_nested_json_is_invalid_argument(
-    server: InProcessMariner, channels: dict[str, grpc.Channel], surface: str, request: pytest.FixtureRequest
+    server: MarinerServe, channels: dict[str, grpc.Channel], surface: str, request: pytest.FixtureRequest
 ) -> None:
     if surface == "grpc-predictions":
         request = stubs().ts.PredictionsRequest(model_name=MODEL, input={"data": DEEP})
@@ -380,7 +380,7 @@ def test_deeply_nested_json_is_invalid_argument(
      ([10**30, 0], "rest-json"), ([0, 2**63 - 1], "rest-json")],
 )  # fmt: skip
 def test_empty_tensors_with_impossible_dims_are_invalid_argument(
-    server: InProcessMariner, channels: dict[str, grpc.Channel], shape: list[int], wire: str
+    server: MarinerServe, channels: dict[str, grpc.Channel], shape: list[int], wire: str
 ) -> None:
     if wire == "rest-json":
         doc = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": shape, "data": []}]}
@@ -404,9 +404,7 @@ def test_empty_tensors_with_impossible_dims_are_invalid_argument(
 
 
 @pytest.mark.parametrize("value", [b"\xb2", b"1\xb3", b" \xb9 "])
-def test_unicode_digits_in_the_header_length_are_invalid_argument(
-    server: InProcessMariner, value: bytes
-) -> None:
+def test_unicode_digits_in_the_header_length_are_invalid_argument(server: MarinerServe, value: bytes) -> None:
     doc = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": PIXELS}]}
     request = http_request("POST", f"/v2/models/{MODEL}/infer", body=json.dumps(doc).encode(),
                            headers=[(b"inference-header-content-length", value)])  # fmt: skip
@@ -420,9 +418,7 @@ def test_unicode_digits_in_the_header_length_are_invalid_argument(
     [("inference", "POST", f"/predictions/{MODEL}/"), ("inference", "GET", f"/v2/models/{MODEL}/"),
      ("management", "GET", "/models/"), ("inference", "GET", f"/predictions/{MODEL}/%2F")],
 )  # fmt: skip
-def test_a_trailing_slash_is_not_redirected(
-    server: InProcessMariner, port: str, method: str, path: str
-) -> None:
+def test_a_trailing_slash_is_not_redirected(server: MarinerServe, port: str, method: str, path: str) -> None:
     request = http_request(method, path, headers=[(b"content-type", b"application/json")], body=b"[]")
     answer = http_exchange(port_of(server, port), request)
     assert answer is not None
@@ -436,7 +432,7 @@ def test_a_trailing_slash_is_not_redirected(
     assert error["message"].startswith(f"no such endpoint: {method} "), error
 
 
-def test_a_torchserve_request_is_never_answered_as_a_tensor_request(server: InProcessMariner) -> None:
+def test_a_torchserve_request_is_never_answered_as_a_tensor_request(server: MarinerServe) -> None:
     part = json.dumps({"pixels": [PIXELS]}).encode()
     body = (b'--b\r\nContent-Disposition: form-data; name="tensors"\r\nContent-Type: application/json\r\n\r\n'
             + part + b"\r\n--b--\r\n")  # fmt: skip
@@ -460,7 +456,7 @@ def form(*parts: tuple[bytes, bytes]) -> bytes:
     )
 
 
-def post_form(srv: InProcessMariner, body: bytes) -> HttpAnswer:
+def post_form(srv: MarinerServe, body: bytes) -> HttpAnswer:
     request = http_request("POST", f"/predictions/{MODEL}", body=body,
                            headers=[(b"content-type", b"multipart/form-data; boundary=bnd")])  # fmt: skip
     answer = http_exchange(port_of(srv, "inference"), request)
@@ -472,7 +468,7 @@ DATA = b'Content-Disposition: form-data; name="data"'
 PIXELS_JSON = json.dumps(PIXELS).encode()
 
 
-def test_a_file_upload_with_other_fields_is_served(server: InProcessMariner) -> None:
+def test_a_file_upload_with_other_fields_is_served(server: MarinerServe) -> None:
     body = form((DATA + b'; filename="digit.json"\r\nContent-Type: application/json', PIXELS_JSON),
                 (b'Content-Disposition: form-data; name="note"', b"hello"))  # fmt: skip
     answer = post_form(server, body)
@@ -480,7 +476,7 @@ def test_a_file_upload_with_other_fields_is_served(server: InProcessMariner) -> 
     assert "label" in json.loads(answer.body)
 
 
-def test_a_long_part_header_is_400_naming_the_limit_and_ping_is_served(server: InProcessMariner) -> None:
+def test_a_long_part_header_is_400_naming_the_limit_and_ping_is_served(server: MarinerServe) -> None:
     """60 KB of parameters took the email parser ~0.3 s on the event loop (195 KB: 3 s, seconds
     of /ping stalled); the block is now refused by its size before anything parses it."""
     head = DATA + b"; a=b" * 12_000
@@ -502,9 +498,7 @@ def test_a_long_part_header_is_400_naming_the_limit_and_ping_is_served(server: I
     [DATA + b"; x=" + b"(" * 5000, DATA + b"\r\nContent-Type: application/json; x=" + b"(" * 5000],
     ids=["content-disposition", "content-type"],
 )
-def test_nested_parens_in_part_headers_are_characters_not_a_500(
-    server: InProcessMariner, head: bytes
-) -> None:
+def test_nested_parens_in_part_headers_are_characters_not_a_500(server: MarinerServe, head: bytes) -> None:
     """The email package recursed once per `(` and answered 500 with a RecursionError logged."""
     answer = post_form(server, form((head, b"[1]")))
     assert answer.status == 400, answer
@@ -514,7 +508,7 @@ def test_nested_parens_in_part_headers_are_characters_not_a_500(
     assert "label" in json.loads(answer.body)
 
 
-def test_too_many_parts_is_400(server: InProcessMariner) -> None:
+def test_too_many_parts_is_400(server: MarinerServe) -> None:
     answer = post_form(server, form(*[(b"Content-Disposition: form-data; name=a", b"1")] * 1000))
     assert answer.status == 400, answer
     assert json.loads(answer.body)["message"] == "multipart/form-data body has more than 64 parts"

@@ -17,7 +17,7 @@ from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as r
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +41,9 @@ MANAGEMENT_SERVICES = {
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
     protogen.generate()
-    srv = InProcessMariner(model_store, "digits_torchscript.mar").start(load=False)
+    srv = MarinerServe(model_store, "digits_torchscript.mar").start(settle=False)
     try:
         yield srv
     finally:
@@ -62,14 +62,14 @@ def ask(target: str, service: str, *requests: r.ServerReflectionRequest) -> list
 
 @pytest.mark.parametrize("service", [V1, V1ALPHA])
 @pytest.mark.parametrize("port", ["inference", "management"])
-def test_lists_every_service_served(mariner: InProcessMariner, service: str, port: str) -> None:
+def test_lists_every_service_served(mariner: MarinerServe, service: str, port: str) -> None:
     target = mariner.grpc_target if port == "inference" else mariner.grpc_management_target
     (answer,) = ask(target, service, r.ServerReflectionRequest(list_services=""))
     names = {s.name for s in answer.list_services_response.service}
     assert names == (INFERENCE_SERVICES if port == "inference" else MANAGEMENT_SERVICES)
 
 
-def test_v1_describes_a_service_by_symbol(mariner: InProcessMariner) -> None:
+def test_v1_describes_a_service_by_symbol(mariner: MarinerServe) -> None:
     (answer,) = ask(
         mariner.grpc_target,
         V1,
@@ -85,7 +85,7 @@ def test_v1_describes_a_service_by_symbol(mariner: InProcessMariner) -> None:
     assert {"ModelInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex"} <= methods
 
 
-def test_v1_unknown_symbol_is_an_in_stream_not_found(mariner: InProcessMariner) -> None:
+def test_v1_unknown_symbol_is_an_in_stream_not_found(mariner: MarinerServe) -> None:
     (answer,) = ask(
         mariner.grpc_target, V1, r.ServerReflectionRequest(file_containing_symbol="no.such.Service")
     )

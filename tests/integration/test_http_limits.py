@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_security import _self_signed
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -29,9 +29,9 @@ WAIT = 120.0  # upper bound for anything we wait on; a pass never takes it
 
 
 @pytest.fixture(scope="module")
-def patient(model_store: Path) -> Iterator[InProcessMariner]:
+def patient(model_store: Path) -> Iterator[MarinerServe]:
     """Long timeouts, a cap of 4 connections per listener, tokens on."""
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store,
         "digits_onnx.mar",
         inference_token=TOKEN,
@@ -39,7 +39,7 @@ def patient(model_store: Path) -> Iterator[InProcessMariner]:
         http_header_timeout_s=600.0,
         http_body_timeout_s=600.0,
         http_keep_alive_s=600.0,
-    ).start(load=False)
+    ).start(settle=False)
     try:
         yield srv
     finally:
@@ -47,15 +47,15 @@ def patient(model_store: Path) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def hasty(model_store: Path) -> Iterator[InProcessMariner]:
+def hasty(model_store: Path) -> Iterator[MarinerServe]:
     """Short timeouts (1 s), no tokens."""
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store,
         "digits_onnx.mar",
         http_header_timeout_s=1.0,
         http_body_timeout_s=1.0,
         http_keep_alive_s=1.0,
-    ).start(load=False)
+    ).start(settle=False)
     try:
         yield srv
     finally:
@@ -119,12 +119,11 @@ def poll(predicate: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
-def open_connections(srv: InProcessMariner) -> int:
-    assert srv.server is not None
-    return len(srv.server._http[0].server_state.connections)
+def open_connections(srv: MarinerServe) -> int:
+    return srv.open_connections()
 
 
-def test_oversized_request_heads_are_refused_431_and_closed(patient: InProcessMariner) -> None:
+def test_oversized_request_heads_are_refused_431_and_closed(patient: MarinerServe) -> None:
     port = patient.ports.inference
     with connect(port) as ok:  # 16 KiB of headers is within the 32 KiB default
         ok.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\nX-Pad: " + b"a" * 16384 + b"\r\n\r\n")
@@ -144,7 +143,7 @@ def test_oversized_request_heads_are_refused_431_and_closed(patient: InProcessMa
     assert answer == b"" or status(answer) == 431, answer[:200]  # a reset may eat the answer itself
 
 
-def test_a_half_request_line_is_answered_408_once_the_header_timeout_passes(hasty: InProcessMariner) -> None:
+def test_a_half_request_line_is_answered_408_once_the_header_timeout_passes(hasty: MarinerServe) -> None:
     with connect(hasty.ports.inference) as slow:
         slow.sendall(b"GET /pi")
         answer = read_until_closed(slow)
@@ -152,12 +151,12 @@ def test_a_half_request_line_is_answered_408_once_the_header_timeout_passes(hast
     assert b"request headers not received within 1 s" in answer
 
 
-def test_a_connection_that_never_sends_is_closed_without_an_answer(hasty: InProcessMariner) -> None:
+def test_a_connection_that_never_sends_is_closed_without_an_answer(hasty: MarinerServe) -> None:
     with connect(hasty.ports.inference) as silent:
         assert read_until_closed(silent) == b""
 
 
-def test_a_trickled_body_is_answered_408_once_the_body_timeout_passes(hasty: InProcessMariner) -> None:
+def test_a_trickled_body_is_answered_408_once_the_body_timeout_passes(hasty: MarinerServe) -> None:
     with connect(hasty.ports.inference) as slow:
         slow.sendall(
             b"POST /predictions/digits_onnx HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
@@ -168,7 +167,7 @@ def test_a_trickled_body_is_answered_408_once_the_body_timeout_passes(hasty: InP
     assert b"request body not received within 1 s" in answer
 
 
-def test_an_idle_keep_alive_connection_is_closed(hasty: InProcessMariner) -> None:
+def test_an_idle_keep_alive_connection_is_closed(hasty: MarinerServe) -> None:
     with connect(hasty.ports.inference) as idle:
         idle.sendall(LIVE)
         assert status(read_response(idle)) == 200
@@ -176,7 +175,7 @@ def test_an_idle_keep_alive_connection_is_closed(hasty: InProcessMariner) -> Non
     poll(lambda: open_connections(hasty) == 0, "the server forgets the closed connection")
 
 
-def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: InProcessMariner) -> None:
+def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: MarinerServe) -> None:
     port = patient.ports.inference
     poll(lambda: open_connections(patient) == 0, "no connection left over from other tests")
     held = [connect(port) for _ in range(4)]
@@ -208,7 +207,7 @@ def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: InPr
         assert status(read_response(fresh)) == 200
 
 
-def test_an_unauthenticated_body_is_refused_on_the_headers_and_never_read(patient: InProcessMariner) -> None:
+def test_an_unauthenticated_body_is_refused_on_the_headers_and_never_read(patient: MarinerServe) -> None:
     with connect(patient.ports.inference) as sock:
         # Headers only: the 8 MiB body is announced, never sent, so a server waiting for it hangs.
         sock.sendall(
@@ -222,8 +221,8 @@ def test_an_unauthenticated_body_is_refused_on_the_headers_and_never_read(patien
 
 def test_http_tls_accepts_only_aead_suites(model_store: Path, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path, "server")
-    srv = InProcessMariner(model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key).start(
-        load=False
+    srv = MarinerServe(model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key).start(
+        settle=False
     )
 
     def handshake(ciphers: str, newest: ssl.TLSVersion) -> str:

@@ -15,9 +15,11 @@ what `/metrics` of a live Mariner exports.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -32,11 +34,11 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig, build_parser, load_config, read_properties
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.listeners import check_exposure
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -330,7 +332,7 @@ class LiveMetrics:
     labels: frozenset[str]  # label names on mariner_* samples
 
 
-def _scrape(server: InProcessMariner) -> LiveMetrics:
+def _scrape(server: MarinerServe) -> LiveMetrics:
     text = requests.get(f"{server.metrics}/metrics", timeout=10).text
     declared: set[str] = set()
     sampled: set[str] = set()
@@ -348,15 +350,22 @@ def _scrape(server: InProcessMariner) -> LiveMetrics:
     return LiveMetrics(frozenset(declared), frozenset(sampled), frozenset(labels))
 
 
+GPU_WORKER_GAUGE = (
+    "from mariner.server.control.metrics import Metrics; "
+    "Metrics().gpu_memory_bytes.labels(device='cuda:0').set(0)"
+)
+
+
 @pytest.fixture(scope="module")
 def live(
     model_store: Path, rendered: dict[str, list[Obj]], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[InProcessMariner, LiveMetrics]]:
+) -> Iterator[tuple[MarinerServe, LiveMetrics]]:
     """Mariner with the ConfigMap's settings (ports 0, the local store, its token files written with
     test tokens), after one prediction."""
     cfg = server_config(rendered, "overlays/cpu", tmp_path_factory.mktemp("config"))
     tokens = write_token_files(tmp_path_factory.mktemp("tokens"))
-    server = InProcessMariner(
+    work_dir = tmp_path_factory.mktemp("work")
+    server = MarinerServe(
         model_store,
         "digits_torchscript.mar",
         slo_ms=cfg.slo_ms,
@@ -364,7 +373,7 @@ def live(
         pin_index=cfg.pin_index,
         grace_seconds=cfg.grace_seconds,
         refuse_seconds=0.0,
-        work_dir=tmp_path_factory.mktemp("work"),
+        work_dir=work_dir,
         inference_token_file=tokens[Path(cfg.inference_token_file or "").name],
         management_token_file=tokens[Path(cfg.management_token_file or "").name],
         open_health=cfg.open_health,
@@ -382,9 +391,15 @@ def live(
         assert GPU_MEMORY in before.declared
         if GPU_MEMORY not in before.sampled:
             # No CUDA in use: the GPU gauge is declared but has no series. Give it the one a GPU pod
-            # has, through the server's own metric object, so its real label names are exported.
-            assert server.server is not None
-            server.server.metrics.gpu_memory_bytes.labels(device="cuda:0").set(0)
+            # has: a process sets it through the server's own metric object in the server's
+            # multiprocess metrics dir, as a GPU worker does, so its real label names are exported.
+            (metrics_dir,) = work_dir.glob("mariner-metrics-*")
+            subprocess.run(
+                [sys.executable, "-c", GPU_WORKER_GAUGE],
+                env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+                check=True,
+                timeout=120,
+            )
         yield server, _scrape(server)
     finally:
         server.stop()
@@ -501,7 +516,7 @@ def test_probes_hit_the_health_endpoints(rendered: dict[str, list[Obj]], rel: st
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
 
 
-def test_health_endpoints_answer_on_a_live_server(live: tuple[InProcessMariner, LiveMetrics]) -> None:
+def test_health_endpoints_answer_on_a_live_server(live: tuple[MarinerServe, LiveMetrics]) -> None:
     """What the probes ask, asked of a real server with the deploy's tokens, without a token:
     liveness, readiness over HTTP and gRPC health."""
     server, _ = live
@@ -827,7 +842,7 @@ def test_no_secret_values_are_committed(rendered: dict[str, list[Obj]]) -> None:
 
 
 def test_live_server_wants_tokens_except_for_probes_and_metrics(
-    live: tuple[InProcessMariner, LiveMetrics],
+    live: tuple[MarinerServe, LiveMetrics],
 ) -> None:
     """The server as the deploy configures it: inference and management need their tokens (every
     line of a token file works), health and /metrics answer without one."""
@@ -921,7 +936,7 @@ def test_hpa_scales_on_cpu_and_queue_depth(rendered: dict[str, list[Obj]]) -> No
 
 
 def test_every_promql_name_exists_on_a_live_server(
-    rendered: dict[str, list[Obj]], live: tuple[InProcessMariner, LiveMetrics]
+    rendered: dict[str, list[Obj]], live: tuple[MarinerServe, LiveMetrics]
 ) -> None:
     _, metrics = live
     problems = []
@@ -946,7 +961,7 @@ def test_every_promql_name_exists_on_a_live_server(
     assert len(promql_sources(rendered)) > 15
 
 
-def test_error_ratio_matches_the_code_label_values(live: tuple[InProcessMariner, LiveMetrics]) -> None:
+def test_error_ratio_matches_the_code_label_values(live: tuple[MarinerServe, LiveMetrics]) -> None:
     """The rules count code=~"5..": the code label must hold HTTP-style statuses (gRPC too)."""
     server, _ = live
     text = requests.get(f"{server.metrics}/metrics", timeout=10).text
@@ -962,7 +977,7 @@ def test_error_ratio_matches_the_code_label_values(live: tuple[InProcessMariner,
 
 
 def test_latency_alert_threshold_is_the_slo_bucket(
-    rendered: dict[str, list[Obj]], live: tuple[InProcessMariner, LiveMetrics], tmp_path: Path
+    rendered: dict[str, list[Obj]], live: tuple[MarinerServe, LiveMetrics], tmp_path: Path
 ) -> None:
     cfg = server_config(rendered, "overlays/cpu", tmp_path)
     rule = next(

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_explanations import current_digits_archive
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -36,11 +36,11 @@ N_ROWS = 4
 
 
 @pytest.fixture(scope="module")
-def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("kserve")
     for name in (MODEL, ONNX):
         current_digits_archive(model_store, f"{name}.mar", store)
-    srv = InProcessMariner(store, f"{MODEL}.mar,{ONNX}.mar").start()
+    srv = MarinerServe(store, f"{MODEL}.mar,{ONNX}.mar").start()
     try:
         yield srv
     finally:
@@ -52,7 +52,7 @@ def rows(eager_reference: Any) -> list[list[float]]:
     return [r.tolist() for r in eager_reference.test_pixels[:N_ROWS]]
 
 
-def v1(srv: InProcessMariner, path: str, body: Any = None, **kw: Any) -> requests.Response:
+def v1(srv: MarinerServe, path: str, body: Any = None, **kw: Any) -> requests.Response:
     if body is None and "data" not in kw:
         return requests.get(f"{srv.http}{path}", timeout=TIMEOUT)
     return requests.post(f"{srv.http}{path}", json=body, timeout=TIMEOUT, **kw)
@@ -67,14 +67,14 @@ def assert_error(resp: requests.Response, status: int, fragment: str) -> None:
 
 
 # -- by hand ------------------------------------------------------------------------------------
-def test_models_list_readiness_and_liveness(server: InProcessMariner) -> None:
+def test_models_list_readiness_and_liveness(server: MarinerServe) -> None:
     assert v1(server, "/v1/models").json() == {"models": sorted([MODEL, ONNX])}
     assert v1(server, f"/v1/models/{MODEL}").json() == {"name": MODEL, "ready": True}
     assert v1(server, "/").json() == {"status": "alive"}
     assert_error(v1(server, "/v1/models/nope"), 404, "nope")
 
 
-def test_predict_answers_what_predictions_answers(server: InProcessMariner, rows: list[list[float]]) -> None:
+def test_predict_answers_what_predictions_answers(server: MarinerServe, rows: list[list[float]]) -> None:
     # An instance that is a list arrives as {"body": list}; an object is the handler's row itself.
     instances: list[Any] = [rows[0], {"data": rows[1]}, rows[2]]
     resp = v1(server, f"/v1/models/{MODEL}:predict", {"instances": instances})
@@ -86,7 +86,7 @@ def test_predict_answers_what_predictions_answers(server: InProcessMariner, rows
     assert predictions == expected
 
 
-def test_explain_answers_what_explanations_answers(server: InProcessMariner, rows: list[list[float]]) -> None:
+def test_explain_answers_what_explanations_answers(server: MarinerServe, rows: list[list[float]]) -> None:
     resp = v1(server, f"/v1/models/{MODEL}:explain", {"instances": [rows[0], {"data": rows[1], "target": 4}]})
     assert resp.status_code == 200, resp.text
     explanations = resp.json()["explanations"]
@@ -96,7 +96,7 @@ def test_explain_answers_what_explanations_answers(server: InProcessMariner, row
     assert np.asarray(explanations[1]["saliency"]).shape == (8, 8)
 
 
-def test_errors_have_kserve_shape_and_status(server: InProcessMariner, rows: list[list[float]]) -> None:
+def test_errors_have_kserve_shape_and_status(server: MarinerServe, rows: list[list[float]]) -> None:
     path = f"/v1/models/{MODEL}:predict"
     assert_error(v1(server, path, data=b"{not json"), 400, "not valid JSON")
     assert_error(v1(server, path, {"inputs": rows}), 400, '{"instances": [...]}')
@@ -110,9 +110,7 @@ def test_errors_have_kserve_shape_and_status(server: InProcessMariner, rows: lis
     assert_error(v1(server, f"/v1/models/{ONNX}:explain", {"instances": rows[:1]}), 501, "cannot explain")
 
 
-def test_v1_calls_are_counted_under_their_own_protocol(
-    server: InProcessMariner, rows: list[list[float]]
-) -> None:
+def test_v1_calls_are_counted_under_their_own_protocol(server: MarinerServe, rows: list[list[float]]) -> None:
     def count() -> float:
         text = requests.get(f"{server.metrics}/metrics", timeout=TIMEOUT).text
         wanted = ('protocol="kserve-v1-http"', f'model="{MODEL}"', 'code="200"')
@@ -130,7 +128,7 @@ def test_v1_calls_are_counted_under_their_own_protocol(
 # -- KServe's SDK -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def report(
-    server: InProcessMariner, eager_reference: Any, tmp_path_factory: pytest.TempPathFactory
+    server: MarinerServe, eager_reference: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     if not KSERVE_PYTHON.is_file():
         pytest.fail(f".venv-kserve is missing: run `bash {ENSURE_SCRIPT.relative_to(REPO)}`")

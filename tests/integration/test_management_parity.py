@@ -29,7 +29,7 @@ from openapi_spec_validator import validate
 
 from mariner.server import protogen
 from tests.e2e.serve_process import ServeProcess
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -82,15 +82,15 @@ def assert_openapi(base: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def managed(model_store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(model_store, f"{MODEL}.mar", enable_model_management=True).start()
+def managed(model_store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(model_store, f"{MODEL}.mar", enable_model_management=True).start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def test_a_duplicate_register_is_409_with_torchserves_sentence(managed: InProcessMariner) -> None:
+def test_a_duplicate_register_is_409_with_torchserves_sentence(managed: MarinerServe) -> None:
     r = requests.post(f"{managed.management}/models", params={"url": f"{MODEL}.mar"}, timeout=60)
     assert r.status_code == 409, r.text
     assert r.json()["message"] == f"Model version 1.0 is already registered for model {MODEL}"
@@ -102,7 +102,7 @@ def test_a_duplicate_register_is_409_with_torchserves_sentence(managed: InProces
     ]
 
 
-def test_asynchronous_register_answers_202_then_loads(managed: InProcessMariner) -> None:
+def test_asynchronous_register_answers_202_then_loads(managed: MarinerServe) -> None:
     mgmt = f"{managed.management}/models"
     r = requests.post(mgmt, params={"url": "digits_torchscript.mar", "synchronous": "false"}, timeout=60)
     assert (r.status_code, r.json()) == (202, {"status": "Processing worker updates..."})
@@ -121,7 +121,7 @@ def test_asynchronous_register_answers_202_then_loads(managed: InProcessMariner)
         requests.delete(f"{mgmt}/digits_torchscript", timeout=60)
 
 
-def test_customized_describe_runs_the_handler_in_its_worker(managed: InProcessMariner) -> None:
+def test_customized_describe_runs_the_handler_in_its_worker(managed: MarinerServe) -> None:
     r = requests.get(f"{managed.management}/models/{MODEL}?customized=true", timeout=60)
     assert r.status_code == 400, r.text  # the handler's own status, as stock TorchServe answers
     (entry,) = r.json()
@@ -137,20 +137,20 @@ def test_customized_describe_runs_the_handler_in_its_worker(managed: InProcessMa
     assert "customizedMetadata" not in every.json()[0]
 
 
-def test_both_ports_serve_a_valid_openapi_document(managed: InProcessMariner) -> None:
+def test_both_ports_serve_a_valid_openapi_document(managed: MarinerServe) -> None:
     inference = assert_openapi(managed.http)
     management = assert_openapi(managed.management)
     assert "/predictions/{model}" in inference["paths"]
     assert "/models/{name}/{version}/set-default" in management["paths"]
 
 
-def test_management_grpc_health_knows_its_service(managed: InProcessMariner) -> None:
+def test_management_grpc_health_knows_its_service(managed: MarinerServe) -> None:
     health_pb2, *_ = stubs()
     assert management_health(managed.grpc_management_target) == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_without_management_only_register_and_unregister_are_refused(model_store: Path) -> None:
-    srv = InProcessMariner(model_store, f"{MODEL}.mar").start()
+    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
     try:
         mgmt = f"{srv.management}/models"
         register = requests.post(mgmt, params={"url": "digits_torchscript.mar"}, timeout=30)

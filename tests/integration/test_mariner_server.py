@@ -1,6 +1,6 @@
 """Mariner with the real archives from the pipeline, on port 0, over real gRPC and HTTP.
 
-One in-process server loads every variant; clients are `requests` and stubs generated from our
+One `mariner serve` loads every variant; clients are `requests` and stubs generated from our
 proto/. Answers are judged against the eager model; batching is read from /metrics.
 """
 
@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import importlib
 import json
+import os
 import re
-import threading
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -43,9 +44,9 @@ def pb() -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
     models = ",".join(f"{m}.mar" for m in FP32 + INT8)
-    srv = InProcessMariner(model_store, models, max_request_bytes=MAX_REQUEST).start()
+    srv = MarinerServe(model_store, models, max_request_bytes=MAX_REQUEST).start()
     try:
         yield srv
     finally:
@@ -53,7 +54,7 @@ def mariner(model_store: Path) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def stub(mariner: InProcessMariner, pb: SimpleNamespace) -> Iterator[object]:
+def stub(mariner: MarinerServe, pb: SimpleNamespace) -> Iterator[object]:
     with grpc.insecure_channel(mariner.grpc_target) as channel:
         yield pb.inference_grpc.InferenceAPIsServiceStub(channel)
 
@@ -70,7 +71,7 @@ def _check_answer(answer: dict, expected_probs: np.ndarray, model: str) -> None:
 
 
 @pytest.mark.parametrize("model", FP32 + INT8)
-def test_http_predictions_match_eager(mariner: InProcessMariner, eager_reference, model: str) -> None:
+def test_http_predictions_match_eager(mariner: MarinerServe, eager_reference, model: str) -> None:
     pixels = eager_reference.test_pixels[:SAMPLES]
     probs = eager_reference.probabilities(pixels)
     for px, p in zip(pixels, probs, strict=True):
@@ -92,7 +93,7 @@ def test_grpc_predictions_match_eager(stub, pb, eager_reference, model: str) -> 
         _check_answer(json.loads(reply.prediction), p, model)
 
 
-def test_versioned_path_serves_the_default_version(mariner: InProcessMariner, eager_reference) -> None:
+def test_versioned_path_serves_the_default_version(mariner: MarinerServe, eager_reference) -> None:
     px = eager_reference.test_pixels[0]
     r = requests.post(f"{mariner.http}/predictions/digits_torchscript/1.0", json=[float(v) for v in px])
     assert r.status_code == 200
@@ -106,7 +107,7 @@ def _metric(text: str, name: str, model: str) -> float:
     return float(m.group(1))
 
 
-def test_64_concurrent_requests_are_batched(mariner: InProcessMariner, pb, eager_reference) -> None:
+def test_64_concurrent_requests_are_batched(mariner: MarinerServe, pb, eager_reference) -> None:
     model = "digits_torchscript"
     before = requests.get(f"{mariner.metrics}/metrics").text
     pixels = eager_reference.test_pixels[:64]
@@ -139,7 +140,7 @@ def test_64_concurrent_requests_are_batched(mariner: InProcessMariner, pb, eager
 # -- errors: the codes in DESIGN.md, with messages that say what was wrong ------------------------
 
 
-def test_http_errors(mariner: InProcessMariner) -> None:
+def test_http_errors(mariner: MarinerServe) -> None:
     url = f"{mariner.http}/predictions"
     json_hdr = {"Content-Type": "application/json"}
     r = requests.post(f"{url}/digits_torchscript", data=b"[1, 2,", headers=json_hdr)
@@ -188,37 +189,62 @@ def test_grpc_errors(stub, pb) -> None:
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-@contextlib.contextmanager
-def first_batch_blocks(mariner: InProcessMariner, model: str) -> Iterator[SimpleNamespace]:
-    """Hold the model's only instance on its first batch until `release`; keep every batch's size.
+def _batch_totals(mariner: MarinerServe, model: str) -> tuple[int, int]:
+    """(batches, items) the model's batcher has dispatched so far, from mariner_batch_size."""
+    text = requests.get(f"{mariner.metrics}/metrics", timeout=10).text
+    return int(_metric(text, "mariner_batch_size_count", model)), int(
+        _metric(text, "mariner_batch_size_sum", model)
+    )
 
-    The wrap sits where the batcher hands a batch to the instance (the instance is a worker
-    process: its handler is out of reach), so the batcher sees the instance busy for exactly as
-    long as the test wants. While the first batch holds it, whatever arrives queues and then runs
-    as one batch: the test decides which requests share a batch instead of hoping they happen to.
+
+class FirstBatchGate:
+    """Holds the model's only worker process on its first batch until `release`.
+
+    The worker is stopped (SIGSTOP) before the first request: the frontend's batcher hands it the
+    first batch, so the instance is busy from then on and whatever arrives queues; SIGCONT lets it
+    answer, and the queue then runs as one batch. The test decides which requests share a batch
+    instead of hoping they happen to. Batch sizes are read from mariner_batch_size in /metrics.
     """
-    runner = mariner.server.dataplane.resolve(model).runners[0]
-    assert len(mariner.server.dataplane.resolve(model).runners) == 1
-    real = runner.run
-    gate = SimpleNamespace(started=threading.Event(), release=threading.Event(), sizes=[])
 
-    async def run(requests: list) -> list:
-        gate.sizes.append(len(requests))
-        if len(gate.sizes) == 1:
-            gate.started.set()
-            released = await asyncio.to_thread(gate.release.wait, 120)
-            assert released, "the test never released the first batch"
-        return await real(requests)
+    def __init__(self, mariner: MarinerServe, model: str) -> None:
+        (self.pid,) = mariner.worker_pids(model)
+        self.mariner, self.model = mariner, model
+        self.start = _batch_totals(mariner, model)
+        self.first: tuple[int, int] | None = None
 
-    runner.run = run  # type: ignore[method-assign]
+    def wait_started(self) -> bool:
+        """True once the first batch was handed to the (stopped) worker."""
+        for _ in range(6000):
+            now = _batch_totals(self.mariner, self.model)
+            if now[0] > self.start[0]:
+                self.first = now
+                return True
+            time.sleep(0.02)
+        return False
+
+    def release(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def sizes(self) -> list[object]:
+        """The first batch's size, then the next one's (or how many batches the rest took)."""
+        assert self.first is not None
+        end = _batch_totals(self.mariner, self.model)
+        batches, items = end[0] - self.first[0], end[1] - self.first[1]
+        rest: list[object] = [items] if batches == 1 else [f"{items} items in {batches} batches"]
+        return [self.first[1] - self.start[1], *rest]
+
+
+@contextlib.contextmanager
+def first_batch_blocks(mariner: MarinerServe, model: str) -> Iterator[FirstBatchGate]:
+    gate = FirstBatchGate(mariner, model)
+    os.kill(gate.pid, signal.SIGSTOP)
     try:
         yield gate
     finally:
-        gate.release.set()
-        del runner.run
+        gate.release()
 
 
-def wait_for_queue_depth(mariner: InProcessMariner, model: str, depth: int) -> None:
+def wait_for_queue_depth(mariner: MarinerServe, model: str, depth: int) -> None:
     """Poll /metrics until `depth` items wait in the model's queue (an event, not a time)."""
     for _ in range(6000):
         text = requests.get(f"{mariner.metrics}/metrics", timeout=10).text
@@ -228,7 +254,7 @@ def wait_for_queue_depth(mariner: InProcessMariner, model: str, depth: int) -> N
     raise AssertionError(f"{depth} requests never queued for {model}")
 
 
-def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb, eager_reference) -> None:
+def test_bad_request_does_not_fail_its_batch_mates(mariner: MarinerServe, pb, eager_reference) -> None:
     model = "digits_onnx"
     pixels = eager_reference.test_pixels[:16]
     expected = eager_reference.probabilities(pixels).argmax(1).tolist()
@@ -236,7 +262,7 @@ def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb
     bodies.insert(7, b"[1, 2, 3]")  # decoded by the handler, inside the shared batch
     bodies.insert(3, b"[1, 2,")
 
-    async def fire(gate: SimpleNamespace) -> tuple[object, list[object]]:
+    async def fire(gate: FirstBatchGate) -> tuple[object, list[object]]:
         async with grpc.aio.insecure_channel(mariner.grpc_target) as ch:
             s = pb.inference_grpc.InferenceAPIsServiceStub(ch)
 
@@ -244,15 +270,15 @@ def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb
                 return s.Predictions(pb.inference.PredictionsRequest(model_name=model, input={"data": body}))
 
             blocker = asyncio.ensure_future(call(_body(pixels[0])))
-            assert await asyncio.to_thread(gate.started.wait, 120), "the first request never ran"
+            assert await asyncio.to_thread(gate.wait_started), "the first request never ran"
             calls = [asyncio.ensure_future(call(b)) for b in bodies]
             await asyncio.to_thread(wait_for_queue_depth, mariner, model, len(bodies))
-            gate.release.set()
+            gate.release()
             return await blocker, await asyncio.gather(*calls, return_exceptions=True)
 
     with first_batch_blocks(mariner, model) as gate:
         first, out = asyncio.run(fire(gate))
-    assert gate.sizes == [1, len(bodies)], "everything queued behind the first batch runs as one batch"
+    assert gate.sizes() == [1, len(bodies)], "everything queued behind the first batch runs as one batch"
     assert json.loads(first.prediction)["label"] == expected[0]
     truncated, short = out.pop(3), out.pop(7)
     for bad, what in ((truncated, "JSON"), (short, "64")):
@@ -267,11 +293,42 @@ def test_bad_request_does_not_fail_its_batch_mates(mariner: InProcessMariner, pb
 # -- readiness -----------------------------------------------------------------------------------
 
 
-def test_health_is_serving_only_after_load(model_store: Path) -> None:
+GATED_HANDLER = """
+import os
+import time
+
+
+class Gated:
+    def initialize(self, context):
+        gate = os.environ["MARINER_TEST_LOAD_GATE"]
+        end = time.monotonic() + 300  # a cap only so a forgotten gate cannot hang the run
+        while not os.path.exists(gate) and time.monotonic() < end:
+            time.sleep(0.01)
+
+    def handle(self, data, context):
+        return ["ok" for _ in data]
+"""
+
+
+def test_health_is_serving_only_after_load(tmp_path: Path) -> None:
+    """A model whose handler is still initialising: the frontend listens, health and /readyz
+    say NOT_SERVING/503 (liveness 200); once it has loaded, SERVING/200."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    srv = InProcessMariner(model_store, "digits_torchscript.mar").start(load=False)
+    from tests.integration.fault_archive import write_handler_archive
+
+    store = tmp_path / "store"
+    store.mkdir()
+    write_handler_archive(
+        store / "gated.mar",
+        "gated",
+        "gated_handler.py",
+        {"gated_handler.py": GATED_HANDLER, "model-config.yaml": "batchSize: 1\n"},
+    )
+    gate = tmp_path / "loaded"
+    srv = MarinerServe(store, "gated.mar", env={"MARINER_TEST_LOAD_GATE": str(gate)}).start(settle=False)
     try:
+        srv.wait_http_ok(f"{srv.http}/healthz")  # the frontend listens; the handler waits on the gate
         with grpc.insecure_channel(srv.grpc_target) as ch:
             health = health_pb2_grpc.HealthStub(ch)
 
@@ -279,12 +336,13 @@ def test_health_is_serving_only_after_load(model_store: Path) -> None:
                 return health.Check(health_pb2.HealthCheckRequest(service=service)).status
 
             not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-            assert status("digits_torchscript") == not_serving
+            assert status("gated") == not_serving
             assert status("") == not_serving
             assert requests.get(f"{srv.http}/readyz").status_code == 503
             assert requests.get(f"{srv.http}/healthz").status_code == 200
-            srv.load()
-            assert status("digits_torchscript") == health_pb2.HealthCheckResponse.SERVING
+            gate.touch()
+            assert srv.wait_settled(), srv.log_tail()
+            assert status("gated") == health_pb2.HealthCheckResponse.SERVING
             assert status("") == health_pb2.HealthCheckResponse.SERVING
             assert requests.get(f"{srv.http}/readyz").status_code == 200
     finally:
@@ -307,10 +365,10 @@ def _mapped_aoti_dirs(pid: int | str = "self") -> set[Path]:
 
 def test_an_aoti_model_leaves_no_temp_dir_behind(model_store: Path) -> None:
     """torch extracts an AOTInductor package into $TMPDIR/aotinductor_*; stopping must remove it."""
-    srv = InProcessMariner(model_store, "digits_aoti.mar").start()
+    srv = MarinerServe(model_store, "digits_aoti.mar").start()
     try:
-        (runner,) = srv.server.dataplane.resolve("digits_aoti").runners  # type: ignore[union-attr]
-        ours = _mapped_aoti_dirs(runner.pid)  # the model runs in its worker process
+        (pid,) = srv.worker_pids("digits_aoti")
+        ours = _mapped_aoti_dirs(pid)  # the model runs in its worker process
         assert ours, "the AOTI model should run from an extracted package"
         assert all(d.is_dir() for d in ours)
     finally:

@@ -25,7 +25,7 @@ from mariner.training.minilm import pipeline
 from mariner.training.minilm.verify import load_handler
 from mariner.training.text_data import sentences
 from tests.conftest import FamilyStore, family_store
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -39,10 +39,8 @@ def built(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Family
 
 
 @pytest.fixture(scope="module")
-def server(built: FamilyStore) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(
-        built.store, ",".join(f"minilm_{v}.mar" for v in pipeline.DEFAULT_VARIANTS)
-    ).start()
+def server(built: FamilyStore) -> Iterator[MarinerServe]:
+    srv = MarinerServe(built.store, ",".join(f"minilm_{v}.mar" for v in pipeline.DEFAULT_VARIANTS)).start()
     try:
         yield srv
     finally:
@@ -73,7 +71,7 @@ def test_the_store_holds_every_default_variant_verified(built: FamilyStore) -> N
 
 @pytest.mark.parametrize("variant", pipeline.DEFAULT_VARIANTS)
 def test_torchserve_http_answers_text_and_json_lists(
-    server: InProcessMariner, reference: Any, variant: str
+    server: MarinerServe, reference: Any, variant: str
 ) -> None:
     a, b = sentences("heldout")[:2]
     expect = reference.embed([a, b])
@@ -89,7 +87,7 @@ def test_torchserve_http_answers_text_and_json_lists(
     np.testing.assert_allclose(np.asarray(many.json()["embeddings"]), expect, atol=tol)
 
 
-def test_bad_request_is_400_with_a_message(server: InProcessMariner) -> None:
+def test_bad_request_is_400_with_a_message(server: MarinerServe) -> None:
     url = f"{server.http}/predictions/minilm_eager"
     bad = requests.post(url, json=["fine", 7], timeout=TIMEOUT)
     assert bad.status_code == 400
@@ -99,7 +97,7 @@ def test_bad_request_is_400_with_a_message(server: InProcessMariner) -> None:
     assert "empty" in empty.text
 
 
-def test_oip_rest_bytes_tensor_and_metadata(server: InProcessMariner, reference: Any) -> None:
+def test_oip_rest_bytes_tensor_and_metadata(server: MarinerServe, reference: Any) -> None:
     texts = sentences("heldout")[2:5]
     meta = requests.get(f"{server.http}/v2/models/minilm_onnx", timeout=TIMEOUT).json()
     assert meta["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
@@ -115,7 +113,7 @@ def test_oip_rest_bytes_tensor_and_metadata(server: InProcessMariner, reference:
     np.testing.assert_allclose(got, reference.embed(texts), atol=1e-4)
 
 
-def test_oip_grpc_bytes_tensor(server: InProcessMariner, reference: Any) -> None:
+def test_oip_grpc_bytes_tensor(server: MarinerServe, reference: Any) -> None:
     texts = sentences("heldout")[5:9]
     arr = np.array([t.encode() for t in texts], dtype=object)
     with GrpcClient(server.grpc_target, timeout_s=TIMEOUT) as client:

@@ -20,7 +20,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +44,8 @@ def pb() -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(model_store, ",".join(f"{m}.mar" for m in MODELS)).start()
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(model_store, ",".join(f"{m}.mar" for m in MODELS)).start()
     try:
         yield srv
     finally:
@@ -53,7 +53,7 @@ def mariner(model_store: Path) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def stub(mariner: InProcessMariner, pb: SimpleNamespace) -> Iterator[object]:
+def stub(mariner: MarinerServe, pb: SimpleNamespace) -> Iterator[object]:
     with grpc.insecure_channel(mariner.grpc_target) as channel:
         yield pb.stub(channel)
 
@@ -98,9 +98,7 @@ def test_grpc_infer_matches_eager_logits_row_for_row(stub, pb, eager_reference, 
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_rest_infer_json_and_binary_match_eager(
-    mariner: InProcessMariner, eager_reference, model: str
-) -> None:
+def test_rest_infer_json_and_binary_match_eager(mariner: MarinerServe, eager_reference, model: str) -> None:
     pixels = eager_reference.test_pixels[ROWS : 2 * ROWS]
     want = eager_logits(eager_reference, pixels)
     url = f"{mariner.http}/v2/models/{model}/infer"
@@ -143,7 +141,7 @@ def test_rest_infer_json_and_binary_match_eager(
     )
 
 
-def test_metadata_and_errors(mariner: InProcessMariner, stub, pb) -> None:
+def test_metadata_and_errors(mariner: MarinerServe, stub, pb) -> None:
     meta = stub.ModelMetadata(pb.m.ModelMetadataRequest(name="digits_torchscript"))
     assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [("pixels", "FP32", [-1, 64])]
     assert [(t.name, t.datatype) for t in meta.outputs] == [
@@ -167,7 +165,7 @@ def test_metadata_and_errors(mariner: InProcessMariner, stub, pb) -> None:
     assert requests.get(f"{mariner.http}/v2/models/nope", timeout=10).status_code == 404
 
 
-def batch_metrics(mariner: InProcessMariner, model: str) -> tuple[float, float]:
+def batch_metrics(mariner: MarinerServe, model: str) -> tuple[float, float]:
     """(batches, items) so far for the model's default version, from /metrics."""
     text = requests.get(f"{mariner.metrics}/metrics", timeout=10).text
     values: dict[str, float] = {}
@@ -179,7 +177,7 @@ def batch_metrics(mariner: InProcessMariner, model: str) -> tuple[float, float]:
     return values["count"], values["sum"]
 
 
-def test_torchserve_and_oip_requests_share_batches(mariner: InProcessMariner, pb, eager_reference) -> None:
+def test_torchserve_and_oip_requests_share_batches(mariner: MarinerServe, pb, eager_reference) -> None:
     """Concurrent TorchServe-API and OIP requests to one model go through one batcher: every
     row is counted once as an item, and there are fewer batches than requests."""
     model = "digits_torchscript"
@@ -230,7 +228,7 @@ def test_torchserve_and_oip_requests_share_batches(mariner: InProcessMariner, pb
     ],
 )
 def test_every_v2_error_is_oip_shaped(
-    mariner: InProcessMariner, method: str, path: str, status: int, allow: str | None
+    mariner: MarinerServe, method: str, path: str, status: int, allow: str | None
 ) -> None:
     """tritonclient reads only {"error": message}: the /v2 prefix's own 404 and 405 included."""
     resp = requests.request(method, mariner.http + path, timeout=30)
@@ -241,7 +239,7 @@ def test_every_v2_error_is_oip_shaped(
     assert resp.headers.get("allow") == allow
 
 
-def test_model_config_is_the_same_over_rest_and_grpc(mariner: InProcessMariner, stub, pb) -> None:
+def test_model_config_is_the_same_over_rest_and_grpc(mariner: MarinerServe, stub, pb) -> None:
     from google.protobuf import json_format
 
     rest = requests.get(f"{mariner.http}/v2/models/digits_onnx/config", timeout=30)
@@ -256,7 +254,7 @@ def test_model_config_is_the_same_over_rest_and_grpc(mariner: InProcessMariner, 
 
 @pytest.mark.parametrize("action", ["load", "unload"])
 def test_repository_changes_are_refused_while_model_management_is_off(
-    mariner: InProcessMariner, pb, action: str
+    mariner: MarinerServe, pb, action: str
 ) -> None:
     """Same refusal as the management API's own register/unregister, on the management ports;
     the inference port sends the caller there."""

@@ -25,7 +25,8 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.runner import ModelHost, Placement
 from mariner.server.core.types import InferRequest, WireProtocol
-from mariner.server.workers.process import ProcessRunner
+from mariner.server.workers.connection import WorkerConnection
+from mariner.server.workers.process import WorkerProcess, worker_spec
 
 pytestmark = pytest.mark.integration
 
@@ -206,19 +207,25 @@ def test_a_worker_process_splits_and_reports_the_splits(tmp_path: Path) -> None:
     splits: list[int] = []
 
     async def scenario() -> list[Any]:
-        runner = ProcessRunner(
+        spec = worker_spec(
             build(tmp_path, "torchscript"),
             instance=0,
-            placement=Placement(None, torch_threads=1),
+            generation=0,
             batch_size=4,
+            gpu_id=None,
+            torch_threads=1,
             socket_dir=tmp_path,
-            on_oom=lambda: splits.append(1),
         )
-        await runner.start()
+        process = WorkerProcess(spec)  # the supervisor's handle on a worker
+        endpoint = await process.start(600.0)
+        # The frontend's side: a connection that counts the splits the worker reports.
+        conn = WorkerConnection(endpoint, batch_size=4, on_oom=lambda n: splits.extend([1] * n))
+        await conn.start()
         try:
-            return await runner.run([ts_request(i) for i in range(4)])
+            return await conn.run([ts_request(i) for i in range(4)])
         finally:
-            await runner.stop(10.0)
+            conn.close()
+            await process.stop(10.0)
 
     results = asyncio.run(scenario())
     assert [json.loads(r.body)["y"] for r in results] == [[[2.0 * i, 2.0]] for i in range(4)]

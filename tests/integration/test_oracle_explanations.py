@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from mariner.loadtest.servers import StockTorchServe
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.test_explanations import current_digits_archive
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +46,8 @@ def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mariner(store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(store, ",".join(f"{m}.mar" for m in MODELS)).start()
+def mariner(store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(store, ",".join(f"{m}.mar" for m in MODELS)).start()
     try:
         yield srv
     finally:
@@ -74,7 +74,7 @@ def both(ts: str, ours: str, path: str, body: Any) -> tuple[requests.Response, r
 
 
 def test_explanations_match_stock_torchserve(
-    torchserve: StockTorchServe, mariner: InProcessMariner, eager_reference: Any
+    torchserve: StockTorchServe, mariner: MarinerServe, eager_reference: Any
 ) -> None:
     px = [r.tolist() for r in eager_reference.test_pixels[:3]]
     cases: list[tuple[Any, int]] = [
@@ -93,7 +93,7 @@ def test_explanations_match_stock_torchserve(
 
 
 def test_invocations_match_stock_torchserve(
-    torchserve: StockTorchServe, mariner: InProcessMariner, eager_reference: Any
+    torchserve: StockTorchServe, mariner: MarinerServe, eager_reference: Any
 ) -> None:
     px = eager_reference.test_pixels[0].tolist()
     theirs, ours = both(torchserve.http_url, mariner.http, "/invocations?model_name=digits_torchscript", px)
@@ -107,7 +107,7 @@ def test_invocations_match_stock_torchserve(
 
 
 def test_kserve_v1_matches_torchserves_kserve_envelope(
-    store: Path, mariner: InProcessMariner, eager_reference: Any
+    store: Path, mariner: MarinerServe, eager_reference: Any
 ) -> None:
     instances = [r.tolist() for r in eager_reference.test_pixels[:3]]
     with stock(store, service_envelope="kserve") as ts:

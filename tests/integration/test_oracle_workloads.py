@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from mariner.loadtest.servers import StockTorchServe, leftover_processes
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -84,8 +84,8 @@ def torchserve(store: Path) -> Iterator[StockTorchServe]:
 
 
 @pytest.fixture(scope="module")
-def mariner(store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(store, ",".join(f"{m}.mar" for m in MODELS)).start()
+def mariner(store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(store, ",".join(f"{m}.mar" for m in MODELS)).start()
     try:
         yield srv
     finally:
@@ -109,7 +109,7 @@ def post_all(base: str, model: str, reqs: list[Request]) -> list[requests.Respon
 
 
 def both(
-    ts: StockTorchServe, ours: InProcessMariner, model: str, reqs: list[Request]
+    ts: StockTorchServe, ours: MarinerServe, model: str, reqs: list[Request]
 ) -> list[tuple[requests.Response, requests.Response]]:
     return list(zip(post_all(ts.http_url, model, reqs), post_all(ours.http, model, reqs), strict=True))
 
@@ -134,9 +134,7 @@ def vectors(answer: dict[str, Any]) -> np.ndarray:
     return np.asarray(answer["embeddings"], dtype=np.float64)
 
 
-def test_minilm_embeddings_match_stock_torchserve(
-    torchserve: StockTorchServe, mariner: InProcessMariner
-) -> None:
+def test_minilm_embeddings_match_stock_torchserve(torchserve: StockTorchServe, mariner: MarinerServe) -> None:
     reqs = text_requests()
     identical = 0
     for i, (theirs, ours) in enumerate(both(torchserve, mariner, MINILM, reqs)):
@@ -162,7 +160,7 @@ def image_requests() -> list[Request]:
     return jpegs + pngs
 
 
-def test_resnet_top5_matches_stock_torchserve(torchserve: StockTorchServe, mariner: InProcessMariner) -> None:
+def test_resnet_top5_matches_stock_torchserve(torchserve: StockTorchServe, mariner: MarinerServe) -> None:
     reqs = image_requests()
     identical = 0
     for i, (theirs, ours) in enumerate(both(torchserve, mariner, RESNET, reqs)):
@@ -189,7 +187,7 @@ def test_resnet_top5_matches_stock_torchserve(torchserve: StockTorchServe, marin
     ],
 )
 def test_a_bad_input_is_a_4xx_on_both_and_fails_alone(
-    torchserve: StockTorchServe, mariner: InProcessMariner, model: str, bad: Request
+    torchserve: StockTorchServe, mariner: MarinerServe, model: str, bad: Request
 ) -> None:
     good = text_requests()[:7] if model == MINILM else image_requests()[:7]
     reqs = [*good[:3], bad, *good[3:]]  # released together: the bad one shares a batch

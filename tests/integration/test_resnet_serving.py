@@ -17,7 +17,7 @@ import requests
 from mariner.client import GrpcClient
 from mariner.server import protogen
 from tests.conftest import FamilyStore, family_store
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,9 +31,9 @@ def built(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Family
 
 
 @pytest.fixture(scope="module")
-def server(built: FamilyStore) -> Iterator[InProcessMariner]:
+def server(built: FamilyStore) -> Iterator[MarinerServe]:
     protogen.generate()
-    srv = InProcessMariner(built.store, ",".join(f"resnet18_{v}.mar" for v in VARIANTS)).start()
+    srv = MarinerServe(built.store, ",".join(f"resnet18_{v}.mar" for v in VARIANTS)).start()
     try:
         yield srv
     finally:
@@ -63,7 +63,7 @@ def test_the_store_holds_every_default_variant_verified(built: FamilyStore) -> N
     assert "PERFORMANCE workload" in built.report
 
 
-def test_jpeg_raw_body_and_multipart_agree_across_variants(server: InProcessMariner, jpeg: bytes) -> None:
+def test_jpeg_raw_body_and_multipart_agree_across_variants(server: MarinerServe, jpeg: bytes) -> None:
     answers = []
     for variant in VARIANTS:
         url = f"{server.http}/predictions/resnet18_{variant}"
@@ -76,7 +76,7 @@ def test_jpeg_raw_body_and_multipart_agree_across_variants(server: InProcessMari
     assert answers[1:] == answers[:1] * (len(VARIANTS) - 1)
 
 
-def test_a_bad_image_is_a_400_for_that_request(server: InProcessMariner, jpeg: bytes) -> None:
+def test_a_bad_image_is_a_400_for_that_request(server: MarinerServe, jpeg: bytes) -> None:
     url = f"{server.http}/predictions/resnet18_onnx"
     bad = requests.post(
         url, data=jpeg[: len(jpeg) // 3], headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S
@@ -87,7 +87,7 @@ def test_a_bad_image_is_a_400_for_that_request(server: InProcessMariner, jpeg: b
     assert good.status_code == 200
 
 
-def test_oip_bytes_tensor_matches_the_raw_body(server: InProcessMariner, jpeg: bytes) -> None:
+def test_oip_bytes_tensor_matches_the_raw_body(server: MarinerServe, jpeg: bytes) -> None:
     url = f"{server.http}/predictions/resnet18_torchscript"
     expected = _indices(
         requests.post(url, data=jpeg, headers={"Content-Type": "image/jpeg"}, timeout=TIMEOUT_S).json()
@@ -101,7 +101,7 @@ def test_oip_bytes_tensor_matches_the_raw_body(server: InProcessMariner, jpeg: b
     assert np.all(np.diff(out["probabilities"][0]) <= 0)
 
 
-def test_oip_fp32_pixels_match_the_encoded_image(server: InProcessMariner, jpeg: bytes) -> None:
+def test_oip_fp32_pixels_match_the_encoded_image(server: MarinerServe, jpeg: bytes) -> None:
     """The optional FP32 input: a client that preprocesses itself (the handler's own resize, crop
     and normalisation) gets the same top-5 as for the JPEG; both forms in one request are refused."""
     from mariner.handlers.resnet_image import preprocess

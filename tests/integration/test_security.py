@@ -4,7 +4,6 @@ and the archive allowlist."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -17,10 +16,10 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
-from tests.integration.mariner_inproc import InProcessMariner
+from mariner.server.listeners import check_exposure
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -29,8 +28,8 @@ BODY = json.dumps([0.0] * 64).encode()
 
 
 @pytest.fixture(scope="module")
-def secured(model_store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(model_store, "digits_onnx.mar", inference_token=INF, management_token=MGMT).start()
+def secured(model_store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(model_store, "digits_onnx.mar", inference_token=INF, management_token=MGMT).start()
     try:
         yield srv
     finally:
@@ -41,7 +40,7 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_http_inference_needs_the_inference_token(secured: InProcessMariner) -> None:
+def test_http_inference_needs_the_inference_token(secured: MarinerServe) -> None:
     url = f"{secured.http}/predictions/digits_onnx"
     hdr = {"Content-Type": "application/json"}
     missing = requests.post(url, data=BODY, headers=hdr, timeout=10)
@@ -66,7 +65,7 @@ def test_http_inference_needs_the_inference_token(secured: InProcessMariner) -> 
     assert oip.status_code == 401
 
 
-def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: InProcessMariner) -> None:
+def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: MarinerServe) -> None:
     for path in ("/ping", "/healthz", "/readyz", "/v2/health/ready"):
         assert requests.get(f"{secured.http}{path}", timeout=10).status_code == 200, path
     assert requests.get(f"{secured.metrics}/metrics", timeout=10).status_code == 200
@@ -76,7 +75,7 @@ def test_health_and_metrics_stay_open_management_needs_its_own_token(secured: In
     assert requests.get(models, headers=bearer(MGMT), timeout=10).status_code == 200
 
 
-def test_grpc_needs_tokens_except_overall_health(secured: InProcessMariner) -> None:
+def test_grpc_needs_tokens_except_overall_health(secured: MarinerServe) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -127,12 +126,12 @@ def test_grpc_needs_tokens_except_overall_health(secured: InProcessMariner) -> N
 
 
 @pytest.fixture(scope="module")
-def closed(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def closed(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     """Tokens from rotation files, and health and metrics closed (--no-open-health/--no-open-metrics)."""
     d = tmp_path_factory.mktemp("tokens")
     (d / "inference").write_text(f"# rotating: old and new both valid\n{INF}\n{INF}-new\n")
     (d / "management").write_text(f"{MGMT}\n")
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store,
         "digits_onnx.mar",
         inference_token_file=d / "inference",
@@ -146,7 +145,7 @@ def closed(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         srv.stop()
 
 
-def test_token_files_accept_every_rotated_token_and_nothing_longer(closed: InProcessMariner) -> None:
+def test_token_files_accept_every_rotated_token_and_nothing_longer(closed: MarinerServe) -> None:
     url = f"{closed.http}/predictions/digits_onnx"
     hdr = {"Content-Type": "application/json"}
     for token in (INF, f"{INF}-new"):
@@ -161,7 +160,7 @@ def test_token_files_accept_every_rotated_token_and_nothing_longer(closed: InPro
     assert requests.get(models, headers=bearer(INF), timeout=10).status_code == 401
 
 
-def test_closed_health_and_metrics_need_tokens(closed: InProcessMariner) -> None:
+def test_closed_health_and_metrics_need_tokens(closed: MarinerServe) -> None:
     for path in ("/ping", "/healthz", "/readyz", "/v2/health/ready", "/v2/health/live"):
         url = f"{closed.http}{path}"
         assert requests.get(url, timeout=10).status_code == 401, path
@@ -216,9 +215,9 @@ def test_only_allowlisted_archives_load(model_store: Path, tmp_path: Path) -> No
     index = json.loads((model_store / "index.json").read_text())
     index["archives"] = [a for a in index["archives"] if a["file"] == "digits_onnx.mar"]
     (store / "index.json").write_text(json.dumps(index))
-    srv = InProcessMariner(store, "all", pin_index=True).start()
+    srv = MarinerServe(store, "all", pin_index=True).start()
     try:
-        names = [m.name for m in srv.server.dataplane.models()]
+        names = srv.served_models()
         assert names == ["digits_onnx"]
         assert requests.get(f"{srv.http}/readyz", timeout=10).status_code == 200
     finally:
@@ -240,7 +239,7 @@ def test_tls_and_mutual_tls(model_store: Path, tmp_path: Path) -> None:
         pytest.fail("openssl is needed to make test certificates")
     cert, key = _self_signed(tmp_path, "server")
     client_cert, client_key = _self_signed(tmp_path, "client")
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key, tls_client_ca_file=client_cert
     ).start()
     try:
@@ -274,13 +273,12 @@ def test_tls_and_mutual_tls(model_store: Path, tmp_path: Path) -> None:
         srv.stop()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+def _json_or_none(line: str) -> dict | None:
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
 
 
 def test_tls_server_with_an_idle_client_connection_stops_without_waiting_for_it(
@@ -289,13 +287,10 @@ def test_tls_server_with_an_idle_client_connection_stops_without_waiting_for_it(
     """A client that keeps its TLS connection open (as every pooled client does) never answers
     close_notify; shutdown must not wait on it, let alone for the whole grace period."""
     cert, key = _self_signed(tmp_path, "server")
-    srv = InProcessMariner(
+    srv = MarinerServe(
         model_store, "digits_onnx.mar", tls_cert_file=cert, tls_key_file=key, grace_seconds=600.0
     ).start()
     session = requests.Session()
-    records = _Records()
-    uvicorn_log = logging.getLogger("uvicorn.error")
-    level = uvicorn_log.level
     try:
         r = session.post(
             f"https://127.0.0.1:{srv.ports.inference}/predictions/digits_onnx",
@@ -305,17 +300,16 @@ def test_tls_server_with_an_idle_client_connection_stops_without_waiting_for_it(
             timeout=10,
         )
         assert r.status_code == 200
-        assert len(srv.server._http[0].server_state.connections) == 1, (
-            "the finished request's connection idles"
-        )
-        uvicorn_log.addHandler(records)
-        uvicorn_log.setLevel(logging.INFO)
-        srv.stop()  # with the 600 s grace period, waiting on the idle connection would time this out
+        assert srv.open_connections() == 1, "the finished request's connection idles"
+        # With the 600 s grace period, waiting on the idle connection would outlast stop()'s 60 s
+        # (then it SIGKILLs the group, and the exit code is not 0).
+        assert srv.stop(timeout=60.0) == 0, srv.log_tail()
     finally:
-        uvicorn_log.removeHandler(records)
-        uvicorn_log.setLevel(level)
         session.close()
-    assert "Shutting down" in records.messages, "uvicorn's shutdown did run"
-    assert not [m for m in records.messages if "Waiting for connections" in m or "timeout" in m], (
-        records.messages
-    )
+    messages = [
+        entry["msg"]
+        for entry in map(_json_or_none, srv.log_text().splitlines())
+        if entry is not None and entry.get("logger") == "uvicorn.error"
+    ]
+    assert "Shutting down" in messages, "uvicorn's shutdown did run"
+    assert not [m for m in messages if "Waiting for connections" in m or "timeout" in m], messages

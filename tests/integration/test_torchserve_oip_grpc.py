@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -70,9 +70,9 @@ def ts(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[InProcessMariner]:
+def mariner(model_store: Path) -> Iterator[MarinerServe]:
     protogen.generate()
-    srv = InProcessMariner(model_store, f"{MODEL}.mar").start()
+    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
     try:
         yield srv
     finally:
@@ -80,7 +80,7 @@ def mariner(model_store: Path) -> Iterator[InProcessMariner]:
 
 
 @pytest.fixture(scope="module")
-def stub(mariner: InProcessMariner, ts: SimpleNamespace) -> Iterator[object]:
+def stub(mariner: MarinerServe, ts: SimpleNamespace) -> Iterator[object]:
     with grpc.insecure_channel(mariner.grpc_target) as channel:
         yield ts.stub(channel)
 

@@ -201,9 +201,9 @@ def test_png_image_is_accepted(torchserve: StockTorchServe, eager_reference: Eag
 
 @pytest.fixture(scope="module")
 def mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
-    from tests.integration.mariner_inproc import InProcessMariner
+    from tests.mariner_serve import MarinerServe
 
-    srv = InProcessMariner(model_store, ",".join(f"{m}.mar" for m in (*FP32, *INT8))).start()
+    srv = MarinerServe(model_store, ",".join(f"{m}.mar" for m in (*FP32, *INT8))).start()
     try:
         yield srv
     finally:
@@ -273,9 +273,9 @@ MANAGED = "digits_onnx"
 def managed_mariner(model_store: Path, torchserve: StockTorchServe) -> Iterator[Any]:
     """Mariner with model management, `MANAGED` registered exactly as the oracle registered it
     (batch size 8, delay 20 ms, one worker, through the management API)."""
-    from tests.integration.mariner_inproc import InProcessMariner
+    from tests.mariner_serve import MarinerServe
 
-    srv = InProcessMariner(model_store, "digits_torchscript.mar", enable_model_management=True).start()
+    srv = MarinerServe(model_store, "digits_torchscript.mar", enable_model_management=True).start()
     try:
         params = {"url": f"{MANAGED}.mar", "batch_size": 8, "max_batch_delay": 20, "initial_workers": 1}
         r = requests.post(f"{srv.management}/models", params=params, timeout=120)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mariner.server import protogen
-from tests.integration.mariner_inproc import InProcessMariner
 from tests.integration.triton_conformance import CHECKS
+from tests.mariner_serve import MarinerServe
 
 if TYPE_CHECKING:
     from tests.conftest import EagerReference
@@ -65,7 +65,7 @@ def report(
 
     protogen.generate()
     # Model management on: the repository checks load and unload a model on the management ports.
-    srv = InProcessMariner(model_store, f"{MODEL}.mar", enable_model_management=True).start()
+    srv = MarinerServe(model_store, f"{MODEL}.mar", enable_model_management=True).start()
     try:
         done = subprocess.run(
             [

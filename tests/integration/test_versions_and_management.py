@@ -12,7 +12,7 @@ import grpc
 import pytest
 import requests
 
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +43,8 @@ def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(store: Path) -> Iterator[InProcessMariner]:
-    srv = InProcessMariner(
+def server(store: Path) -> Iterator[MarinerServe]:
+    srv = MarinerServe(
         store, "digits=digits_v1.mar,digits=digits_v2.mar", enable_model_management=True
     ).start()
     try:
@@ -53,7 +53,7 @@ def server(store: Path) -> Iterator[InProcessMariner]:
         srv.stop()
 
 
-def test_versions_are_addressable_and_the_first_is_the_default(server: InProcessMariner) -> None:
+def test_versions_are_addressable_and_the_first_is_the_default(server: MarinerServe) -> None:
     base = f"{server.http}/predictions/digits"
     default = requests.post(base, data=BODY, headers=HDR, timeout=30)
     v1 = requests.post(f"{base}/1.0", data=BODY, headers=HDR, timeout=30)
@@ -67,7 +67,7 @@ def test_versions_are_addressable_and_the_first_is_the_default(server: InProcess
     assert sorted(d["modelVersion"] for d in described) == ["1.0", "2.0"]
 
 
-def test_management_takes_archives_from_the_store_only(server: InProcessMariner) -> None:
+def test_management_takes_archives_from_the_store_only(server: MarinerServe) -> None:
     mgmt = f"{server.management}/models"
     refused = requests.post(mgmt, params={"url": "https://example.com/evil.mar"}, timeout=30)
     assert refused.status_code == 403
@@ -89,7 +89,7 @@ def test_management_takes_archives_from_the_store_only(server: InProcessMariner)
 
 def test_management_is_refused_when_not_enabled(store: Path) -> None:
     """TorchServe's answer while its model API is off: 405 for register and unregister."""
-    srv = InProcessMariner(store, "digits_v1.mar").start()
+    srv = MarinerServe(store, "digits_v1.mar").start()
     try:
         r = requests.post(f"{srv.management}/models", params={"url": "extra.mar"}, timeout=30)
         assert r.status_code == 405
@@ -103,7 +103,7 @@ def test_management_is_refused_when_not_enabled(store: Path) -> None:
         srv.stop()
 
 
-def grpc_management(server: InProcessMariner, call: str, **fields: Any) -> Any:
+def grpc_management(server: MarinerServe, call: str, **fields: Any) -> Any:
     """One TorchServe gRPC management call; returns its `msg`, parsed when it is JSON."""
     from mariner.server._proto.torchserve import management_pb2, management_pb2_grpc
 
@@ -137,7 +137,7 @@ def without_memory(doc: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return doc
 
 
-def test_rest_and_grpc_describe_and_list_the_same(server: InProcessMariner) -> None:
+def test_rest_and_grpc_describe_and_list_the_same(server: MarinerServe) -> None:
     rest = requests.get(f"{server.management}/models/digits/all", timeout=30).json()
     over_grpc = grpc_management(server, "DescribeModel", model_name="digits", model_version="all")
     assert without_memory(rest) == without_memory(over_grpc)
@@ -154,7 +154,7 @@ def test_rest_and_grpc_describe_and_list_the_same(server: InProcessMariner) -> N
 
 
 def test_a_model_registered_over_grpc_is_described_as_registered_with_its_settings(
-    server: InProcessMariner,
+    server: MarinerServe,
 ) -> None:
     answer = grpc_management(
         server, "RegisterModel", url="extra.mar", model_name="late", batch_size=4, response_timeout=9
@@ -173,7 +173,7 @@ def test_a_model_registered_over_grpc_is_described_as_registered_with_its_settin
         requests.delete(f"{server.management}/models/late", timeout=60)
 
 
-def test_a_bad_register_setting_is_refused_naming_it(server: InProcessMariner) -> None:
+def test_a_bad_register_setting_is_refused_naming_it(server: MarinerServe) -> None:
     mgmt = f"{server.management}/models"
     bad = requests.post(mgmt, params={"url": "extra.mar", "batch_size": "lots"}, timeout=30)
     assert bad.status_code == 400

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from tests.integration.fault_archive import build_fault_archive
-from tests.integration.mariner_inproc import InProcessMariner
+from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
@@ -46,18 +46,18 @@ def _workers() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessMariner]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("store")
     build_fault_archive(store, name="faulty", response_timeout_s=5, helper="faulty's helper")
     build_fault_archive(store, name="steady", response_timeout_s=30, helper="steady's helper")
-    srv = InProcessMariner(store, "faulty.mar,steady.mar").start()
+    srv = MarinerServe(store, "faulty.mar,steady.mar").start()
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def post(srv: InProcessMariner, model: str, op: str, value: Any = None) -> requests.Response:
+def post(srv: MarinerServe, model: str, op: str, value: Any = None) -> requests.Response:
     return requests.post(f"{srv.http}/predictions/{model}", json={"op": op, "value": value}, timeout=60)
 
 
@@ -77,14 +77,14 @@ def wait_for(condition: Callable[[], bool], what: str, cap_s: float = 120.0) -> 
         time.sleep(0.02)
 
 
-def worker_pid(srv: InProcessMariner, model: str) -> int:
+def worker_pid(srv: MarinerServe, model: str) -> int:
     return int(post(srv, model, "pid").json()["pid"])
 
 
 class Steady:
     """Sends requests to the other model without pause and keeps each answer and its latency."""
 
-    def __init__(self, srv: InProcessMariner) -> None:
+    def __init__(self, srv: MarinerServe) -> None:
         self.srv = srv
         self.samples: list[tuple[float, float, bool]] = []  # (sent at, seconds, correct)
         self._stop = threading.Event()
@@ -120,7 +120,7 @@ class Steady:
         return window
 
 
-def wait_until_ok(srv: InProcessMariner) -> None:
+def wait_until_ok(srv: MarinerServe) -> None:
     def ok() -> bool:
         r = post(srv, "faulty", "ok", "again")
         assert r.status_code in (200, 503), r.text  # 503 only while restarting
@@ -139,7 +139,7 @@ def wait_until_ok(srv: InProcessMariner) -> None:
     ],
 )
 def test_a_fault_fails_only_its_batch_and_the_other_model_keeps_answering(
-    server: InProcessMariner, op: str, status: int, words: str
+    server: MarinerServe, op: str, status: int, words: str
 ) -> None:
     pid_before = worker_pid(server, "faulty")
     with Steady(server) as steady:
@@ -171,7 +171,7 @@ def test_a_fault_fails_only_its_batch_and_the_other_model_keeps_answering(
 
 
 def test_an_endless_loop_is_killed_and_leaves_no_process_burning(
-    server: InProcessMariner, tmp_path: Path
+    server: MarinerServe, tmp_path: Path
 ) -> None:
     pid_file = tmp_path / "spinner.pid"
     with Steady(server) as steady:
@@ -198,7 +198,7 @@ def test_an_endless_loop_is_killed_and_leaves_no_process_burning(
     assert worker_pid(server, "faulty") != spinner
 
 
-def test_a_fatal_cuda_error_ends_the_worker_and_a_new_one_serves(server: InProcessMariner) -> None:
+def test_a_fatal_cuda_error_ends_the_worker_and_a_new_one_serves(server: MarinerServe) -> None:
     """A sticky CUDA error (illegal address, device-side assert...) leaves the device unusable in
     that process: the batch is answered 503, the worker exits on its own (it is not killed for
     dying) and the pool's replacement, a new process, answers the next requests."""
@@ -248,7 +248,7 @@ def test_a_gpu_bound_model_without_a_gpu_fails_with_the_reason_and_others_are_se
         _with_config(gpu, "deviceType: gpu\n")
     else:
         overrides["require_gpu"] = True
-    srv = InProcessMariner(store, f"{gpu.name},{cpu.name}", **overrides)
+    srv = MarinerServe(store, f"{gpu.name},{cpu.name}", **overrides)
     try:
         with contextlib.suppress(Exception):  # a model that fails to load may fail the start-up call
             srv.start()
@@ -267,12 +267,12 @@ def test_a_gpu_bound_model_without_a_gpu_fails_with_the_reason_and_others_are_se
         srv.stop()
 
 
-def test_each_archive_imports_its_own_helper(server: InProcessMariner) -> None:
+def test_each_archive_imports_its_own_helper(server: MarinerServe) -> None:
     assert post(server, "faulty", "helper").json() == {"helper": "faulty's helper"}
     assert post(server, "steady", "helper").json() == {"helper": "steady's helper"}
 
 
-def test_describe_names_each_worker_process(server: InProcessMariner) -> None:
+def test_describe_names_each_worker_process(server: MarinerServe) -> None:
     desc = requests.get(f"{server.management}/models/faulty", timeout=10).json()
     pids = {w["pid"] for d in desc for w in d["workers"]}
     assert pids == {worker_pid(server, "faulty")}, json.dumps(desc)
@@ -281,7 +281,7 @@ def test_describe_names_each_worker_process(server: InProcessMariner) -> None:
 def test_stopping_the_server_leaves_no_worker_process(tmp_path: Path) -> None:
     build_fault_archive(tmp_path, name="faulty")
     before = {p.pid for p in _workers()}
-    srv = InProcessMariner(tmp_path, "faulty.mar", min_workers=2).start()
+    srv = MarinerServe(tmp_path, "faulty.mar", min_workers=2).start()
     try:
         ours = {p.pid for p in _workers()} - before
         assert len(ours) == 2, "one process per worker"

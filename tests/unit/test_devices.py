@@ -17,7 +17,6 @@ import pytest
 from mariner.server.control import describe, metrics
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.model_settings import ModelSettings
-from mariner.server.core.runner import place_instances
 from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
 from mariner.server.supervisor import devices
 from mariner.server.supervisor.devices import GpuAllocator, device_ids_of
@@ -55,19 +54,37 @@ def archive(tmp_path: Path, name: str, config: dict | None = None) -> ModelArchi
     return ModelArchive(name, "1", tmp_path / f"{name}.mar", "0" * 64, tmp_path, {"model": {}}, config or {})
 
 
-def test_single_worker_models_take_turns_over_the_gpus(two_gpus: GpuAllocator, no_cuda_init: None) -> None:
-    a = place_instances(1, device_type=None, torch_threads=None)
-    b = place_instances(1, device_type=None, torch_threads=None)
-    c = place_instances(2, device_type=None, torch_threads=None)
-    assert [p.device for p in (*a, *b, *c)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
-    assert place_instances(1, device_type="cpu", torch_threads=None)[0].device == "cpu"
+def pool(tmp_path: Path, *, require_gpu: bool = False) -> WorkerPool:
+    async def changed() -> None:
+        return None
+
+    return WorkerPool(
+        1, tmp_path, metrics.Metrics(), changed, lambda: 1, lambda: False, require_gpu=require_gpu
+    )
 
 
-def test_device_ids_restrict_a_model_to_its_gpus(two_gpus: GpuAllocator, no_cuda_init: None) -> None:
-    only_one = {"deviceIds": [1]}
-    placed = place_instances(3, device_type="gpu", torch_threads=None, model_config=only_one)
-    assert [p.device for p in placed] == ["cuda:1"] * 3
-    assert all(p.require_gpu for p in placed)
+def version(tmp_path: Path, name: str, config: dict | None = None, device_type: str | None = None) -> Version:
+    return Version(archive(tmp_path, name, config), None, ModelSettings(device_type=device_type), None)  # type: ignore[arg-type]
+
+
+def test_single_worker_models_take_turns_over_the_gpus(
+    two_gpus: GpuAllocator, no_cuda_init: None, tmp_path: Path
+) -> None:
+    p = pool(tmp_path)
+    a, b, c = (version(tmp_path, n) for n in "abc")
+    placed = [p._gpu_for(a), p._gpu_for(b), p._gpu_for(c), p._gpu_for(c)]  # c has two workers
+    assert [f"cuda:{g}" for g in placed] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert p._gpu_for(version(tmp_path, "d", device_type="cpu")) is None
+    assert p._spec(version(tmp_path, "d", device_type="cpu"), Instance(0), None).device == "cpu"
+
+
+def test_device_ids_restrict_a_model_to_its_gpus(
+    two_gpus: GpuAllocator, no_cuda_init: None, tmp_path: Path
+) -> None:
+    p = pool(tmp_path)
+    only_one = version(tmp_path, "a", {"deviceIds": [1]}, device_type="gpu")
+    assert [p._gpu_for(only_one) for _ in range(3)] == [1, 1, 1]
+    assert p._spec(only_one, Instance(0), 1).require_gpu
     # An id that is not visible is dropped; none left means no GPU (and a GPU-bound model fails).
     assert two_gpus.next([5, 0]) == 0
     assert two_gpus.next([7]) is None
@@ -77,28 +94,28 @@ def test_device_ids_restrict_a_model_to_its_gpus(two_gpus: GpuAllocator, no_cuda
         device_ids_of({"deviceIds": ["x"]})
 
 
-def test_require_gpu_binds_every_model_that_does_not_ask_for_the_cpu(two_gpus: GpuAllocator) -> None:
-    assert place_instances(1, device_type=None, torch_threads=None, require_gpu=True)[0].require_gpu
-    assert not place_instances(1, device_type="cpu", torch_threads=None, require_gpu=True)[0].require_gpu
-    assert not place_instances(1, device_type=None, torch_threads=None)[0].require_gpu
+def test_require_gpu_binds_every_model_that_does_not_ask_for_the_cpu(
+    two_gpus: GpuAllocator, tmp_path: Path
+) -> None:
+    plain, on_cpu = version(tmp_path, "a"), version(tmp_path, "b", device_type="cpu")
+    assert pool(tmp_path, require_gpu=True)._spec(plain, Instance(0), 0).require_gpu
+    assert not pool(tmp_path, require_gpu=True)._spec(on_cpu, Instance(0), None).require_gpu
+    assert not pool(tmp_path)._spec(plain, Instance(0), 0).require_gpu
 
 
 def test_the_supervisors_pool_shares_the_turn_and_honours_device_ids(
     two_gpus: GpuAllocator, no_cuda_init: None, tmp_path: Path
 ) -> None:
-    async def changed() -> None:
-        return None
-
-    pool = WorkerPool(1, tmp_path, metrics.Metrics(), changed, lambda: 1, lambda: False, require_gpu=True)
-    plain = Version(archive(tmp_path, "a"), None, ModelSettings(), None)  # type: ignore[arg-type]
-    pinned = Version(archive(tmp_path, "b", {"deviceIds": [0]}), None, ModelSettings(), None)  # type: ignore[arg-type]
-    on_cpu = Version(archive(tmp_path, "c"), None, ModelSettings(device_type="cpu"), None)  # type: ignore[arg-type]
-    assert place_instances(1, device_type=None, torch_threads=None)[0].gpu_id == 0  # the thread path
-    assert [pool._gpu_for(plain), pool._gpu_for(pinned), pool._gpu_for(plain)] == [1, 0, 1]
-    assert pool._gpu_for(on_cpu) is None
-    spec = pool._spec(plain, Instance(0), 1)
+    p, other = pool(tmp_path, require_gpu=True), pool(tmp_path)
+    plain = version(tmp_path, "a")
+    pinned = version(tmp_path, "b", {"deviceIds": [0]})
+    on_cpu = version(tmp_path, "c", device_type="cpu")
+    assert other._gpu_for(plain) == 0  # one process-wide turn: another pool's worker took cuda:0
+    assert [p._gpu_for(plain), p._gpu_for(pinned), p._gpu_for(plain)] == [1, 0, 1]
+    assert p._gpu_for(on_cpu) is None
+    spec = p._spec(plain, Instance(0), 1)
     assert (spec.gpu_id, spec.require_gpu, spec.device) == (1, True, "cuda:1")
-    assert not pool._spec(on_cpu, Instance(0), None).require_gpu
+    assert not p._spec(on_cpu, Instance(0), None).require_gpu
 
 
 def test_gpu_workers_are_spawned_and_cpu_workers_forked(tmp_path: Path) -> None:
@@ -143,7 +160,7 @@ def test_supervisor_and_frontend_paths_never_initialise_cuda(
     m.render()  # the single-process /metrics samples GPU memory only where CUDA is in use
     gauge = metrics.WorkerGpuGauge(0)  # a worker's gauge, outside multiprocess mode: no-op
     gauge.sample()
-    place_instances(2, device_type=None, torch_threads=None)
+    pool(tmp_path)._gpu_for(version(tmp_path, "a"))
     devices.visible_gpus()
     assert not torch.cuda.is_initialized()
 

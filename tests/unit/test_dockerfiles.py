@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mariner.server.app import check_exposure
 from mariner.server.config import ServerConfig, load_config
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.listeners import check_exposure
 
 pytestmark = pytest.mark.unit
 
@@ -266,9 +266,9 @@ def test_dockerignore_matching_follows_docker_rules(tmp_path: Path) -> None:
     ignore = DockerIgnore.load(ignore_file)
     assert ignore.excluded("k8s/base/deployment.yaml")
     assert not ignore.excluded("k8s/base/mariner.yaml")
-    assert ignore.excluded("server/__pycache__/app.cpython-311.pyc")
+    assert ignore.excluded("server/__pycache__/cli.cpython-311.pyc")
     assert ignore.excluded("mariner.egg-info/PKG-INFO")
-    assert not ignore.excluded("server/app.py")
+    assert not ignore.excluded("server/cli.py")
 
 
 # -- the images -----------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ GPU-bound model refusing the CPU; an unloaded model released even after gc.freez
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import weakref
@@ -20,7 +19,7 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import InstanceFailed
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failures import Failure, classify
-from mariner.server.core.runner import ModelHost, Placement, Runner
+from mariner.server.core.runner import ModelHost, Placement
 from mariner.server.core.types import InferRequest, WireProtocol
 
 pytestmark = pytest.mark.unit
@@ -252,20 +251,16 @@ class Handler:
 
 
 def test_an_unloaded_model_is_freed_even_after_gc_freeze(tmp_path: Path) -> None:
-    runner = Runner(make_archive(tmp_path, CYCLIC), instance=0, placement=Placement(None), batch_size=1)
-
-    async def serve() -> None:
-        await runner.start()
-        await runner.run([ts_request(0)])
-
-    asyncio.run(serve())
-    handler = weakref.ref(runner.host._handle.__self__)
-    gc.freeze()  # what the server does once its models are loaded
+    host = ModelHost(make_archive(tmp_path, CYCLIC), id="m-1-0", placement=Placement(None), batch_size=1)
+    host.load()
+    host.run_batch([ts_request(0)])
+    handler = weakref.ref(host._handle.__self__)
+    gc.freeze()  # what a worker does once its model is loaded
     try:
-        runner.close()
+        host.unload()
         gc.collect()
         assert handler() is None
-        assert runner.host._context is None
+        assert host._context is None
     finally:
         gc.unfreeze()
 

@@ -10,15 +10,17 @@ import asyncio
 import json
 import zipfile
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mariner.server.config import ServerConfig
 from mariner.server.control.metrics import Metrics
 from mariner.server.core.batcher import Batcher
-from mariner.server.core.dataplane import DataPlane, ModelSpec, PlaneSettings
+from mariner.server.core.dataplane import DataPlane
+from mariner.server.core.endpoint import ModelSpec
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import (
     ModelSettings,
@@ -29,6 +31,8 @@ from mariner.server.core.model_settings import (
     resolve_model_settings,
 )
 from mariner.server.core.types import InferRequest, InferResult, ModelState, WireProtocol
+from mariner.server.frontend import RemoteEndpoint
+from mariner.server.supervisor.registry import ModelRegistry
 
 pytestmark = pytest.mark.unit
 
@@ -201,7 +205,7 @@ def test_bad_properties_entry_is_refused_when_the_layers_are_built() -> None:
         ServerLayers(per_model={"digits": 3})
 
 
-# -- through the DataPlane ---------------------------------------------------------------------
+# -- through the supervisor's registry and a frontend's endpoint -------------------------------
 class QuietMetrics(Metrics):
     """Real metrics without the CUDA sampling, which would import torch into a unit test."""
 
@@ -220,14 +224,26 @@ def make_mar(path: Path, config: str) -> Path:
     return path
 
 
-def plane(tmp_path: Path, config: str, layers: ServerLayers) -> DataPlane:
+def registry(tmp_path: Path, config: str, **settings: Any) -> ModelRegistry:
+    """The supervisor's registry over a store holding toy.mar, with server settings `settings`
+    (ServerConfig fields: flags, env or config file; `model_overrides` is config.properties'
+    `models={...}`). Opening archives starts no worker."""
     store = tmp_path / "store"
     store.mkdir(exist_ok=True)
     make_mar(store / "toy.mar", config)
-    settings = PlaneSettings(
-        model_store=store, work_dir=tmp_path / "work", default_max_queue=64, model_layers=layers
-    )
-    return DataPlane(settings, QuietMetrics())
+    (tmp_path / "work").mkdir(exist_ok=True)
+
+    async def changed() -> None:
+        return None
+
+    cfg = replace(ServerConfig(), model_store=store, **settings)
+    return ModelRegistry(cfg, tmp_path / "work", tmp_path, QuietMetrics(), changed)
+
+
+def frontend_endpoint(reg: ModelRegistry) -> RemoteEndpoint:
+    """The endpoint a frontend builds from the registry's model table entry."""
+    (entry,) = reg.table()
+    return RemoteEndpoint.from_entry(entry, QuietMetrics())
 
 
 # deviceType cpu keeps torch (asked whether CUDA exists) out of a unit test.
@@ -236,31 +252,31 @@ ARCHIVE_YAML = "batchSize: 32\nmaxBatchDelay: 5\nresponseTimeout: 30\nmaxWorkers
 
 def test_the_dataplane_resolves_every_layer_for_a_model_it_opens(tmp_path: Path) -> None:
     properties = {"toy": {"1.0": {"marName": "toy.mar", "batchSize": 16, "maxBatchDelay": 3}}}
-    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(properties, SettingsOverrides(batch_size=8)))
-    asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
-    (info,) = dp.describe("toy")
+    reg = registry(tmp_path, ARCHIVE_YAML, model_overrides=properties, batch_size=8, max_queue=64)
+    asyncio.run(reg.open_models([ModelSpec("toy.mar")]))
+    (info,) = reg.describe("toy")
     assert (info.batch_size, info.max_batch_delay_ms, info.response_timeout_s) == (8, 3.0, 30.0)
     assert (info.min_workers, info.max_workers, info.queue_size, info.device_type) == (1, 4, 64, "cpu")
     assert info.loaded_at_startup is True
-    endpoint = dp.resolve("toy")
+    assert reg.resolve("toy").settings == ModelSettings(8, 3.0, 30.0, 1, 4, 64, "cpu")
+    endpoint = frontend_endpoint(reg)  # what a frontend batches with, from the table entry
     assert endpoint.settings == ModelSettings(8, 3.0, 30.0, 1, 4, 64, "cpu")
     policy = endpoint.policy
     assert (policy.max_batch_size, policy.max_batch_delay_s, policy.max_queue) == (8, 0.003, 64)
-    assert len(endpoint.runners) == 1  # minWorkers
 
 
 def test_the_register_call_is_the_top_layer(tmp_path: Path) -> None:
-    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers(flags=SettingsOverrides(batch_size=8, max_queue=64)))
+    reg = registry(tmp_path, ARCHIVE_YAML, batch_size=8, max_queue=64)
     call = register_call_overrides(batch_size="4", initial_workers="2")
-    asyncio.run(dp.open_models([ModelSpec("toy.mar", overrides=call, loaded_at_startup=False)]))
-    (info,) = dp.describe("toy")
+    asyncio.run(reg.open_models([ModelSpec("toy.mar", overrides=call, loaded_at_startup=False)]))
+    (info,) = reg.describe("toy")
     assert (info.batch_size, info.min_workers, info.max_workers, info.loaded_at_startup) == (4, 2, 2, False)
 
 
 def test_an_archive_with_a_bad_setting_is_refused_naming_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    dp = plane(tmp_path, "batchSize: lots\n", ServerLayers())
+    dp = registry(tmp_path, "batchSize: lots\n")
     asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
     reason = "batchSize must be a positive integer, got 'lots' (from the model-config of toy.mar)"
     assert reason in caplog.text
@@ -289,9 +305,11 @@ class HeldRunner:
 
 
 def test_describe_reports_the_batchers_queue_depth(tmp_path: Path) -> None:
-    dp = plane(tmp_path, ARCHIVE_YAML, ServerLayers())
-    asyncio.run(dp.open_models([ModelSpec("toy.mar")]))
-    endpoint = dp.resolve("toy")
+    reg = registry(tmp_path, ARCHIVE_YAML)
+    asyncio.run(reg.open_models([ModelSpec("toy.mar")]))
+    dp = DataPlane(QuietMetrics())  # a frontend's plane, serving the registry's table entry
+    endpoint = frontend_endpoint(reg)
+    dp.install_endpoint(endpoint)
 
     async def body() -> tuple[int, int]:
         runner = HeldRunner()

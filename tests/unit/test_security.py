@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.app import check_exposure
 from mariner.server.config import load_config
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.listeners import check_exposure
 from mariner.server.security import Tokens, load_tokens
 
 pytestmark = pytest.mark.unit
