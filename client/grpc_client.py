@@ -11,6 +11,7 @@ only when an OIP method is first used, so the TorchServe API works without them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -53,10 +54,15 @@ def _stubs(module: str) -> ModuleType:
         ) from None
 
 
+def _list_page(stub: Any, request: Any, left: float | None) -> Any:
+    """One ListModels page within `left` seconds (bound per page with functools.partial)."""
+    return stub.ListModels(request, timeout=left)
+
+
 def _error(exc: grpc.RpcError, what: str, timeout_s: float | None) -> MarinerError:
     """A grpc failure as a MarinerError that keeps the server's message."""
-    code: grpc.StatusCode = exc.code()  # type: ignore[attr-defined]
-    details: str = exc.details() or ""  # type: ignore[attr-defined]
+    code: grpc.StatusCode = exc.code()
+    details: str = exc.details() or ""
     status = status_from_grpc_name(code.name)
     if status is Status.DEADLINE_EXCEEDED:
         limit = f"within {timeout_s:g}s " if timeout_s is not None else ""
@@ -170,9 +176,7 @@ class GrpcClient:
         token = 0
         while True:
             request = pb.ListModelsRequest(limit=100, next_page_token=token)
-            answer = self._call(
-                "list models", lambda left, r=request: stub.ListModels(r, timeout=left), timeout_s
-            )
+            answer = self._call("list models", functools.partial(_list_page, stub, request), timeout_s)
             page = json.loads(answer.msg)
             entries = page.get("models") or []
             names.extend(str(e["modelName"]) for e in entries)

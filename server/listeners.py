@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+import ssl
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 
@@ -61,17 +63,20 @@ def http_limits(cfg: ServerConfig) -> HttpLimits:
     )
 
 
-def uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
+def uvicorn_config(app: Callable[..., Any], host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
     """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS (our context: AEAD
     suites only) and the access log follow the config, a graceful shutdown never outlasts the
     drain's grace period, and the connection limits are enforced by our protocol class (a fresh
     one per listener) before uvicorn hands a request to auth or routing. No WebSocket upgrade: no
     route needs one, and an upgraded connection would leave the limits behind."""
-    tls: dict[str, object] = {}
+    tls: Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext] | None = None
     if cfg.tls_cert_file is not None:
         assert cfg.tls_key_file is not None, "check_exposure insists on both or neither"
         context = http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-        tls = {"ssl_context_factory": lambda _config, _default: context}
+
+        def tls(_config: uvicorn.Config, _default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+            return context
+
     limits = http_limits(cfg)
     return uvicorn.Config(
         app,
@@ -85,7 +90,7 @@ def uvicorn_config(app: object, host: str, port: int, cfg: ServerConfig) -> uvic
         access_log=cfg.access_log,
         log_level="warning",
         timeout_graceful_shutdown=int(cfg.grace_seconds) + 1,
-        **tls,
+        ssl_context_factory=tls,
     )
 
 

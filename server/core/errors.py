@@ -103,3 +103,4 @@ async def abort(context: grpc.aio.ServicerContext, error: ServingError, details:
     Typed NoReturn: grpc.aio's `context.abort` always raises, so callers need no dead code after it.
     """
     await context.abort(error.grpc_status, details or error.message)
+    raise AssertionError("grpc.aio's ServicerContext.abort returned instead of raising")

@@ -135,13 +135,21 @@ def _untrack(name: str) -> None:  # `name` as SharedMemory keeps it: with its le
         resource_tracker.unregister(name, "shared_memory")
 
 
+def _view(shm: shared_memory.SharedMemory) -> memoryview:
+    """The segment's bytes (typeshed types `buf` Optional: it is None only after close())."""
+    buf = shm.buf
+    if buf is None:
+        raise RuntimeError(f"shared memory {shm.name} is already closed")
+    return buf
+
+
 def _to_shm(buf: pickle.PickleBuffer) -> ShmRef:
     view = buf.raw()
     name = f"{SHM_PREFIX}{os.getpid()}_{os.urandom(6).hex()}"
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, view.nbytes))
     try:
-        _untrack(shm._name)  # type: ignore[attr-defined]
-        shm.buf[: view.nbytes] = view
+        _untrack(shm._name)  # type: ignore[attr-defined]  # private: the name with its leading "/"
+        _view(shm)[: view.nbytes] = view
     finally:
         shm.close()
     return ShmRef(name, view.nbytes)
@@ -150,7 +158,7 @@ def _to_shm(buf: pickle.PickleBuffer) -> ShmRef:
 def _from_shm(ref: ShmRef) -> bytearray:
     shm = shared_memory.SharedMemory(name=ref.name)
     try:
-        return bytearray(shm.buf[: ref.size])
+        return bytearray(_view(shm)[: ref.size])
     finally:
         shm.close()
         shm.unlink()  # also drops the tracker registration the attach made

@@ -67,6 +67,12 @@ class ZygoteUnavailable(Exception):
 # --------------------------------------------------------------------------- supervisor side
 
 
+def _settle(fut: asyncio.Future[int], code: int) -> None:
+    """Resolve a waiter on its own loop (call_soon_threadsafe), unless it was cancelled."""
+    if not fut.done():
+        fut.set_result(code)
+
+
 class ZygoteChild:
     """A worker forked by the zygote: its pid, and its exit status as the zygote reports it."""
 
@@ -89,7 +95,7 @@ class ZygoteChild:
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits there
-                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(code))
+                loop.call_soon_threadsafe(_settle, fut, code)
 
     async def wait(self) -> int:
         loop = asyncio.get_running_loop()

@@ -340,7 +340,7 @@ def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_messa
     parse = ShallowInferRequest.FromString
     recorder = _Recorder(server)
     register(
-        recorder,  # type: ignore[arg-type]
+        recorder,
         pb_grpc.add_GRPCInferenceServiceServicer_to_server,
         servicer,
         {"ModelInfer": parse, "ModelStreamInfer": parse},
