@@ -70,7 +70,7 @@ def _ts_counter(name: str, documentation: str, openmetrics: bool) -> Any:
         # prometheus_client's text encoder writes a counter's HELP/TYPE as `<name>_total`;
         # `text_exposition` writes these under their own name (see there).
         family = Metric(name, documentation, "unknown")
-        family.ts_counter = True  # type: ignore[attr-defined]
+        family.ts_counter = True  # type: ignore[attr-defined]  # our mark on prometheus_client's Metric
         return family
     if name.endswith("_total"):
         return Metric(name[: -len("_total")], documentation, "counter")

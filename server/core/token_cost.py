@@ -71,7 +71,8 @@ def _from_tensors(tensors: Mapping[str, np.ndarray]) -> list[str] | None:
     if arr.dtype.kind not in "OSU" or not (arr.ndim == 1 or (arr.ndim == 2 and arr.shape[1] == 1)):
         return None
     texts = [_text(v) for v in arr.reshape(-1)]
-    return None if not texts or any(t is None for t in texts) else texts  # type: ignore[return-value]
+    strings = [t for t in texts if t is not None]
+    return strings if texts and len(strings) == len(texts) else None
 
 
 def texts_of(req: InferRequest) -> list[str] | None:

@@ -94,6 +94,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None
 
     # -- connection --------------------------------------------------------------------------
+    # asyncio types the argument BaseTransport; uvicorn hands its HTTP protocols a socket Transport.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
             # Not counted, not handed to uvicorn: answer, then close once the request is read.

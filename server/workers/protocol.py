@@ -121,6 +121,7 @@ def _prepare(msg: Any) -> Any:
         return replace(
             msg,
             results=tuple(
+                # _Big stands in for the bytes while pickling only; it loads back as bytes.
                 replace(r, body=_Big(r.body)) if len(r.body) >= SHM_THRESHOLD else r  # type: ignore[arg-type]
                 for r in msg.results
             ),

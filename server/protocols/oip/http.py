@@ -199,6 +199,7 @@ class ParsedInfer:
                 chunk = binary[pos : pos + size]
                 pos += size
                 raw = bytes(chunk) if datatype == "BYTES" else chunk
+                # A memoryview only for fixed-size types, which decode_raw's np.frombuffer reads as is.
                 decoded[name] = (datatype, decode_raw(name, datatype, dims, raw))  # type: ignore[arg-type]
                 continue
             if "data" not in entry:
