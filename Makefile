@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
+.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -95,9 +95,22 @@ GPU_CHECK_ARGS ?=
 gpu-check: models protos
 	$(PY) -m mariner.loadtest.gpu_check $(GPU_CHECK_ARGS)
 
+# Style, the import rules between layers ([tool.importlinter]) and the types ([tool.mypy]); all
+# configured in pyproject.toml. Every check runs even when an earlier one fails, so one run
+# reports everything; the target fails if any did.
 lint: venv protos
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	@rc=0; \
+	$(VENV)/bin/ruff check . || rc=1; \
+	$(VENV)/bin/ruff format --check . || rc=1; \
+	$(VENV)/bin/lint-imports || rc=1; \
+	$(VENV)/bin/mypy || rc=1; \
+	exit $$rc
+
+# The fast tests: in-process, with fakes; no Java, model store, kubectl, promtool or side venvs
+# (the one there that needs the store is marked integration, the slowest are marked slow; `make
+# test` runs them all).
+test-unit: venv protos
+	$(PY) -m pytest tests/unit -m "not slow and not integration" $(PYTEST_ARGS)
 
 format: venv
 	$(VENV)/bin/ruff format .

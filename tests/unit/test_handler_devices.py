@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import mariner.handlers.digits_handler as dh
-from mariner.handlers.digits_device import HostStaging, onnx_session, pick_device
 from mariner.handlers.digits_handler import DigitsHandler
+from mariner.handlers.handler_support import HostStaging, onnx_session, pick_device
 from mariner.server.core.context import Context
 from mariner.training.model import DigitsCNN
 
@@ -288,6 +288,7 @@ def test_handler_reuses_one_staging_buffer_for_every_batch(
 # -- compiled: only warmed batch sizes, no compile after warm-up ---------------------------------
 
 
+@pytest.mark.slow  # torch.compile at every warmed size: about 20 s on two cores
 def test_compiled_variant_runs_only_warmed_sizes_and_never_recompiles(
     model_dir: Path, reference_model: DigitsCNN, monkeypatch: pytest.MonkeyPatch
 ) -> None:

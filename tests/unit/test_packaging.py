@@ -224,6 +224,8 @@ _BASE_ONLY = textwrap.dedent(
 )
 
 
+# Needs the built store (`make models`), so it runs with `make test`, not `make test-unit`.
+@pytest.mark.integration
 def test_serving_modules_and_every_archive_work_with_only_the_base_set(model_store: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _BASE_ONLY, str(model_store), ",".join(BLOCKED_IMPORTS)],
