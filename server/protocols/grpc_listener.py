@@ -64,8 +64,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_HEALTH_POLL_S = 1.0
 
 
-class GrpcPlane(grpc_inference.InferencePlane, grpc_management.ManagementPlane, oip.OipPlane, Protocol):
-    """Everything the gRPC adapters and the health service need from the DataPlane."""
+class GrpcPlane(grpc_inference.InferencePlane, oip.OipPlane, Protocol):
+    """Everything the inference adapters and the health service need from the DataPlane (the
+    management server takes its own plane: the supervisor's registry, or a test's fake)."""
 
     def model_ready(self, model: str, version: str | None = None) -> bool: ...
 
@@ -167,6 +168,7 @@ def build_grpc_servers(
     inference_address: str,
     management_address: str | None,
     max_message_bytes: int,
+    management_plane: grpc_management.ManagementPlane | None = None,
     health_poll_s: float | None = DEFAULT_HEALTH_POLL_S,
     inference_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     management_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -178,11 +180,14 @@ def build_grpc_servers(
     Addresses are "host:port"; port 0 picks a free port, reported in `inference_port` /
     `management_port`. Must run inside the event loop that will serve the calls.
     `health_poll_s` None disables the background health refresh. `management_address` None
-    builds the inference server only (a frontend); `reuse_port` shares the inference port with
-    the other frontends (SO_REUSEPORT; the management server never shares its port).
+    builds the inference server only (a frontend); with an address, `management_plane` serves
+    the management calls. `reuse_port` shares the inference port with the other frontends
+    (SO_REUSEPORT; the management server never shares its port).
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
+    if management_address is not None and management_plane is None:
+        raise ValueError("a management_address needs the management_plane that answers its calls")
     health = GrpcHealth()
 
     inference = grpc.aio.server(
@@ -212,9 +217,9 @@ def build_grpc_servers(
         if servers is not None:
             await servers.refresh_health()
 
-    if management_address is not None:
+    if management_address is not None and management_plane is not None:
         management = build_management_server(
-            dataplane,
+            management_plane,
             max_message_bytes=max_message_bytes,
             health=health,
             on_change=on_change,

@@ -173,6 +173,7 @@ async def grpc_inference_channel(plane: Any, max_message_bytes: int) -> AsyncIte
         plane,
         inference_address="127.0.0.1:0",
         management_address="127.0.0.1:0",
+        management_plane=plane,
         max_message_bytes=max_message_bytes,
         health_poll_s=None,
     )

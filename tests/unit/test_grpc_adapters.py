@@ -196,6 +196,7 @@ async def serving(pb: SimpleNamespace, plane: FakePlane) -> AsyncIterator[Harnes
         plane,
         inference_address="127.0.0.1:0",
         management_address="127.0.0.1:0",
+        management_plane=plane,
         max_message_bytes=MAX_MESSAGE,
         health_poll_s=None,  # tests drive refresh_health themselves
     )
@@ -447,10 +448,12 @@ def test_port_in_use_fails_instead_of_sharing(pb: SimpleNamespace) -> None:
         port = held.getsockname()[1]
 
         async def main() -> None:
+            plane = FakePlane()
             pb.grpc_server.build_grpc_servers(
-                FakePlane(),
+                plane,
                 inference_address=f"127.0.0.1:{port}",
                 management_address="127.0.0.1:0",
+                management_plane=plane,
                 max_message_bytes=MAX_MESSAGE,
             )
 
