@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _private_metrics_dir(argv: Sequence[str]) -> Path:
     """A private, empty dir for prometheus_client's multiprocess mode, set in the environment
     before prometheus_client is imported here or in any child (they inherit it).
 
-    Under `--work-dir` / MARINER_WORK_DIR when one is given on the command line or in the
-    environment, else in the system temp dir; removed at exit. A PROMETHEUS_MULTIPROC_DIR set
+    Under the work dir when one is set (flag > MARINER_WORK_DIR > config file, as for every
+    setting), else in the system temp dir; removed at exit. A PROMETHEUS_MULTIPROC_DIR set
     by the caller is not used: stale files there would be counted as ours.
     """
-    work_dir = os.environ.get("MARINER_WORK_DIR")
-    for i, arg in enumerate(argv):
-        if arg == "--work-dir" and i + 1 < len(argv):
-            work_dir = argv[i + 1]
-        elif arg.startswith("--work-dir="):
-            work_dir = arg.partition("=")[2]
+    work_dir = _flag(argv, "--work-dir") or os.environ.get("MARINER_WORK_DIR")
+    config_file = _flag(argv, "--config-file") or os.environ.get("MARINER_CONFIG_FILE")
+    if not work_dir and config_file and not config_file.endswith(".properties"):
+        # Read before the config module is imported: it imports prometheus_client, which must
+        # see PROMETHEUS_MULTIPROC_DIR first. A bad file is reported by load_config later.
+        import yaml
+
+        with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
+            work_dir = (yaml.safe_load(Path(config_file).read_text()) or {}).get("work_dir")
     parent = None
     if work_dir:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
@@ -33,6 +38,17 @@ def _private_metrics_dir(argv: Sequence[str]) -> Path:
     path = Path(tempfile.mkdtemp(prefix="mariner-metrics-", dir=parent))  # mode 0700
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     return path
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    """The value of `name` on the command line (`--name V` or `--name=V`, the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.partition("=")[2]
+    return value
 
 
 def _serve(argv: Sequence[str]) -> int:
@@ -65,6 +81,7 @@ def _supervise(argv: Sequence[str]) -> int:
     setup_logging(cfg.log_level)
     from mariner.server.supervisor import run
 
+    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +248,7 @@ class Frontend:
         )
         self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, cfg))
         self._applied = 0
+        self._ready = False
         self._closing: set[asyncio.Task[None]] = set()
 
     async def apply(self, table: channel.ModelTable) -> None:
@@ -269,6 +270,10 @@ class Frontend:
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
         await self.grpc.refresh_health()
+        ready = dp.is_ready()
+        if ready != self._ready:  # readiness flips are worth a line: probes act on them
+            self._ready = ready
+            log.info("frontend %d %s", self.index, "ready" if ready else "not ready")
 
     async def _apply_and_ack(self, msg: channel.ModelTable, writer: asyncio.StreamWriter) -> None:
         if msg.version < self._applied:
@@ -352,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(init.cfg.log_level)
     control.setblocking(False)
+    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
 

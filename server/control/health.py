@@ -10,7 +10,7 @@ which holds a task and a slot in the servicer until the client leaves.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
@@ -21,16 +21,23 @@ from starlette.routing import Route
 from mariner.server.core.errors import STATUS, Code
 from mariner.server.protocols.http_common import NOT_READY_STATUS, json_response
 
-# Concurrent Watch streams per health servicer (one per process: the single-process server
-# shares it between its two gRPC listeners). Probes use Check; a few load balancers watch.
+# Concurrent Watch streams per health servicer (one per process). Probes use Check; a few load
+# balancers watch.
 MAX_HEALTH_WATCHERS = 64
 
-if TYPE_CHECKING:
-    from mariner.server.core.dataplane import DataPlane
+
+class Probed(Protocol):
+    """What the probes ask: a frontend's DataPlane or the supervisor's ModelRegistry."""
+
+    draining: bool
+
+    def is_live(self) -> bool: ...
+
+    def is_ready(self) -> bool: ...
 
 
-def http_routes(dataplane: DataPlane) -> list[Route]:
-    """GET /healthz and GET /readyz over the DataPlane's liveness and readiness."""
+def http_routes(dataplane: Probed) -> list[Route]:
+    """GET /healthz and GET /readyz over the plane's liveness and readiness."""
 
     async def healthz(request: Request) -> Response:
         """Liveness: the process answers. Kubernetes restarts the pod when this fails."""

@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 
 class ManagementPlane(Protocol):
-    """The slice of the DataPlane this adapter needs (the real one and test fakes provide it)."""
+    """What the management apps need: the supervisor's ModelRegistry (and test fakes) provide it."""
 
     management_enabled: bool
 

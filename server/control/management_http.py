@@ -40,7 +40,7 @@ from mariner.server.protocols.oip import http_ext as oip_http_ext
 from mariner.server.protocols.torchserve.forms import decode_value, mime_type
 
 if TYPE_CHECKING:
-    from mariner.server.core.dataplane import DataPlane
+    from mariner.server.control.management_grpc import ManagementPlane
 
 log = logging.getLogger("mariner.http")
 
@@ -95,7 +95,7 @@ def _not_allowed(what: str) -> Response:
     return json_response({"code": 405, "type": "METHOD_NOT_ALLOWED", "message": message}, status=405)
 
 
-def management_app(dataplane: DataPlane) -> Starlette:
+def management_app(dataplane: ManagementPlane) -> Starlette:
     """TorchServe's management API: list, describe, register, unregister, scale, set-default,
     and the OpenAPI description of these routes (`OPTIONS /`, `GET /api-description`).
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -13,11 +13,15 @@ from starlette.routing import Route
 
 from mariner.server.protocols.http_common import make_app
 
-if TYPE_CHECKING:
-    from mariner.server.core.dataplane import DataPlane
+
+class Exposed(Protocol):
+    """What /metrics renders: a plane's `metrics` (the supervisor's merges every process)."""
+
+    @property
+    def metrics(self) -> Any: ...
 
 
-def metrics_app(dataplane: DataPlane) -> Starlette:
+def metrics_app(dataplane: Exposed) -> Starlette:
     """Prometheus exposition of `dataplane.metrics` at GET /metrics.
 
     Rendering runs on a worker thread: it walks every series and may touch CUDA, and scrapes

@@ -28,7 +28,7 @@ log = logging.getLogger("mariner.devices")
 def _nvml_count() -> int | None:
     """GPUs NVML sees; None when pynvml is not installed or NVML cannot start (no driver)."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml  # type: ignore[import-not-found]  # optional: the gpu extra (nvidia-ml-py)
     except ImportError:
         return None
     try:

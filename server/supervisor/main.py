@@ -58,8 +58,12 @@ class Supervisor:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.frontend_count = frontend_count(cfg)
-        self._tmp = None if cfg.work_dir else tempfile.TemporaryDirectory(prefix="mariner-")
-        self.work_dir = cfg.work_dir or Path(self._tmp.name)  # type: ignore[union-attr]
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if cfg.work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="mariner-")
+            self.work_dir = Path(self._tmp.name)
+        else:
+            self.work_dir = cfg.work_dir
         self.work_dir.mkdir(parents=True, exist_ok=True)
         # Unix socket paths are limited to 107 bytes: the workers' sockets go where they stay short.
         self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self.work_dir)
@@ -122,7 +126,7 @@ class Supervisor:
                 return json_response({"status": "Healthy"})
             return json_response({"status": "Unhealthy"}, 500)
 
-        return [Route("/ping", ping, methods=["GET"]), *health.http_routes(reg)]  # type: ignore[arg-type]
+        return [Route("/ping", ping, methods=["GET"]), *health.http_routes(reg)]
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -140,7 +144,7 @@ class Supervisor:
             else None
         )
         self._grpc = build_management_server(
-            self.registry,  # type: ignore[arg-type]
+            self.registry,
             max_message_bytes=cfg.max_request_bytes,
             health=self._health,
             on_change=self.refresh_health,
@@ -155,12 +159,12 @@ class Supervisor:
             type(management_tokens)() if cfg.open_metrics else (management_tokens or inference_tokens)
         )
         health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
-        mgmt = management_app(self.registry)  # type: ignore[arg-type]
+        mgmt = management_app(self.registry)
         for route in self._management_routes():
             mgmt.router.routes.append(route)
         for app, address in (
             (HttpTokenAuth(mgmt, management_tokens, open_paths=health_paths), cfg.management_address),
-            (HttpTokenAuth(metrics_app(self.registry), metrics_tokens), cfg.metrics_address),  # type: ignore[arg-type]
+            (HttpTokenAuth(metrics_app(self.registry), metrics_tokens), cfg.metrics_address),
         ):
             # Bound here, so a port in use is an OSError naming it (uvicorn would sys.exit).
             sock = listen_on(address)
@@ -269,7 +273,9 @@ async def run(cfg: ServerConfig) -> int:
         return 0
     if starting.exception() is not None:
         await sup.shutdown()
-        raise starting.exception()  # type: ignore[misc]
+        failure = starting.exception()
+        assert failure is not None
+        raise failure
     ready = asyncio.create_task(sup.wait_ready())
     await stopper
     ready.cancel()

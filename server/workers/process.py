@@ -227,7 +227,12 @@ class WorkerProcess:
         if fd is not None:
             loop = asyncio.get_running_loop()
             done = loop.create_future()
-            loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+
+            def readable() -> None:
+                if not done.done():
+                    done.set_result(None)
+
+            loop.add_reader(fd, readable)
             try:
                 if proc.poll() is None:
                     await done

@@ -388,11 +388,11 @@ def live(
         )
         assert r.status_code == 200, r.text
         before = _scrape(server)
-        assert GPU_MEMORY in before.declared
         if GPU_MEMORY not in before.sampled:
-            # No CUDA in use: the GPU gauge is declared but has no series. Give it the one a GPU pod
-            # has: a process sets it through the server's own metric object in the server's
-            # multiprocess metrics dir, as a GPU worker does, so its real label names are exported.
+            # No CUDA in use: no worker wrote the GPU gauge, so /metrics (merged over processes)
+            # has no series of it. Give it the one a GPU pod has: a process sets it through the
+            # server's own metric object in the server's multiprocess metrics dir, as a GPU worker
+            # does, so its real name and label names are exported.
             (metrics_dir,) = work_dir.glob("mariner-metrics-*")
             subprocess.run(
                 [sys.executable, "-c", GPU_WORKER_GAUGE],

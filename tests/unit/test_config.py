@@ -239,3 +239,23 @@ def test_partial_tls_stops_mariner_serve_with_the_reason(tmp_path: Path) -> None
     )
     assert proc.returncode == 2
     assert "bad configuration: config.properties asks for TLS on inference_address but not on" in proc.stderr
+
+
+def test_the_metrics_dir_goes_under_the_work_dir_from_any_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prometheus_client's multiprocess dir is made before the config is loaded (it must be set
+    before prometheus_client is imported), yet follows the work dir from a flag, the environment
+    or the config file, with the usual precedence."""
+    from mariner.server import cli
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "unused")  # restored after the test
+    monkeypatch.delenv("MARINER_WORK_DIR", raising=False)
+    monkeypatch.delenv("MARINER_CONFIG_FILE", raising=False)
+    config = tmp_path / "mariner.yaml"
+    config.write_text(f"work_dir: {tmp_path / 'from-file'}\n")
+    assert cli._private_metrics_dir(["--config-file", str(config)]).parent == tmp_path / "from-file"
+    monkeypatch.setenv("MARINER_WORK_DIR", str(tmp_path / "from-env"))
+    assert cli._private_metrics_dir([f"--config-file={config}"]).parent == tmp_path / "from-env"
+    flag = ["--config-file", str(config), "--work-dir", str(tmp_path / "from-flag")]
+    assert cli._private_metrics_dir(flag).parent == tmp_path / "from-flag"
