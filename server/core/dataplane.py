@@ -12,10 +12,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.endpoint import ModelEndpoint
+from mariner.server.core.endpoint import ModelEndpoint, ServingMetrics
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
 
@@ -83,8 +82,10 @@ class DataPlane:
     # (Triton's repository extension on the inference port) is refused as management-disabled.
     management_enabled = False
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
-        self.metrics = metrics or Metrics()
+    def __init__(self, metrics: ServingMetrics) -> None:
+        # The frontend's control.metrics.Metrics: the adapters read more of it (call counters)
+        # and type it themselves; core only feeds what ServingMetrics names.
+        self.metrics: Any = metrics
         self._endpoints: dict[str, dict[str, ModelEndpoint]] = {}
         self._defaults: dict[str, str] = {}
         self.draining = False

@@ -17,9 +17,8 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
-from mariner.server.control.metrics import Metrics
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
 from mariner.server.core.errors import Code, ServingError
@@ -90,10 +89,26 @@ def resolve_model(
     return settings, signature
 
 
+class ServingMetrics(Protocol):
+    """The Prometheus metrics a frontend's endpoints feed (`control.metrics.Metrics` is the real
+    one): core names what it needs and imports no other layer. Each is a labelled metric family
+    (`.labels(...)` then `set`/`inc`/`observe`); `ts` records TorchServe's names beside ours."""
+
+    model_ready: Any
+    oom_splits: Any
+    instance_restarts: Any
+    queue_depth: Any
+    queue_duration: Any
+    compute_duration: Any
+    batch_size: Any
+    batch_tokens: Any
+    ts: Any
+
+
 class MetricsObserver:
     """Feeds batcher events into the Prometheus metrics of one model version."""
 
-    def __init__(self, metrics: Metrics, model: str, version: str) -> None:
+    def __init__(self, metrics: ServingMetrics, model: str, version: str) -> None:
         self._depth = metrics.queue_depth.labels(model, version)
         self._queue = metrics.queue_duration.labels(model, version)
         self._compute = metrics.compute_duration.labels(model, version)
@@ -151,7 +166,7 @@ class ModelEndpoint:
         source: ModelSource,
         settings: ModelSettings,
         signature: ModelSignature | None,
-        metrics: Metrics,
+        metrics: ServingMetrics,
         runners: Sequence[BatchRunner] = (),
     ) -> None:
         self.name = name
