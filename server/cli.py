@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 
 def _private_metrics_dir(argv: Sequence[str]) -> Path:
@@ -79,17 +77,11 @@ def _supervise(argv: Sequence[str]) -> int:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
+    from mariner.server import event_loop
     from mariner.server.supervisor import run
 
-    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        runner = asyncio.run
-    try:
-        return runner(run(cfg))
+        return event_loop.run(run(cfg))
     except (ServingError, OSError, RuntimeError) as exc:
         # Start-up failures (missing archive, port in use) are the user's to fix: say what, no traceback.
         logging.getLogger("mariner").error("cannot start: %s", getattr(exc, "message", exc))

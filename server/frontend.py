@@ -26,10 +26,11 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mariner.server import event_loop
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.core.batcher import BatchRunner
@@ -357,15 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(init.cfg.log_level)
     control.setblocking(False)
-    runner: Callable[[Coroutine[Any, Any, int]], int]
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        runner = asyncio.run
-    try:
-        return runner(_run(init, control))
+        return event_loop.run(_run(init, control))
     except (ServingError, OSError, RuntimeError) as exc:
         logging.getLogger("mariner").error(
             "frontend %d cannot start: %s", init.index, getattr(exc, "message", exc)

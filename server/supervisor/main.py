@@ -40,7 +40,7 @@ from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.types import ModelState
 from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
-from mariner.server.protocols.grpc_listener import bind_port, build_management_server
+from mariner.server.protocols.grpc_server import bind_port, build_management_server
 from mariner.server.protocols.http_common import json_response
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, GrpcTokenAuth, HttpTokenAuth, grpc_credentials
 from mariner.server.supervisor.frontends import FrontendPool

@@ -1,0 +1,16 @@
+"""The event loop every Mariner process runs on: uvloop (uvicorn[standard] brings it), else asyncio's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+
+def run(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` to completion on a new loop and return its exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        return asyncio.run(main)
+    return uvloop.run(main)
