@@ -1,7 +1,7 @@
 """Mixed precision and CUDA graphs for the MiniLM and ResNet handlers, read from model-config.
 
-The archive ships this file beside its handler (as it ships `digits_device.py`) and the handler
-imports it by path, so it runs the same under TorchServe, Mariner and in the repo: it imports
+The archive ships this file beside its handler (as it ships `handler_support.py`) and the handler
+loads it by path, so it runs the same under TorchServe, Mariner and in the repo: it imports
 only torch and the standard library.
 
 The handler section of model-config.yaml may say
@@ -20,8 +20,9 @@ the mixed-precision path is tested without a GPU; CUDA graphs are a CUDA feature
 elsewhere.
 """
 
-# No `from __future__ import annotations`: handlers load this file by path without putting it in
-# sys.modules, and dataclasses cannot resolve string annotations of a module missing from there.
+# No `from __future__ import annotations`: dataclasses resolve string annotations through
+# sys.modules, so real ones keep this file loadable by any loader, including one that does not
+# register it there (handler_support.load_module_from does).
 import contextlib
 import logging
 from collections.abc import Callable, Iterator

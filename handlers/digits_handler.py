@@ -9,7 +9,7 @@ that says which artefact format the serialized file is:
     aoti               torch._inductor.aoti_load_package (.pt2 built for `aoti_device`)
     onnx               onnxruntime InferenceSession
 
-Device rules (in `digits_device.py`, shipped beside this file): an archive that must run on a
+Device rules (in `handler_support.py`, shipped beside this file): an archive that must run on a
 GPU (`deviceType: gpu`, or the server's `require_gpu`) fails to initialise rather than serve on
 the CPU; AOTInductor packages and ONNX sessions are checked to run where they were meant to.
 The compiled variant only ever sees the batch sizes warmed up at load (power-of-two buckets up
@@ -31,7 +31,7 @@ import importlib.util
 import io
 import json
 import logging
-import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,34 +78,15 @@ def _explain_target(row: Any, classes: int) -> int | None:
     return target
 
 
-def _config_section(context: Any) -> dict[str, Any]:
-    cfg = getattr(context, "model_yaml_config", None) or {}
-    section = cfg.get("handler") or {}
-    if not isinstance(section, dict):
-        raise ValueError("model-config 'handler' section must be a mapping")
-    return section
-
-
-def _load_module_from(path: Path, name: str) -> Any:
-    """Import a .py file shipped in the archive without touching sys.path."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# Beside this file in the repo and in the archive alike (TorchServe does not import it for us).
-_device = _load_module_from(Path(__file__).with_name("digits_device.py"), "mariner_digits_device")
-
-
-def batch_buckets(batch_size: int, explicit: Any = None) -> list[int]:
-    """The batch sizes a padded model runs at: powers of two up to batchSize, and batchSize."""
-    if explicit:
-        return sorted({int(b) for b in explicit})
-    top = max(1, batch_size)
-    return sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
+# The helper every handler shares, beside this file in the repo and in the archive alike, loaded
+# by path as it loads the other siblings (see its load_module_from: why by path, why registered).
+_spec = importlib.util.spec_from_file_location(
+    "mariner_digits_support", Path(__file__).with_name("handler_support.py")
+)
+if _spec is None or _spec.loader is None:
+    raise ImportError(f"handler_support.py must ship beside {__file__}")
+_support = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_support)
 
 
 def _pixels_from_image(raw: bytes) -> np.ndarray:
@@ -177,17 +158,6 @@ def _pixels_from_array(value: Any) -> np.ndarray:
     return arr.reshape(PIXELS)
 
 
-def _is_tensor_request(row: Any) -> bool:
-    """Mariner's OIP path hands arrays; JSON from a client can never produce an ndarray, so a
-    TorchServe request with a field named "tensors" is not mistaken for a tensor request."""
-    tensors = row.get("tensors") if isinstance(row, dict) else None
-    return (
-        isinstance(tensors, dict)
-        and bool(tensors)
-        and all(isinstance(v, np.ndarray) for v in tensors.values())
-    )
-
-
 def _pixels_from_tensor(tensors: Any) -> np.ndarray:
     """An OIP request's `pixels` input, [N, 64] (or [N, 8, 8]), as (N, 64) float32 rows."""
     if not isinstance(tensors, dict) or "pixels" not in tensors:
@@ -252,30 +222,24 @@ class DigitsHandler:
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         model_dir = Path(props.get("model_dir") or ".")
-        section = _config_section(context)
-        self.format = str(section.get("format", "")).lower()
-        if self.format not in FORMATS:
-            raise ValueError(f"model-config handler.format must be one of {FORMATS}, got {self.format!r}")
+        section = _support.config_section(context)
+        self.format = _support.artefact_format(section, FORMATS)
         self.topk = int(section.get("topk", 3))
-        serialized = (context.manifest or {}).get("model", {}).get("serializedFile") or section.get(
-            "artefact"
-        )
-        if not serialized:
-            raise ValueError("the archive's manifest names no serializedFile")
+        serialized = _support.serialized_file(context, section.get("artefact"))
         artefact = model_dir / serialized
 
         norm = json.loads((model_dir / "norm.json").read_text())
         self.mean, self.std = float(norm["mean"]), float(norm["std"])
-        labels_path = model_dir / "labels.json"
-        if labels_path.exists():
-            self.labels = [str(v) for v in json.loads(labels_path.read_text())]
+        self.labels = _support.read_labels(model_dir, self.labels)
 
         # AOTI packages and dynamic-int8 kernels only run on the device they were built for.
-        self.device = _device.pick_device(context, str(section.get("device", "any")))
-        self.buckets = batch_buckets(int(props.get("batch_size") or 1), section.get("warmup_batch_sizes"))
+        self.device = _support.pick_device(context, str(section.get("device", "any")))
+        self.buckets = _support.batch_buckets(
+            int(props.get("batch_size") or 1), section.get("warmup_batch_sizes")
+        )
         self.model = self._load(artefact, model_dir, section)
         if self.device.type == "cuda" and self.format != "onnx":
-            self._staging = _device.HostStaging(self.buckets[-1], (1, SIDE, SIDE), self.device)
+            self._staging = _support.HostStaging(self.buckets[-1], (1, SIDE, SIDE), self.device)
         self._warm_up()
         self.initialized = True
         log.info(
@@ -297,13 +261,10 @@ class DigitsHandler:
         n = 0
         for i, row in enumerate(data):
             try:
-                is_tensor = _is_tensor_request(row)
+                is_tensor = _support.is_tensor_request(row)
                 block = _pixels_from_tensor(row["tensors"]) if is_tensor else decode_item(row)[None, :]
             except ValueError as exc:
-                results[i] = {"error": str(exc), "code": 400}
-                setter = getattr(context, "set_response_status", None)
-                if setter is not None:
-                    setter(400, str(exc), idx=i)
+                _support.refuse(results, context, i, str(exc))
                 continue
             rows.append(block)
             spans.append((i, n, n + len(block), is_tensor))
@@ -312,8 +273,9 @@ class DigitsHandler:
             return results
         logits = self.logits(self.normalise(np.concatenate(rows)))
         probs = torch.softmax(logits, dim=1)
-        top_p, top_i = probs.topk(min(self.topk, probs.shape[1]), dim=1)
-        logits_np, probs_np, top_p, top_i = logits.numpy(), probs.numpy(), top_p.numpy(), top_i.numpy()
+        top = probs.topk(min(self.topk, probs.shape[1]), dim=1)
+        logits_np, probs_np = logits.numpy(), probs.numpy()
+        top_p, top_i = top.values.numpy(), top.indices.numpy()
         for slot, a, b, is_tensor in spans:
             if is_tensor:
                 results[slot] = {
@@ -341,12 +303,9 @@ class DigitsHandler:
         answer 501 per request, a malformed one 400, as predictions do.
         """
         results: list[Any] = [None] * len(data)
-        setter = getattr(context, "set_response_status", None)
 
         def fail(i: int, status: int, message: str) -> None:
-            results[i] = {"error": message, "code": status}
-            if setter is not None:
-                setter(status, message, idx=i)
+            _support.refuse(results, context, i, message, status)
 
         cannot = (
             f"the {self.format} variant of this model cannot explain (its artefact has no gradients, "
@@ -361,7 +320,7 @@ class DigitsHandler:
         targets: list[int | None] = []
         for i, row in enumerate(data):
             try:
-                if _is_tensor_request(row):
+                if _support.is_tensor_request(row):
                     raise ValueError("explanations take one image per request, not a tensor batch")
                 rows.append(decode_item(row))
                 targets.append(_explain_target(row, len(self.labels)))
@@ -424,14 +383,7 @@ class DigitsHandler:
         """Run x zero-padded to `rows` rows (padding rows are independent in eval mode)."""
         n = len(x)
         with torch.inference_mode():
-            if self._staging is not None and rows <= self._staging.rows:
-                x = self._staging.to_device(x, rows)
-            else:  # the CPU, or a batch beyond the staging buffer: one plain copy
-                if rows > n:
-                    x = torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
-                elif self._pad:  # what dynamo guards on stays constant: an inference tensor
-                    x = x.clone()  # at storage offset 0, like every padded batch
-                x = x.to(self.device)
+            x = _support.batch_on_device(x, rows, self.device, self._staging, self._pad)
             out = self.model(x)
             if isinstance(out, (tuple, list)):
                 out = out[0]
@@ -446,37 +398,18 @@ class DigitsHandler:
     # -- loading --------------------------------------------------------------------------
     def _load(self, artefact: Path, model_dir: Path, section: dict[str, Any]) -> Any:
         if self.format in ("eager", "compiled"):
-            module = _load_module_from(model_dir / "digits_model.py", "mariner_digits_model")
-            model = module.DigitsCNN(**section.get("model_kwargs", {}))
-            state = torch.load(artefact, map_location="cpu", weights_only=True)
-            model.load_state_dict(state)
-            model.eval().to(self.device)
+            module = _support.load_module_from(model_dir / "digits_model.py", "mariner_digits_model")
+            arch = module.DigitsCNN(**section.get("model_kwargs", {}))
+            model = _support.load_weights(arch, artefact, self.device)
             if self.format == "compiled":
-                compile_cfg = section.get("compile") or {}
-                # One graph per bucket (and, with mode reduce-overhead, one CUDA graph each), all
-                # made by the warm-up: the cache must hold them all or dynamo falls back to eager.
-                limit = len(self.buckets) + 2
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-                model = torch.compile(
-                    model, mode=compile_cfg.get("mode", "default"), dynamic=compile_cfg.get("dynamic", False)
-                )
+                model = _support.compile_for_buckets(model, section.get("compile") or {}, self.buckets)
                 self._pad = True
             return model
-        if self.format == "torchscript":
-            return torch.jit.load(str(artefact), map_location=self.device).eval()
-        if self.format == "aoti":
-            meta = _device.aoti_metadata(artefact)
-            _device.check_aoti_package(meta, self.device, _device.host_cpu_flags(), artefact.name)
-            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
-            return torch._inductor.aoti_load_package(str(artefact), device_index=index)
-        # onnx
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = torch.get_num_threads()
-        self._ort = _device.onnx_session(ort, artefact, opts, self.device)
-        self._ort_input = self._ort.get_inputs()[0].name
-        return self._ort
+        loaded = _support.load_artefact(self.format, artefact, self.device)
+        if self.format == "onnx":
+            self._ort = loaded
+            self._ort_input = loaded.get_inputs()[0].name
+        return loaded
 
     def _warm_up(self) -> None:
         """Run every batch-size bucket once so no request pays a compile or a first-call cost.

@@ -19,6 +19,7 @@ requires it) and imports nothing from `ts`, so the same archive runs on TorchSer
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import sys
@@ -36,30 +37,15 @@ EMBEDDING_DIM = 384
 DECIMALS = 7  # JSON answers: float32 carries about 7 significant digits
 
 
-def _load_module_from(path: Path, name: str) -> Any:
-    """Import a .py file shipped in the archive without touching sys.path. It is registered
-    under `name` first: dataclasses resolve their module's annotations through sys.modules."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# Beside this file in the repo and in the archive alike (TorchServe does not import them for us).
+# The helper every handler shares, beside this file in the repo and in the archive alike, loaded
+# by path as it loads the other siblings (see its load_module_from: why by path, why registered).
 _HERE = Path(__file__).resolve().parent
-_text = _load_module_from(_HERE / "minilm_text.py", "mariner_minilm_text")
-_device = _load_module_from(_HERE / "digits_device.py", "mariner_minilm_device")
-
-
-def _section(context: Any) -> dict[str, Any]:
-    cfg = getattr(context, "model_yaml_config", None) or {}
-    section = cfg.get("handler") or {}
-    if not isinstance(section, dict):
-        raise ValueError("model-config 'handler' section must be a mapping")
-    return section
+_spec = importlib.util.spec_from_file_location("mariner_minilm_support", _HERE / "handler_support.py")
+if _spec is None or _spec.loader is None:
+    raise ImportError(f"handler_support.py must ship beside {__file__}")
+_support = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_support)
+_text = _support.load_module_from(_HERE / "minilm_text.py", "mariner_minilm_text")
 
 
 def _flag(value: Any, name: str) -> bool:
@@ -87,10 +73,8 @@ class MiniLMHandler:
         props = context.system_properties
         model_dir = Path(props.get("model_dir") or ".")
         cfg = getattr(context, "model_yaml_config", None) or {}
-        section = _section(context)
-        self.format = str(section.get("format", "")).lower()
-        if self.format not in FORMATS:
-            raise ValueError(f"model-config handler.format must be one of {FORMATS}, got {self.format!r}")
+        section = _support.config_section(context)
+        self.format = _support.artefact_format(section, FORMATS)
         self.rules = _text.TokenizerRules(
             model_dir / str(section.get("tokenizer", "tokenizer.json")),
             max_length=int(section.get("maxLength", 256)),
@@ -104,10 +88,8 @@ class MiniLMHandler:
                 f"maxBatchTokens ({self.max_batch_tokens}) must hold at least one text of maxLength "
                 f"({self.rules.max_length}) tokens"
             )
-        serialized = (context.manifest or {}).get("model", {}).get("serializedFile")
-        if not serialized:
-            raise ValueError("the archive's manifest names no serializedFile")
-        self.device = _device.pick_device(context, str(section.get("device", "any")))
+        serialized = _support.serialized_file(context)
+        self.device = _support.pick_device(context, str(section.get("device", "any")))
         self._run = self._load(model_dir / serialized, model_dir, section, int(props.get("batch_size") or 1))
         self._warm_up()
         self.initialized = True
@@ -121,13 +103,6 @@ class MiniLMHandler:
     def handle(self, data: list[Any], context: Any) -> list[Any]:
         """Decode every request, one forward for all their texts, answers split back in order."""
         results: list[Any] = [None] * len(data)
-        setter = getattr(context, "set_response_status", None)
-
-        def fail(i: int, message: str) -> None:
-            results[i] = {"error": message, "code": 400}
-            if setter is not None:
-                setter(400, message, idx=i)
-
         decoded: list[tuple[int, Any, list[list[int]]]] = []
         for i, row in enumerate(data):
             try:
@@ -140,7 +115,7 @@ class MiniLMHandler:
                         f"{self.rules.max_length} (including [CLS] and [SEP]) and does not truncate"
                     )
             except ValueError as exc:
-                fail(i, str(exc))
+                _support.refuse(results, context, i, str(exc))
                 continue
             decoded.append((i, texts, ids))
         if not decoded:
@@ -192,32 +167,23 @@ class MiniLMHandler:
         if wants_accel and self.format != "eager":
             raise ValueError("handler.autocast and handler.cudaGraphs apply to the eager format only")
         if self.format == "onnx":
-            import onnxruntime as ort
-
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = torch.get_num_threads()
-            session = _device.onnx_session(ort, artefact, opts, self.device)
+            session = _support.load_artefact(self.format, artefact, self.device)
 
             def run_onnx(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
                 return session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
 
             return run_onnx
         if self.format == "eager":
-            module = _load_module_from(model_dir / "minilm_model.py", "mariner_minilm_model")
+            module = _support.load_module_from(model_dir / "minilm_model.py", "mariner_minilm_model")
             pooling = model_dir / "pooling_config.json"
             if pooling.exists():
                 module.check_pooling(pooling)
             model: Any = module.load_encoder(model_dir, artefact).to(self.device)
-        elif self.format == "torchscript":
-            model = torch.jit.load(str(artefact), map_location=self.device).eval()
-        else:  # aoti
-            meta = _device.aoti_metadata(artefact)
-            _device.check_aoti_package(meta, self.device, _device.host_cpu_flags(), artefact.name)
-            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
-            model = torch._inductor.aoti_load_package(str(artefact), device_index=index)
+        else:  # torchscript (the dynamic-int8 variant) or aoti
+            model = _support.load_artefact(self.format, artefact, self.device)
         fn = model
         if wants_accel:
-            accel_mod = _load_module_from(model_dir / "accel.py", "mariner_minilm_accel")
+            accel_mod = _support.load_module_from(_HERE / "accel.py", "mariner_minilm_accel")
             self._accel = (accel_mod, accel_mod.settings(section))
             accel = self._accel[1]
             if accel.cuda_graphs and self.device.type == "cuda":
@@ -243,8 +209,6 @@ class MiniLMHandler:
 
     def _autocast(self) -> Any:
         if self._accel is None:
-            import contextlib
-
             return contextlib.nullcontext()
         accel_mod, accel = self._accel
         return accel_mod.autocast(accel, self.device)

@@ -10,8 +10,9 @@ The archive's model-config `handler:` section says the artefact's format:
 
 optional `autocast` / `cudaGraphs` (read by `accel.py`), `topk` (default 5),
 `warmup_batch_sizes` and `decodeThreads` (images decoded in parallel; default min(4, cores)).
-Device rules come from `digits_device.py` (generic despite its name) and
-image decoding from `resnet_image.py`; all three ship beside this file in the archive.
+What every handler needs (sibling imports, device rules, artefact loaders) comes from
+`handler_support.py` and image decoding from `resnet_image.py`; all three ship beside this file
+in the archive.
 
 Requests, one per TorchServe request: a JPEG or PNG as the raw body or as a multipart/form
 field (`data`, `body`, or any other field holding bytes), answered with
@@ -29,10 +30,9 @@ from `ts`, so Mariner loads it without TorchServe.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-import math
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,35 +47,15 @@ TOPK = 5
 CLASSES = 1000
 
 
-def _load_module_from(path: Path, name: str) -> Any:
-    """Import a .py file shipped in the archive without touching sys.path."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
+# The helper every handler shares, beside this file in the repo and in the archive alike, loaded
+# by path as it loads the other siblings (see its load_module_from: why by path, why registered).
 _HERE = Path(__file__).resolve().parent
-_device = _load_module_from(_HERE / "digits_device.py", "mariner_resnet_device")
-_image = _load_module_from(_HERE / "resnet_image.py", "mariner_resnet_image")
-
-
-def _config_section(context: Any) -> dict[str, Any]:
-    cfg = getattr(context, "model_yaml_config", None) or {}
-    section = cfg.get("handler") or {}
-    if not isinstance(section, dict):
-        raise ValueError("model-config 'handler' section must be a mapping")
-    return section
-
-
-def _buckets(batch_size: int, explicit: Any = None) -> list[int]:
-    """Batch sizes a padded model runs at: powers of two up to batchSize, and batchSize."""
-    if explicit:
-        return sorted({int(b) for b in explicit})
-    top = max(1, batch_size)
-    return sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
+_spec = importlib.util.spec_from_file_location("mariner_resnet_support", _HERE / "handler_support.py")
+if _spec is None or _spec.loader is None:
+    raise ImportError(f"handler_support.py must ship beside {__file__}")
+_support = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_support)
+_image = _support.load_module_from(_HERE / "resnet_image.py", "mariner_resnet_image")
 
 
 def _image_bytes(row: Any) -> bytes:
@@ -97,16 +77,6 @@ def _image_bytes(row: Any) -> bytes:
             "send the image bytes with a non-text Content-Type (e.g. image/jpeg)"
         )
     return payload
-
-
-def _is_tensor_request(row: Any) -> bool:
-    """Mariner's OIP path hands arrays; JSON from a client never produces an ndarray."""
-    tensors = row.get("tensors") if isinstance(row, dict) else None
-    return (
-        isinstance(tensors, dict)
-        and bool(tensors)
-        and all(isinstance(v, np.ndarray) for v in tensors.values())
-    )
 
 
 def _tensor_rows(tensors: dict[str, np.ndarray]) -> torch.Tensor:
@@ -154,32 +124,28 @@ class ResNetHandler:
     def initialize(self, context: Any) -> None:
         props = context.system_properties
         model_dir = Path(props.get("model_dir") or ".")
-        section = _config_section(context)
-        self.format = str(section.get("format", "")).lower()
-        if self.format not in FORMATS:
-            raise ValueError(f"model-config handler.format must be one of {FORMATS}, got {self.format!r}")
+        section = _support.config_section(context)
+        self.format = _support.artefact_format(section, FORMATS)
         self.topk = int(section.get("topk", TOPK))
-        serialized = (context.manifest or {}).get("model", {}).get("serializedFile")
-        if not serialized:
-            raise ValueError("the archive's manifest names no serializedFile")
-        labels_path = model_dir / "labels.json"
-        if labels_path.exists():
-            self.labels = [str(v) for v in json.loads(labels_path.read_text())]
+        serialized = _support.serialized_file(context)
+        self.labels = _support.read_labels(model_dir, self.labels)
         batch_size = int(props.get("batch_size") or 1)
         cfg = getattr(context, "model_yaml_config", None) or {}
         # Rows per forward pass: bounds activations when tensor requests bring many rows.
         self.chunk = max(1, int(cfg.get("maxRowsPerCall") or batch_size))
-        self.device = _device.pick_device(context, str(section.get("device", "any")))
-        self.buckets = _buckets(batch_size, section.get("warmup_batch_sizes"))
+        self.device = _support.pick_device(context, str(section.get("device", "any")))
+        self.buckets = _support.batch_buckets(batch_size, section.get("warmup_batch_sizes"))
         if section.get("autocast") or section.get("cudaGraphs"):
-            self._accel_mod = _load_module_from(_HERE / "accel.py", "mariner_resnet_accel")
+            self._accel_mod = _support.load_module_from(_HERE / "accel.py", "mariner_resnet_accel")
             self._accel = self._accel_mod.settings(section)
         threads = int(section.get("decodeThreads", min(4, os.cpu_count() or 1)))
         if threads > 1:
             self._decoders = ThreadPoolExecutor(threads, thread_name_prefix="resnet-decode")
         self.model = self._load(model_dir / serialized, model_dir, section)
         if self.device.type == "cuda" and self.format != "onnx":
-            self._staging = _device.HostStaging(max(self.buckets[-1], self.chunk), (3, 224, 224), self.device)
+            self._staging = _support.HostStaging(
+                max(self.buckets[-1], self.chunk), (3, 224, 224), self.device
+            )
         self._warm_up()
         self.initialized = True
         log.info(
@@ -191,17 +157,14 @@ class ResNetHandler:
         results: list[Any] = [None] * len(data)
         spans: list[tuple[int, int]] = []  # tensor requests: (request index, index in blocks)
         blocks: list[torch.Tensor] = []
-        setter = getattr(context, "set_response_status", None)
 
         def fail(i: int, exc: ValueError) -> None:
-            results[i] = {"error": str(exc), "code": 400}
-            if setter is not None:
-                setter(400, str(exc), idx=i)
+            _support.refuse(results, context, i, str(exc))
 
         images: list[tuple[int, bytes]] = []  # single-image requests, decoded together
         for i, row in enumerate(data):
             try:
-                if _is_tensor_request(row):
+                if _support.is_tensor_request(row):
                     blocks.append(_tensor_rows(row["tensors"]))
                     spans.append((i, len(blocks) - 1))
                 else:
@@ -271,14 +234,7 @@ class ResNetHandler:
         n = len(x)
         rows = next(b for b in self.buckets if b >= n) if self._pad else n
         with torch.inference_mode():
-            if self._staging is not None and rows <= self._staging.rows:
-                x = self._staging.to_device(x, rows)
-            else:
-                if rows > n:
-                    x = torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
-                elif self._pad:  # what dynamo guards on stays constant: a fresh tensor at offset 0
-                    x = x.clone()
-                x = x.to(self.device)
+            x = _support.batch_on_device(x, rows, self.device, self._staging, self._pad)
             if self._accel is not None:
                 with self._accel_mod.autocast(self._accel, self.device):
                     out = self.model(x)
@@ -291,37 +247,23 @@ class ResNetHandler:
     # -- loading --------------------------------------------------------------------------
     def _load(self, artefact: Path, model_dir: Path, section: dict[str, Any]) -> Any:
         if self.format in ("eager", "compiled"):
-            module = _load_module_from(model_dir / "resnet_model.py", "mariner_resnet_model")
-            model = module.ResNet18(num_classes=len(self.labels))
-            model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
-            model.eval().to(self.device)
+            module = _support.load_module_from(model_dir / "resnet_model.py", "mariner_resnet_model")
+            model = _support.load_weights(
+                module.ResNet18(num_classes=len(self.labels)), artefact, self.device
+            )
             if self.format == "compiled":
-                cfg = section.get("compile") or {}
-                limit = len(self.buckets) + 2  # one graph per bucket, all made by the warm-up
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-                model = torch.compile(
-                    model, mode=cfg.get("mode", "default"), dynamic=cfg.get("dynamic", False)
-                )
+                model = _support.compile_for_buckets(model, section.get("compile") or {}, self.buckets)
                 self._pad = True
             elif self._accel is not None and self._accel.cuda_graphs and self.device.type == "cuda":
                 self._pad = True
                 example = lambda b: (torch.zeros((b, 3, 224, 224), device=self.device),)  # noqa: E731
                 model = self._accel_mod.graphed(model, self._accel, self.device, self.buckets, example)
             return model
-        if self.format == "torchscript":
-            return torch.jit.load(str(artefact), map_location=self.device).eval()
-        if self.format == "aoti":
-            meta = _device.aoti_metadata(artefact)
-            _device.check_aoti_package(meta, self.device, _device.host_cpu_flags(), artefact.name)
-            index = self.device.index if self.device.type == "cuda" and self.device.index is not None else -1
-            return torch._inductor.aoti_load_package(str(artefact), device_index=index)
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = torch.get_num_threads()
-        self._ort = _device.onnx_session(ort, artefact, opts, self.device)
-        self._ort_input = self._ort.get_inputs()[0].name
-        return self._ort
+        loaded = _support.load_artefact(self.format, artefact, self.device)
+        if self.format == "onnx":
+            self._ort = loaded
+            self._ort_input = loaded.get_inputs()[0].name
+        return loaded
 
     def _warm_up(self) -> None:
         """Run batch 1 (and, when padding, every bucket) so no request pays a first-call cost."""

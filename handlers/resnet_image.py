@@ -66,7 +66,7 @@ def decode(raw: bytes) -> np.ndarray:
     if not raw:
         raise ValueError("empty body: send one JPEG or PNG image")
     try:
-        img = Image.open(io.BytesIO(raw))  # parses the header only
+        img: Image.Image = Image.open(io.BytesIO(raw))  # parses the header only
     except Image.DecompressionBombError as exc:  # Pillow's own cap (above ours), also from the header
         raise ValueError(
             f"image is too large: {exc}; at most {MAX_IMAGE_PIXELS} pixels are accepted"

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from mariner.handlers.digits_device import (
+from mariner.handlers.handler_support import (
     ISA_CPU_FLAGS,
     MARCH_CPU_FLAGS,
     META_CPU_FLAGS,
@@ -138,7 +138,7 @@ def aoti_cpu_package(program: torch.export.ExportedProgram, path: Path) -> None:
 
 def aoti_target(path: Path) -> str:
     """What a package was built for, read back from its own metadata (what the handler checks)."""
-    from mariner.handlers.digits_device import aoti_metadata
+    from mariner.handlers.handler_support import aoti_metadata
 
     meta = aoti_metadata(path)
     march = meta.get(META_MARCH, "native")

@@ -2,7 +2,7 @@
 
 Archives are made by the real `torch-model-archiver`, so stock TorchServe and Mariner load
 the very same bytes. Each archive carries the handler and its device helper
-(`digits_device.py`, imported by the handler from its own directory), the artefact,
+(`handler_support.py`, imported by the handler from its own directory), the artefact,
 `norm.json`, `labels.json`, `model-config.yaml` and the variant's `verification.json`.
 """
 
@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER = ROOT / "handlers" / "digits_handler.py"
-HANDLER_HELPERS = (ROOT / "handlers" / "digits_device.py",)  # beside the handler in every archive
+HANDLER_HELPERS = (ROOT / "handlers" / "handler_support.py",)  # beside the handler in every archive
 MODEL_DEF = ROOT / "training" / "model.py"
 ARCHIVE_VERSION = "1.0"
 SIGNATURE: dict[str, Any] = {

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-import mariner.handlers.digits_device as dd
 import mariner.handlers.digits_handler as dh
+import mariner.handlers.handler_support as dd
 from mariner.handlers.digits_handler import DigitsHandler
 from mariner.server.core.context import Context
 from mariner.training import export, package
@@ -115,7 +115,7 @@ def aoti_dir(tmp_path: Path) -> Path:
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Replace the AOTI loader: record how it was called, return a small eager model.
 
-    (The handler imports its helper by path, as in an archive: patch `dh._device`, not `dd`.)"""
+    (The handler imports its helper by path, as in an archive: patch `dh._support`, not `dd`.)"""
     calls: list[dict[str, Any]] = []
     model = DigitsCNN(width=8, hidden=32).eval()
 
@@ -137,7 +137,7 @@ def test_handler_refuses_a_package_for_a_cpu_this_host_is_not(
     aoti_dir: Path, loads: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_package(aoti_dir / "m.pt2", NATIVE_AVX512)
-    monkeypatch.setattr(dh._device, "host_cpu_flags", lambda: HOST_AVX2)
+    monkeypatch.setattr(dh._support, "host_cpu_flags", lambda: HOST_AVX2)
     with pytest.raises(RuntimeError, match="lacks: avx512"):
         DigitsHandler().initialize(_ctx(aoti_dir, "cpu"))
     assert loads == []  # refused before the machine code was mapped
@@ -147,7 +147,7 @@ def test_handler_loads_a_portable_cpu_package(
     aoti_dir: Path, loads: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_package(aoti_dir / "m.pt2", PORTABLE)
-    monkeypatch.setattr(dh._device, "host_cpu_flags", lambda: HOST_AVX2)
+    monkeypatch.setattr(dh._support, "host_cpu_flags", lambda: HOST_AVX2)
     h = DigitsHandler()
     h.initialize(_ctx(aoti_dir, "cpu", gpu_id=0))  # offered a GPU: a CPU-only artefact stays on the CPU
     assert h.device == CPU
@@ -172,7 +172,7 @@ def test_handler_loads_a_cuda_package_on_the_instance_gpu(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     h = DigitsHandler()
     monkeypatch.setattr(h, "_warm_up", lambda: None)  # the fake model cannot run on cuda:1 here
-    monkeypatch.setattr(dh._device, "HostStaging", lambda *a, **k: None)  # pinning needs CUDA
+    monkeypatch.setattr(dh._support, "HostStaging", lambda *a, **k: None)  # pinning needs CUDA
     h.initialize(_ctx(aoti_dir, "cuda", gpu_id=1))
     assert h.device == GPU
     assert loads[0]["device_index"] == 1
@@ -230,9 +230,9 @@ def test_staged_archive_carries_the_device_helper_beside_the_handler(tmp_path: P
         variant="compiled", fmt="compiled", device="any", artefact=art, work=tmp_path / "stage",
         norm={"mean": 0.0, "std": 1.0}, model_kwargs={}, batch_size=8, max_batch_delay_ms=5,
     )  # fmt: skip
-    helper = staged.dir / "digits_device.py"
+    helper = staged.dir / "handler_support.py"
     assert helper in staged.extra_files
-    assert helper.read_bytes() == (ROOT / "handlers" / "digits_device.py").read_bytes()
+    assert helper.read_bytes() == (ROOT / "handlers" / "handler_support.py").read_bytes()
     assert (staged.dir / "digits_handler.py").exists()
     assert staged.model_config["handler"]["compile"]["dynamic"] is False
 
@@ -241,11 +241,11 @@ def test_handler_in_a_staged_dir_imports_its_helper_from_there(tmp_path: Path) -
     """In the archive the helper is found beside the handler, not in the repo."""
     import importlib.util
 
-    for name in ("digits_handler.py", "digits_device.py"):
+    for name in ("digits_handler.py", "handler_support.py"):
         shutil.copy2(ROOT / "handlers" / name, tmp_path / name)
     spec = importlib.util.spec_from_file_location("staged_handler", tmp_path / "digits_handler.py")
     assert spec is not None
     assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert Path(mod._device.__file__) == tmp_path / "digits_device.py"
+    assert Path(mod._support.__file__) == tmp_path / "handler_support.py"

@@ -1,6 +1,6 @@
 """Stage each MiniLM variant's files and package them with the real torch-model-archiver.
 
-Every archive carries the handler and its helpers (`minilm_text.py`, `digits_device.py` for the
+Every archive carries the handler and its helpers (`minilm_text.py`, `handler_support.py` for the
 device rules, `accel.py` for autocast/CUDA graphs), the artefact, the tokenizer and
 `model-config.yaml`; the eager variants add the model code (`minilm_model.py`), `config.json`
 and the pooling config it checks. The tokenizer.json shipped is the checkpoint's with its
@@ -20,7 +20,7 @@ import yaml
 from mariner.training.package import ARCHIVE_VERSION, ROOT, Staged, fresh_stage_dir
 
 HANDLER = ROOT / "handlers" / "minilm_handler.py"
-HELPERS = tuple(ROOT / "handlers" / name for name in ("minilm_text.py", "digits_device.py", "accel.py"))
+HELPERS = tuple(ROOT / "handlers" / name for name in ("minilm_text.py", "handler_support.py", "accel.py"))
 MODEL_CODE = ROOT / "training" / "minilm" / "model.py"
 MAX_LENGTH = 256  # sentence-transformers' max_seq_length for this checkpoint
 # Padded tokens (rows x longest row) per batch. It must bind below batchSize x maxLength (32 x 256

@@ -1,7 +1,7 @@
 """Stage each ResNet-18 variant's model dir; `mariner.training.package.archive` makes the .mar.
 
 An archive carries the handler and the helpers it imports by path (`resnet_image.py` for
-decoding, `digits_device.py` for the device rules, `accel.py` for autocast/CUDA graphs), the
+decoding, `handler_support.py` for the device rules, `accel.py` for autocast/CUDA graphs), the
 artefact, `labels.json`, `model-config.yaml`, `verification.json` and, for the eager and
 compiled variants, the architecture as `resnet_model.py`.
 """
@@ -19,7 +19,7 @@ from mariner.training.package import ARCHIVE_VERSION, Staged, fresh_stage_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER = ROOT / "handlers" / "resnet_handler.py"
-HELPERS = tuple(ROOT / "handlers" / n for n in ("resnet_image.py", "digits_device.py", "accel.py"))
+HELPERS = tuple(ROOT / "handlers" / n for n in ("resnet_image.py", "handler_support.py", "accel.py"))
 MODEL_DEF = Path(__file__).resolve().with_name("model.py")
 # Mariner's OIP ModelMetadata and request check. The model takes its images in one of two forms,
 # each an optional input (a request carries one): encoded JPEG/PNG bytes, or a decoded,

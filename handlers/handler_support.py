@@ -1,25 +1,34 @@
-"""Device decisions for the digits handler: which device, and whether the artefact may run there.
+"""What every handler of the archives needs: loading its sibling files, the device, the artefact.
 
-Split out of `digits_handler.py` (TorchServe's loader wants exactly one class in a handler
-module, and the handler stays readable). The archive ships this file next to the handler; the
-handler imports it by path, so it works the same under TorchServe, Mariner and in the repo.
+The digits, MiniLM and ResNet handlers each ship this file beside them in their archive and
+load it by path (then load their other siblings with `load_module_from`), so it works the same
+under stock TorchServe, Mariner and in the repo: it imports only torch, numpy and the standard
+library, never `ts` or `mariner.server`. It holds what the handlers would otherwise each carry
+a copy of: a sibling import, the model-config handler section, the batch buckets, the Open
+Inference Protocol tensor-request test, device selection and the checks on where an artefact
+may run, the AOTInductor/ONNX/torch.compile loaders, and the host-to-device batch copy.
 
-Why these checks exist: a worker that was meant to run on a GPU but quietly serves on the CPU
-looks healthy and is 10-100x slower; an ONNX session that could not get CUDA falls back to the
-CPU without a word; an AOTInductor package is machine code for one device (and, on the CPU,
+Why the device checks exist: a worker that was meant to run on a GPU but quietly serves on the
+CPU looks healthy and is 10-100x slower; an ONNX session that could not get CUDA falls back to
+the CPU without a word; an AOTInductor package is machine code for one device (and, on the CPU,
 for one instruction set) and crashes the worker with SIGILL, or mis-runs, where it was not
 built for. Each of these is refused at load with an error that says what to change.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import math
+import sys
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -43,6 +52,96 @@ MARCH_CPU_FLAGS: dict[str, frozenset[str]] = {
 # Metadata keys the pipeline adds to its AOTInductor packages (torch adds the AOTI_* ones).
 META_MARCH = "MARINER_MARCH"
 META_CPU_FLAGS = "MARINER_REQUIRED_CPU_FLAGS"
+
+
+# -- the archive's files and its model-config -----------------------------------------------
+
+
+def load_module_from(path: Path, name: str) -> ModuleType:
+    """Import a .py file shipped in the archive by its path, as `name`, without touching sys.path.
+
+    By path, not by `import`: the archive dir is not first on sys.path (Mariner appends it, and
+    several archives may share one process), so a top-level name could find an installed module
+    or another archive's copy. The module is registered in sys.modules under `name` before its
+    code runs, as `import` does: dataclasses resolve their module's annotations through
+    sys.modules, and pickle finds a class by its module's name there. A failed import leaves
+    no entry behind.
+    """
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        raise
+    return module
+
+
+def config_section(context: Any) -> dict[str, Any]:
+    """The model-config's `handler:` section (TorchServe passes unknown sections through)."""
+    cfg = getattr(context, "model_yaml_config", None) or {}
+    section = cfg.get("handler") or {}
+    if not isinstance(section, dict):
+        raise ValueError("model-config 'handler' section must be a mapping")
+    return section
+
+
+def artefact_format(section: dict[str, Any], formats: tuple[str, ...]) -> str:
+    """The section's `format`, one of the handler's `formats`; anything else fails the load."""
+    fmt = str(section.get("format", "")).lower()
+    if fmt not in formats:
+        raise ValueError(f"model-config handler.format must be one of {formats}, got {fmt!r}")
+    return fmt
+
+
+def read_labels(model_dir: Path, default: list[str]) -> list[str]:
+    """The archive's labels.json (class names by index), or `default` where it ships none."""
+    path = model_dir / "labels.json"
+    if not path.exists():
+        return default
+    return [str(v) for v in json.loads(path.read_text())]
+
+
+def serialized_file(context: Any, fallback: Any = None) -> str:
+    """The artefact's file name, as the archive's manifest names it."""
+    serialized = (context.manifest or {}).get("model", {}).get("serializedFile") or fallback
+    if not serialized:
+        raise ValueError("the archive's manifest names no serializedFile")
+    return str(serialized)
+
+
+def batch_buckets(batch_size: int, explicit: Any = None) -> list[int]:
+    """The batch sizes a padded model runs at: powers of two up to batchSize, and batchSize."""
+    if explicit:
+        return sorted({int(b) for b in explicit})
+    top = max(1, batch_size)
+    return sorted({min(2**k, top) for k in range(int(math.log2(top)) + 1)} | {top})
+
+
+def is_tensor_request(row: Any) -> bool:
+    """Mariner's OIP path hands numpy arrays; JSON from a client can never produce an ndarray, so
+    a TorchServe request with a field named "tensors" is not mistaken for a tensor request."""
+    tensors = row.get("tensors") if isinstance(row, dict) else None
+    return (
+        isinstance(tensors, dict)
+        and bool(tensors)
+        and all(isinstance(v, np.ndarray) for v in tensors.values())
+    )
+
+
+def refuse(results: list[Any], context: Any, i: int, message: str, status: int = 400) -> None:
+    """Answer request i alone with an error (and its status, where the context takes one)."""
+    results[i] = {"error": message, "code": status}
+    setter = getattr(context, "set_response_status", None)
+    if setter is not None:
+        setter(status, message, idx=i)
+
+
+# -- devices ------------------------------------------------------------------------------------
 
 
 def _truthy(value: Any) -> bool:
@@ -115,6 +214,15 @@ def onnx_session(ort: Any, artefact: Path, options: Any, device: torch.device) -
             "refusing to serve this GPU instance on the CPU"
         )
     return sess
+
+
+def load_onnx(artefact: Path, device: torch.device) -> Any:
+    """The artefact's ONNX Runtime session, with as many intra-op threads as torch uses."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    return onnx_session(ort, artefact, opts, device)
 
 
 # -- AOTInductor packages ----------------------------------------------------------------------
@@ -196,7 +304,69 @@ def check_aoti_package(
         )
 
 
+def load_aoti(artefact: Path, device: torch.device) -> Any:
+    """An AOTInductor package, once its metadata says it may run on this device and CPU."""
+    meta = aoti_metadata(artefact)
+    check_aoti_package(meta, device, host_cpu_flags(), artefact.name)
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    return torch._inductor.aoti_load_package(str(artefact), device_index=index)
+
+
+# -- loading the artefact ------------------------------------------------------------------------
+
+
+def load_weights(model: torch.nn.Module, artefact: Path, device: torch.device) -> torch.nn.Module:
+    """The archive's architecture with the artefact's state_dict (weights_only=True: a state_dict
+    holds tensors, never code), in eval mode on the device."""
+    model.load_state_dict(torch.load(artefact, map_location="cpu", weights_only=True))
+    return model.eval().to(device)
+
+
+def load_artefact(fmt: str, artefact: Path, device: torch.device) -> Any:
+    """A self-contained artefact (torchscript, aoti or onnx) loaded for the device; the eager and
+    compiled formats are a state_dict and need the archive's model code (`load_weights`)."""
+    if fmt == "torchscript":
+        return torch.jit.load(str(artefact), map_location=device).eval()
+    if fmt == "aoti":
+        return load_aoti(artefact, device)
+    if fmt == "onnx":
+        return load_onnx(artefact, device)
+    raise ValueError(f"{fmt!r} is not a self-contained artefact format (torchscript, aoti, onnx)")
+
+
+# -- torch.compile -----------------------------------------------------------------------------
+
+
+def compile_for_buckets(model: torch.nn.Module, cfg: dict[str, Any], buckets: list[int]) -> Any:
+    """torch.compile with the handler section's `compile` settings, for a model run only at the
+    batch buckets: one graph per bucket (and, with mode reduce-overhead, one CUDA graph each),
+    all made by the warm-up, so dynamo's cache must hold them all or it falls back to eager."""
+    limit = len(buckets) + 2
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    return torch.compile(model, mode=cfg.get("mode", "default"), dynamic=cfg.get("dynamic", False))
+
+
 # -- host -> device copies --------------------------------------------------------------------
+
+
+def batch_on_device(
+    x: torch.Tensor, rows: int, device: torch.device, staging: HostStaging | None, padded: bool
+) -> torch.Tensor:
+    """x zero-padded to `rows` rows, on the device (padding rows are independent in eval mode).
+
+    Through the pinned staging buffer when there is one and the batch fits; otherwise one plain
+    copy (the CPU, or a batch beyond the buffer). A model that runs only at padded sizes gets a
+    fresh tensor even when no row is added: what dynamo guards on stays constant, an inference
+    tensor at storage offset 0, like every padded batch. Call it in inference mode.
+    """
+    n = len(x)
+    if staging is not None and rows <= staging.rows:
+        return staging.to_device(x, rows)
+    if rows > n:
+        x = torch.cat([x, x.new_zeros((rows - n, *x.shape[1:]))])
+    elif padded:
+        x = x.clone()
+    return x.to(device)
 
 
 def _pinned(shape: tuple[int, ...]) -> torch.Tensor:
