@@ -75,8 +75,11 @@ def batch_dynamic_shapes() -> dict[str, dict[int, Any]]:
     return {"x": {0: Dim("batch", min=1, max=MAX_BATCH)}}
 
 
-def export_program(model: nn.Module) -> torch.export.ExportedProgram:
-    return torch.export.export(model, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
+def export_program(model: nn.Module, example: torch.Tensor | None = None) -> torch.export.ExportedProgram:
+    """torch.export of a one-input model with the batch dim dynamic; every family's image models
+    export this way (`example` is theirs; the digits input by default)."""
+    x = example_input() if example is None else example
+    return torch.export.export(model, (x,), dynamic_shapes=batch_dynamic_shapes())
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -86,8 +89,9 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def export_state_dict(model: nn.Module, out: Path) -> Artefact:
-    path = out / "digits_eager.pt"
+def export_state_dict(model: nn.Module, out: Path, name: str = "digits_eager.pt") -> Artefact:
+    """The eager variant: the state_dict alone (the archive ships the architecture as code)."""
+    path = out / name
     secs = timed(lambda: torch.save(model.state_dict(), path))
     return Artefact("eager", path, "eager", "any", secs)
 
@@ -105,6 +109,35 @@ def export_torchscript(
         scripted.save(str(path))
 
     return Artefact(variant, path, "torchscript", device, timed(run))
+
+
+def onnx_file(
+    model: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    path: Path,
+    *,
+    dynamic_shapes: dict[str, dict[int, Any]],
+    input_names: list[str],
+    output_names: list[str],
+) -> float:
+    """torch.onnx's dynamo export into one self-contained file (no external data); returns the
+    seconds it took. Every family's ONNX artefact is made here, with its own inputs and dims."""
+
+    def run() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                model,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=input_names,
+                output_names=output_names,
+                external_data=False,
+            )
+        program.save(str(path))
+
+    return timed(run)
 
 
 # Build-host flags that -march=native may turn into instructions (recorded when it cannot be avoided).
@@ -151,24 +184,16 @@ def export_aoti(program: torch.export.ExportedProgram, path: Path, variant: str)
     return Artefact(variant, path, "aoti", "cpu", secs, aoti_target(path))
 
 
-def export_onnx(model: nn.Module, out: Path) -> Artefact:
-    path = out / "digits.onnx"
-
-    def run() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                model,
-                (example_input(),),
-                dynamo=True,
-                dynamic_shapes=batch_dynamic_shapes(),
-                input_names=["x"],
-                output_names=["logits"],
-                external_data=False,
-            )
-        program.save(str(path))
-
-    return Artefact("onnx", path, "onnx", "any", timed(run))
+def export_onnx(
+    model: nn.Module, out: Path, name: str = "digits.onnx", example: torch.Tensor | None = None
+) -> Artefact:
+    """A one-input image model to ONNX, batch dynamic (`example`: the digits input by default)."""
+    path = out / name
+    x = example_input() if example is None else example
+    secs = onnx_file(
+        model, (x,), path, dynamic_shapes=batch_dynamic_shapes(), input_names=["x"], output_names=["logits"]
+    )
+    return Artefact("onnx", path, "onnx", "any", secs)
 
 
 def quantize_dynamic_int8(model: nn.Module, out: Path) -> Artefact:
@@ -187,26 +212,36 @@ def quantize_dynamic_int8(model: nn.Module, out: Path) -> Artefact:
     return replace(art, target="cpu (x86 int8 kernels)")
 
 
-def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -> Artefact:
-    """Static int8 with PT2E (torchao): export -> prepare -> calibrate -> convert -> AOTI."""
+def quantize_pt2e_int8(
+    model: nn.Module,
+    calibration: torch.Tensor,
+    out: Path,
+    *,
+    name: str = "digits_int8_pt2e.pt2",
+    example: Callable[[], torch.Tensor] = example_input,
+    chunk: int = 128,
+) -> Artefact:
+    """Static int8 with PT2E (torchao): export -> prepare -> calibrate -> convert -> AOTI.
+
+    `example` makes the export's example batch (one per export), `chunk` is the calibration
+    batch size; both are the family's (the digits CNN's by default)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
         X86InductorQuantizer,
         get_default_x86_inductor_quantization_config,
     )
 
-    path = out / "digits_int8_pt2e.pt2"
+    path = out / name
 
     def run() -> None:
         quantizer = X86InductorQuantizer()
         quantizer.set_global(get_default_x86_inductor_quantization_config())
-        prepared = prepare_pt2e(export_program(model).module(), quantizer)
+        prepared = prepare_pt2e(export_program(model, example()).module(), quantizer)
         with torch.no_grad():
-            for chunk in calibration.split(128):
-                prepared(chunk)
+            for rows in calibration.split(chunk):
+                prepared(rows)
         converted = convert_pt2e(prepared)
-        program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
-        aoti_cpu_package(program, path)
+        aoti_cpu_package(export_program(converted, example()), path)
 
     secs = timed(run)
     return Artefact("int8_pt2e", path, "aoti", "cpu", secs, aoti_target(path))

@@ -31,6 +31,14 @@ class FamilyBuild:
     report_markdown: str
     failed: tuple[str, ...] = ()
 
+    @classmethod
+    def of(
+        cls, family: str, entries: list[dict[str, Any]], report_markdown: str, rows: list[Any]
+    ) -> FamilyBuild:
+        """The build of `family` from its verification rows (each with `variant` and `passed`)."""
+        failed = tuple(r.variant for r in rows if not r.passed)
+        return cls(family=family, entries=tuple(entries), report_markdown=report_markdown, failed=failed)
+
 
 def index_entry(
     mar: Path, *, model: str, version: str, fmt: str, device: str, verification: dict[str, Any]
@@ -48,6 +56,13 @@ def index_entry(
         "device": device,
         "verification": verification,
     }
+
+
+def print_verdict(name: str, tolerance: str, passed: bool, widths: tuple[int, int]) -> None:
+    """One variant's line in the build log: its name, its tolerance and whether it held."""
+    print(
+        f"  {name:<{widths[0]}} {tolerance:<{widths[1]}} {'ok' if passed else 'OUT OF TOLERANCE'}", flush=True
+    )
 
 
 def family_main(

@@ -30,7 +30,7 @@ import torch
 from mariner.training import package, report
 from mariner.training.data import load_splits, to_model_input
 from mariner.training.export import Artefact, export_all, load_eager, model_kwargs
-from mariner.training.family import FamilyBuild, index_entry
+from mariner.training.family import FamilyBuild, print_verdict
 from mariner.training.train import TrainConfig, train
 from mariner.training.verify import Verification, verify_variant
 
@@ -76,8 +76,7 @@ def build(
         )  # fmt: skip
         rows.append(rec)
         entries.append(entry)
-        status = "ok" if rec.passed else "OUT OF TOLERANCE"
-        print(f"  {art.variant:<13} {rec.tolerance:<28} {status}", flush=True)
+        print_verdict(art.variant, rec.tolerance, rec.passed, (13, 28))
 
     rdir = store / "report"
     rdir.mkdir(parents=True, exist_ok=True)
@@ -124,8 +123,8 @@ def _build_variant(
     repeats: int,
 ) -> tuple[Verification, dict[str, Any]]:
     staged = package.stage(
-        variant=art.variant, fmt=art.format, device=art.device, artefact=art.path, work=stage_root,
-        norm=norm, model_kwargs=kwargs, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+        art, work=stage_root, norm=norm, model_kwargs=kwargs, batch_size=batch_size,
+        max_batch_delay_ms=max_batch_delay_ms,
     )  # fmt: skip
     rec = verify_variant(
         variant=art.variant,
@@ -142,12 +141,7 @@ def _build_variant(
         target=art.target,
     )
     record = {**asdict(rec), "export_seconds": round(art.seconds, 3)}
-    mar = package.archive(staged, package.write_verification(staged, record), store)
-    entry = index_entry(
-        mar, model=staged.model_name, version=package.ARCHIVE_VERSION, fmt=art.format, device=art.device,
-        verification=record,
-    )  # fmt: skip
-    return rec, entry
+    return rec, package.archive_variant(staged, record, store, fmt=art.format, device=art.device)
 
 
 def _write_index(

@@ -12,10 +12,9 @@ format's own rounding. `fp32_math()` turns TF32 off for the comparison and resto
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mariner.handlers.handler_support import load_module_from
 from mariner.server.core.context import Context
 
 FP32_MAX_ABS_DIFF = 1e-4  # fp32 variants: same math, only op order and fusion may differ
@@ -51,13 +51,33 @@ class Verification:
     target: str = "any device"  # what the artefact was built for (AOTI: device, -march and ISA)
 
 
-def load_handler_class() -> type:
-    spec = importlib.util.spec_from_file_location("mariner_verify_digits_handler", HANDLER_PATH)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the handler at {HANDLER_PATH}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DigitsHandler
+def load_handler_class(path: Path = HANDLER_PATH, name: str = "DigitsHandler") -> type:
+    """The handler class `name` of the handler file at `path` (the digits one by default),
+    imported by path as a server imports an archive's handler; every family verifies this way."""
+    handler_class: type = getattr(load_module_from(path, f"mariner_verify_{path.stem}"), name)
+    return handler_class
+
+
+def init_handler(
+    handler_class: type,
+    model_dir: Path,
+    manifest: dict[str, Any],
+    model_config: dict[str, Any],
+    gpu_id: int | None = None,
+) -> Any:
+    """A handler initialised on a staged (unarchived) model dir with a TorchServe-shaped Context,
+    on the CPU or on GPU `gpu_id`: what is verified is what a server loads."""
+    ctx = Context(
+        manifest["model"]["modelName"],
+        str(model_dir),
+        manifest,
+        batch_size=int(model_config.get("batchSize", 1)),
+        gpu_id=gpu_id,
+        model_yaml_config=model_config,
+    )
+    handler = handler_class()
+    handler.initialize(ctx)
+    return handler
 
 
 @contextmanager
@@ -76,25 +96,19 @@ def load_staged(
     model_dir: Path, manifest: dict[str, Any], model_config: dict[str, Any], gpu_id: int | None = None
 ) -> Any:
     """Initialise the real handler on a staged (unarchived) model dir, on CPU or GPU `gpu_id`."""
-    ctx = Context(
-        manifest["model"]["modelName"],
-        str(model_dir),
-        manifest,
-        batch_size=int(model_config.get("batchSize", 1)),
-        gpu_id=gpu_id,
-        model_yaml_config=model_config,
-    )
-    handler = load_handler_class()()
-    handler.initialize(ctx)
-    return handler
+    return init_handler(load_handler_class(), model_dir, manifest, model_config, gpu_id)
 
 
-def median_ms(fn: Any, x: torch.Tensor, repeats: int) -> float:
-    fn(x)  # warm
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time in ms of `repeats` calls after one warm call: every family's latency
+    figure; 0.0 when repeats is 0 (tests that skip timing)."""
+    if repeats < 1:
+        return 0.0
+    fn()  # warm
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn(x)
+        fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
@@ -140,8 +154,8 @@ def verify_variant(
         accuracy=acc,
         eager_accuracy=eager_acc,
         file_bytes=artefact.stat().st_size,
-        latency_b1_ms=median_ms(handler.logits, x[:1], repeats),
-        latency_b32_ms=median_ms(handler.logits, x[:32], repeats),
+        latency_b1_ms=median_ms(lambda: handler.logits(x[:1]), repeats),
+        latency_b32_ms=median_ms(lambda: handler.logits(x[:32]), repeats),
         load_seconds=load_s,
         tolerance=tolerance,
         passed=passed,

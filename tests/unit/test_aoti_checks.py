@@ -227,7 +227,7 @@ def test_staged_archive_carries_the_device_helper_beside_the_handler(tmp_path: P
     art = tmp_path / "w.pt"
     art.write_bytes(b"0")
     staged = package.stage(
-        variant="compiled", fmt="compiled", device="any", artefact=art, work=tmp_path / "stage",
+        export.Artefact("compiled", art, "compiled", "any", 0.0), work=tmp_path / "stage",
         norm={"mean": 0.0, "std": 1.0}, model_kwargs={}, batch_size=8, max_batch_delay_ms=5,
     )  # fmt: skip
     helper = staged.dir / "handler_support.py"

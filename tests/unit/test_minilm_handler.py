@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from mariner.server.core.context import Context
+from mariner.training.export import Artefact
 from mariner.training.minilm import package
 from mariner.training.minilm.pipeline import weights_dir
 from mariner.training.minilm.verify import load_handler, oracle_embeddings
@@ -29,7 +30,7 @@ DIM = 384
 def _stage(root: Path, name: str, **handler: Any) -> Any:
     weights = weights_dir()
     staged = package.stage(
-        variant="eager", fmt="eager", device="any", artefact=weights / "model.safetensors",
+        Artefact("eager", weights / "model.safetensors", "eager", "any", 0.0),
         weights_dir=weights, work=root, batch_size=8, max_batch_delay_ms=1, name=name,
     )  # fmt: skip
     staged.model_config["handler"].update(handler)

@@ -101,6 +101,7 @@ def jpegs() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def handler(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from mariner.training.export import Artefact
     from mariner.training.resnet import package, weights
     from mariner.training.resnet.verify import load_staged
 
@@ -109,7 +110,7 @@ def handler(tmp_path_factory: pytest.TempPathFactory) -> Any:
     state = work / "resnet18_eager.pt"
     torch.save(ResNet18().eval().state_dict(), state)
     staged = package.stage(
-        variant="eager", fmt="eager", device="any", artefact=state, work=work / "stage",
+        Artefact("eager", state, "eager", "any", 0.0), work=work / "stage",
         labels=weights.labels(), batch_size=8, max_batch_delay_ms=5,
     )  # fmt: skip
     return load_staged(staged)

@@ -16,30 +16,17 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.export import Dim
 
-from mariner.training.export import aoti_cpu_package, aoti_target, timed
+from mariner.training.export import Artefact, aoti_cpu_package, aoti_target, onnx_file, timed
 from mariner.training.minilm.model import MiniLMEncoder
 
 MAX_BATCH = 1024
 MAX_SEQ = 512  # the checkpoint's position table; the handler caps texts at maxLength (256)
-
-
-@dataclass(frozen=True)
-class Artefact:
-    """One exported file and how the handler must load it."""
-
-    variant: str
-    path: Path
-    format: str  # eager | onnx | aoti | torchscript
-    device: str  # "any", or the only device the artefact runs on ("cpu")
-    seconds: float
-    target: str = "any device"
 
 
 def example_inputs(batch: int = 2, seq: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,22 +72,15 @@ def export_program(encoder: MiniLMEncoder) -> torch.export.ExportedProgram:
 
 def export_onnx(encoder: MiniLMEncoder, out: Path) -> Artefact:
     path = out / "minilm.onnx"
-
-    def run() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                _TwoInputs(encoder).eval(),
-                example_inputs(),
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes(),
-                input_names=["input_ids", "attention_mask"],
-                output_names=["sentence_embedding"],
-                external_data=False,
-            )
-        program.save(str(path))
-
-    return Artefact("onnx", path, "onnx", "any", timed(run))
+    secs = onnx_file(
+        _TwoInputs(encoder).eval(),
+        example_inputs(),
+        path,
+        dynamic_shapes=dynamic_shapes(),
+        input_names=["input_ids", "attention_mask"],
+        output_names=["sentence_embedding"],
+    )
+    return Artefact("onnx", path, "onnx", "any", secs)
 
 
 def export_aoti(encoder: MiniLMEncoder, out: Path) -> Artefact:

@@ -1,7 +1,7 @@
 """Stage each MiniLM variant's files and package them with the real torch-model-archiver.
 
-Every archive carries the handler and its helpers (`minilm_text.py`, `handler_support.py` for the
-device rules, `accel.py` for autocast/CUDA graphs), the artefact, the tokenizer and
+Every archive carries the handler and its helpers (`minilm_text.py`, `handler_support.py` for
+what every handler needs, `accel.py` for autocast/CUDA graphs), the artefact, the tokenizer and
 `model-config.yaml`; the eager variants add the model code (`minilm_model.py`), `config.json`
 and the pooling config it checks. The tokenizer.json shipped is the checkpoint's with its
 built-in truncation (128) and fixed padding (128) removed, so whoever reads it (the handler, the
@@ -11,17 +11,19 @@ frontend's token counter, a user) counts every word piece; the handler applies `
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mariner.training.package import ARCHIVE_VERSION, ROOT, Staged, fresh_stage_dir
+from mariner.training import package as shared
 
-HANDLER = ROOT / "handlers" / "minilm_handler.py"
-HELPERS = tuple(ROOT / "handlers" / name for name in ("minilm_text.py", "handler_support.py", "accel.py"))
-MODEL_CODE = ROOT / "training" / "minilm" / "model.py"
+if TYPE_CHECKING:
+    from mariner.training.export import Artefact
+
+HANDLER = shared.ROOT / "handlers" / "minilm_handler.py"
+HELPERS = (shared.ROOT / "handlers" / "minilm_text.py", shared.HANDLER_SUPPORT, shared.ACCEL)
+MODEL_CODE = shared.ROOT / "training" / "minilm" / "model.py"
 MAX_LENGTH = 256  # sentence-transformers' max_seq_length for this checkpoint
 # Padded tokens (rows x longest row) per batch. It must bind below batchSize x maxLength (32 x 256
 # = 8192) or the batcher has no reason to group by length: TEI's default of 16384 never bound
@@ -42,28 +44,22 @@ def model_config(
     fmt: str, device: str, *, batch_size: int, max_batch_delay_ms: int, padding: str = "longest"
 ) -> dict[str, Any]:
     """TorchServe's model-config keys, the token-budget keys the frontend reads, the handler section."""
-    cfg: dict[str, Any] = {
-        "minWorkers": 1,
-        "maxWorkers": 1,
-        "batchSize": batch_size,
-        "maxBatchDelay": max_batch_delay_ms,
-        "responseTimeout": 60,
+    handler = {
+        "format": fmt,
+        "device": device,
+        "padding": padding,
+        "maxLength": MAX_LENGTH,
+        "truncate": True,
+        "maxTextsPerRequest": MAX_TEXTS_PER_REQUEST,
+    }
+    # The token-budget keys the frontend reads; the signature: texts in (UTF-8 BYTES), unit vectors out.
+    budget = {
         "maxBatchTokens": MAX_BATCH_TOKENS,
         "tokenCounter": {"tokenizer": "tokenizer.json", "maxLength": MAX_LENGTH},
-        "handler": {
-            "format": fmt,
-            "device": device,
-            "padding": padding,
-            "maxLength": MAX_LENGTH,
-            "truncate": True,
-            "maxTextsPerRequest": MAX_TEXTS_PER_REQUEST,
-        },
-        # Open Inference Protocol ModelMetadata: texts in (UTF-8 BYTES), unit vectors out.
-        "signature": SIGNATURE,
     }
-    if device == "cpu":  # CPU-only artefacts (the int8 kernels, a CPU AOTInductor package), as digits
-        cfg["deviceType"] = "cpu"
-    return cfg
+    return shared.family_model_config(
+        handler, SIGNATURE, device, (batch_size, max_batch_delay_ms, 60), budget
+    )
 
 
 def write_tokenizer(source: Path, target: Path) -> None:
@@ -75,43 +71,34 @@ def write_tokenizer(source: Path, target: Path) -> None:
 
 
 def stage(
+    exported: Artefact,
     *,
-    variant: str,
-    fmt: str,
-    device: str,
-    artefact: Path,
     weights_dir: Path,
     work: Path,
     batch_size: int,
     max_batch_delay_ms: int,
     padding: str = "longest",
     name: str | None = None,
-) -> Staged:
+) -> shared.Staged:
     """Copy the artefact and the side files into `work/<model_name>/`."""
+    variant, fmt, device, artefact = exported.variant, exported.format, exported.device, exported.path
     model_name = name or f"minilm_{variant}"
-    d, art = fresh_stage_dir(work, model_name, artefact)
+    d, art = shared.fresh_stage_dir(work, model_name, artefact)
     cfg = model_config(
         fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms, padding=padding
     )
     (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    shutil.copy2(HANDLER, d / HANDLER.name)
     write_tokenizer(weights_dir / "tokenizer.json", d / "tokenizer.json")
-    extras = [d / "tokenizer.json"]
-    for helper in HELPERS:
-        shutil.copy2(helper, d / helper.name)
-        extras.append(d / helper.name)
-    if fmt == "eager":
-        shutil.copy2(MODEL_CODE, d / "minilm_model.py")
-        shutil.copy2(weights_dir / "config.json", d / "config.json")
-        shutil.copy2(weights_dir / "1_Pooling" / "config.json", d / "pooling_config.json")
-        extras += [d / "minilm_model.py", d / "config.json", d / "pooling_config.json"]
-    manifest = {
-        "model": {
-            "modelName": model_name,
-            "serializedFile": art.name,
-            "handler": HANDLER.name,
-            "modelVersion": ARCHIVE_VERSION,
-            "configFile": "model-config.yaml",
+    # The eager variant's model code, with the checkpoint's config and the pooling config it checks.
+    code = (
+        {
+            "minilm_model.py": MODEL_CODE,
+            "config.json": weights_dir / "config.json",
+            "pooling_config.json": weights_dir / "1_Pooling" / "config.json",
         }
-    }
-    return Staged(variant, model_name, d, art, manifest, cfg, tuple(extras), handler=HANDLER.name)
+        if fmt == "eager"
+        else {}
+    )
+    extras = [d / "tokenizer.json", *shared.ship_code(d, HANDLER, HELPERS, code)]
+    manifest = shared.manifest_for(model_name, art, HANDLER)
+    return shared.Staged(variant, model_name, d, art, manifest, cfg, tuple(extras), handler=HANDLER.name)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mariner.training import package as archiver
-from mariner.training.family import FamilyBuild, family_main, index_entry
+from mariner.training.family import FamilyBuild, family_main, print_verdict
 from mariner.training.minilm import export as ex
 from mariner.training.minilm import package
 from mariner.training.minilm.model import load_encoder
@@ -77,8 +77,8 @@ def build(
     for variant in chosen:
         art = _export(variant, encoder, weights, arts_dir)
         staged = package.stage(
-            variant=variant, fmt=art.format, device=art.device, artefact=art.path, weights_dir=weights,
-            work=root / "stage", batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
+            art, weights_dir=weights, work=root / "stage", batch_size=batch_size,
+            max_batch_delay_ms=max_batch_delay_ms,
         )  # fmt: skip
         rec, vectors = verify_variant(
             staged, fmt=art.format, target=art.target, quantized=variant.startswith("int8"), texts=texts,
@@ -87,39 +87,15 @@ def build(
         if reference is None:
             reference = vectors
         record = rec.record(art.seconds)
-        mar = archiver.archive(staged, archiver.write_verification(staged, record), store)
-        entries.append(
-            index_entry(
-                mar,
-                model=staged.model_name,
-                version=package.ARCHIVE_VERSION,
-                fmt=art.format,
-                device=art.device,
-                verification=record,
-            )
-        )
+        entries.append(archiver.archive_variant(staged, record, store, fmt=art.format, device=art.device))
         rows.append(rec)
-        print(
-            f"  minilm_{variant:<13} {rec.tolerance:<60} {'ok' if rec.passed else 'OUT OF TOLERANCE'}",
-            flush=True,
-        )
-    return FamilyBuild(
-        family=FAMILY,
-        entries=tuple(entries),
-        report_markdown=markdown_table(rows),
-        failed=tuple(r.variant for r in rows if not r.passed),
-    )
+        print_verdict(f"minilm_{variant}", rec.tolerance, rec.passed, (20, 60))
+    return FamilyBuild.of(FAMILY, entries, markdown_table(rows), rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return family_main(
-        build,
-        doc=__doc__,
-        label="minilm",
-        full_help="also the AOTInductor package (slow)",
-        repeats=10,
-        argv=argv,
-    )
+    full_help = "also the AOTInductor package (slow)"
+    return family_main(build, doc=__doc__, label="minilm", full_help=full_help, repeats=10, argv=argv)
 
 
 if __name__ == "__main__":

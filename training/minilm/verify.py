@@ -11,8 +11,6 @@ Latency is the handler's per-batch time (tokenize + forward + split) at batch 1,
 
 from __future__ import annotations
 
-import importlib.util
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from mariner.server.core.context import Context
 from mariner.training.package import Staged
+from mariner.training.verify import init_handler, load_handler_class, median_ms
 
 FP32_MIN_COSINE = 0.9999
 INT8_MIN_COSINE = 0.99
@@ -55,22 +53,7 @@ class Verification:
 
 def load_handler(model_dir: Path, manifest: dict[str, Any], model_config: dict[str, Any]) -> Any:
     """The real handler initialised on a staged (unarchived) model dir, on the CPU."""
-    spec = importlib.util.spec_from_file_location("mariner_verify_minilm_handler", HANDLER_PATH)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the handler at {HANDLER_PATH}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    ctx = Context(
-        manifest["model"]["modelName"],
-        str(model_dir),
-        manifest,
-        batch_size=int(model_config.get("batchSize", 1)),
-        gpu_id=None,
-        model_yaml_config=model_config,
-    )
-    handler = module.MiniLMHandler()
-    handler.initialize(ctx)
-    return handler
+    return init_handler(load_handler_class(HANDLER_PATH, "MiniLMHandler"), model_dir, manifest, model_config)
 
 
 def oracle_embeddings(weights_dir: Path, texts: list[str]) -> np.ndarray:
@@ -91,14 +74,7 @@ def batch_latency_ms(handler: Any, texts: list[str], batch: int, repeats: int) -
     if repeats <= 0:
         return None
     rows = [{"body": texts[i % len(texts)]} for i in range(batch)]
-    ctx = None
-    handler.handle(rows, ctx)  # warm
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        handler.handle(rows, ctx)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return median_ms(lambda: handler.handle(rows, None), repeats)
 
 
 def verify_variant(

@@ -9,14 +9,13 @@ the handler compiles it at load with static shapes, one graph per batch bucket.
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from mariner.training.export import Artefact, aoti_cpu_package, aoti_target, batch_dynamic_shapes, timed
+from mariner.training import export as shared
+from mariner.training.export import Artefact, aoti_cpu_package, aoti_target, timed
 
 DEFAULT_VARIANTS = ("eager", "torchscript", "onnx")
 FULL_VARIANTS = (*DEFAULT_VARIANTS, "aoti", "compiled", "int8_pt2e")
@@ -28,43 +27,19 @@ def example_input(batch: int = 2) -> torch.Tensor:
 
 
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
-    return torch.export.export(model, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
+    return shared.export_program(model, example_input())
 
 
 def export_eager(model: nn.Module, out: Path) -> Artefact:
-    path = out / "resnet18_eager.pt"
-    return Artefact("eager", path, "eager", "any", timed(lambda: torch.save(model.state_dict(), path)))
+    return shared.export_state_dict(model, out, "resnet18_eager.pt")
 
 
 def export_torchscript(model: nn.Module, out: Path) -> Artefact:
-    path = out / "resnet18_ts.pt"
-
-    def run() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # deprecated upstream, still deployed
-            torch.jit.script(model).save(str(path))
-
-    return Artefact("torchscript", path, "torchscript", "any", timed(run))
+    return shared.export_torchscript(model, out, "resnet18_ts.pt")
 
 
 def export_onnx(model: nn.Module, out: Path) -> Artefact:
-    path = out / "resnet18.onnx"
-
-    def run() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                model,
-                (example_input(),),
-                dynamo=True,
-                dynamic_shapes=batch_dynamic_shapes(),
-                input_names=["x"],
-                output_names=["logits"],
-                external_data=False,
-            )
-        program.save(str(path))
-
-    return Artefact("onnx", path, "onnx", "any", timed(run))
+    return shared.export_onnx(model, out, "resnet18.onnx", example_input())
 
 
 def export_aoti(model: nn.Module, out: Path) -> Artefact:
@@ -75,27 +50,9 @@ def export_aoti(model: nn.Module, out: Path) -> Artefact:
 
 def quantize_pt2e_int8(model: nn.Module, calibration: torch.Tensor, out: Path) -> Artefact:
     """Static int8 (torchao PT2E, x86 inductor quantizer) calibrated on photo crops -> AOTI."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer,
-        get_default_x86_inductor_quantization_config,
+    return shared.quantize_pt2e_int8(
+        model, calibration, out, name="resnet18_int8_pt2e.pt2", example=example_input, chunk=16
     )
-
-    path = out / "resnet18_int8_pt2e.pt2"
-
-    def run() -> None:
-        quantizer = X86InductorQuantizer()
-        quantizer.set_global(get_default_x86_inductor_quantization_config())
-        prepared = prepare_pt2e(export_program(model).module(), quantizer)
-        with torch.no_grad():
-            for chunk in calibration.split(16):
-                prepared(chunk)
-        converted = convert_pt2e(prepared)
-        program = torch.export.export(converted, (example_input(),), dynamic_shapes=batch_dynamic_shapes())
-        aoti_cpu_package(program, path)
-
-    art = Artefact("int8_pt2e", path, "aoti", "cpu", timed(run))
-    return replace(art, target=aoti_target(path))
 
 
 def export_variants(

@@ -1,7 +1,7 @@
 """Stage each ResNet-18 variant's model dir; `mariner.training.package.archive` makes the .mar.
 
-An archive carries the handler and the helpers it imports by path (`resnet_image.py` for
-decoding, `handler_support.py` for the device rules, `accel.py` for autocast/CUDA graphs), the
+An archive carries the handler and the helpers it loads by path (`resnet_image.py` for
+decoding, `handler_support.py` for what every handler needs, `accel.py` for autocast/CUDA graphs), the
 artefact, `labels.json`, `model-config.yaml`, `verification.json` and, for the eager and
 compiled variants, the architecture as `resnet_model.py`.
 """
@@ -9,17 +9,19 @@ compiled variants, the architecture as `resnet_model.py`.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mariner.training.package import ARCHIVE_VERSION, Staged, fresh_stage_dir
+from mariner.training import package as shared
+
+if TYPE_CHECKING:
+    from mariner.training.export import Artefact
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDLER = ROOT / "handlers" / "resnet_handler.py"
-HELPERS = tuple(ROOT / "handlers" / n for n in ("resnet_image.py", "handler_support.py", "accel.py"))
+HELPERS = (ROOT / "handlers" / "resnet_image.py", shared.HANDLER_SUPPORT, shared.ACCEL)
 MODEL_DEF = Path(__file__).resolve().with_name("model.py")
 # Mariner's OIP ModelMetadata and request check. The model takes its images in one of two forms,
 # each an optional input (a request carries one): encoded JPEG/PNG bytes, or a decoded,
@@ -42,53 +44,27 @@ def model_config(fmt: str, device: str, *, batch_size: int, max_batch_delay_ms: 
     if fmt == "compiled":
         # Static shapes: batches are padded to power-of-two buckets, each compiled at load.
         handler["compile"] = {"mode": "default", "dynamic": False}
-    cfg: dict[str, Any] = {
-        "minWorkers": 1,
-        "maxWorkers": 1,
-        "batchSize": batch_size,
-        "maxBatchDelay": max_batch_delay_ms,
-        # compiled: every bucket compiles at load; a 2-core machine needs minutes for that.
-        "responseTimeout": 600 if fmt == "compiled" else 60,
-        "handler": handler,
-        "signature": SIGNATURE,
-    }
-    if device == "cpu":  # CPU-only artefacts (AOTInductor CPU packages, int8 kernels), as digits does
-        cfg["deviceType"] = "cpu"
-    return cfg
+    # compiled: every bucket compiles at load; a 2-core machine needs minutes for that.
+    timeout = 600 if fmt == "compiled" else 60
+    return shared.family_model_config(handler, SIGNATURE, device, (batch_size, max_batch_delay_ms, timeout))
 
 
 def stage(
+    exported: Artefact,
     *,
-    variant: str,
-    fmt: str,
-    device: str,
-    artefact: Path,
     work: Path,
     labels: list[str],
     batch_size: int,
     max_batch_delay_ms: int,
-) -> Staged:
+) -> shared.Staged:
     """Copy the artefact and the side files into `work/resnet18_<variant>/`."""
+    variant, fmt, device, artefact = exported.variant, exported.format, exported.device, exported.path
     name = f"resnet18_{variant}"
-    d, art = fresh_stage_dir(work, name, artefact)
+    d, art = shared.fresh_stage_dir(work, name, artefact)
     (d / "labels.json").write_text(json.dumps(labels) + "\n")
     cfg = model_config(fmt, device, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms)
     (d / "model-config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    shutil.copy2(HANDLER, d / HANDLER.name)
-    extras = [d / "labels.json"]
-    for helper in HELPERS:
-        shutil.copy2(helper, d / helper.name)
-        extras.append(d / helper.name)
-    if fmt in ("eager", "compiled"):
-        shutil.copy2(MODEL_DEF, d / "resnet_model.py")
-        extras.append(d / "resnet_model.py")
-    manifest = {
-        "model": {
-            "modelName": name,
-            "serializedFile": art.name,
-            "handler": HANDLER.name,
-            "modelVersion": ARCHIVE_VERSION,
-            "configFile": "model-config.yaml",
-        }
-    }
-    return Staged(variant, name, d, art, manifest, cfg, tuple(extras), handler=HANDLER.name)
+    code = {"resnet_model.py": MODEL_DEF} if fmt in ("eager", "compiled") else {}
+    extras = [d / "labels.json", *shared.ship_code(d, HANDLER, HELPERS, code)]
+    manifest = shared.manifest_for(name, art, HANDLER)
+    return shared.Staged(variant, name, d, art, manifest, cfg, tuple(extras), handler=HANDLER.name)

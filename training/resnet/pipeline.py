@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mariner.training import package as archiver
-from mariner.training.family import FamilyBuild, family_main, index_entry
+from mariner.training.family import FamilyBuild, family_main, print_verdict
 from mariner.training.image_data import encoded_set
 from mariner.training.resnet import package, weights
 from mariner.training.resnet.export import DEFAULT_VARIANTS, FULL_VARIANTS, export_variants
@@ -59,46 +59,26 @@ def build(
     entries: list[dict[str, Any]] = []
     for art in export_variants(model, root / "artefacts", chosen, calibration):
         staged = package.stage(
-            variant=art.variant, fmt=art.format, device=art.device, artefact=art.path, work=root / "stage",
-            labels=labels, batch_size=batch_size, max_batch_delay_ms=max_batch_delay_ms,
-        )  # fmt: skip
+            art,
+            work=root / "stage",
+            labels=labels,
+            batch_size=batch_size,
+            max_batch_delay_ms=max_batch_delay_ms,
+        )
         rec = verify_variant(
             staged, fmt=art.format, quantized=art.variant in QUANTIZED, x=x, eager_logits=eager_logits,
             jpegs=jpegs, repeats=repeats, target=art.target,
         )  # fmt: skip
         record = {**asdict(rec), "export_seconds": round(art.seconds, 3), "note": package.PERFORMANCE_NOTE}
-        mar = archiver.archive(staged, archiver.write_verification(staged, record), store)
-        entries.append(
-            index_entry(
-                mar,
-                model=staged.model_name,
-                version=archiver.ARCHIVE_VERSION,
-                fmt=art.format,
-                device=art.device,
-                verification=record,
-            )
-        )
+        entries.append(archiver.archive_variant(staged, record, store, fmt=art.format, device=art.device))
         rows.append(rec)
-        print(
-            f"  resnet18_{art.variant:<12} {rec.tolerance:<28} {'ok' if rec.passed else 'OUT OF TOLERANCE'}"
-        )
-    return FamilyBuild(
-        family="resnet",
-        entries=tuple(entries),
-        report_markdown=markdown(rows, verify_images),
-        failed=tuple(r.variant for r in rows if not r.passed),
-    )
+        print_verdict(f"resnet18_{art.variant}", rec.tolerance, rec.passed, (21, 28))
+    return FamilyBuild.of("resnet", entries, markdown(rows, verify_images), rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return family_main(
-        build,
-        doc=__doc__,
-        label="resnet18",
-        full_help="also AOTInductor, compiled and PT2E int8",
-        repeats=5,
-        argv=argv,
-    )
+    full_help = "also AOTInductor, compiled and PT2E int8"
+    return family_main(build, doc=__doc__, label="resnet18", full_help=full_help, repeats=5, argv=argv)
 
 
 if __name__ == "__main__":

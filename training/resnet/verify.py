@@ -19,19 +19,16 @@ at batch 1, 8 and 32 (decode + preprocess + forward + answer).
 
 from __future__ import annotations
 
-import importlib.util
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mariner.server.core.context import Context
 from mariner.training.package import Staged
-from mariner.training.verify import fp32_math
+from mariner.training.verify import fp32_math, init_handler, load_handler_class, median_ms
 
 FP32_MAX_ABS_DIFF = 1e-4
 INT8_MIN_COSINE = 0.99
@@ -59,41 +56,10 @@ class ResNetVerification:
     target: str = "any device"
 
 
-def load_handler_class() -> type:
-    spec = importlib.util.spec_from_file_location("mariner_verify_resnet_handler", HANDLER_PATH)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the handler at {HANDLER_PATH}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ResNetHandler
-
-
 def load_staged(staged: Staged, gpu_id: int | None = None) -> Any:
     """Initialise the real handler on a staged (unarchived) model dir."""
-    ctx = Context(
-        staged.model_name,
-        str(staged.dir),
-        staged.manifest,
-        batch_size=int(staged.model_config.get("batchSize", 1)),
-        gpu_id=gpu_id,
-        model_yaml_config=staged.model_config,
-    )
-    handler = load_handler_class()()
-    handler.initialize(ctx)
-    return handler
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm call; 0.0 when repeats is 0 (tests)."""
-    if repeats < 1:
-        return 0.0
-    fn()  # warm
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    handler_class = load_handler_class(HANDLER_PATH, "ResNetHandler")
+    return init_handler(handler_class, staged.dir, staged.manifest, staged.model_config, gpu_id)
 
 
 def verify_variant(
