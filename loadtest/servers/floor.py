@@ -2,6 +2,7 @@
 
 Used by the benchmarks to show how much of a request's latency is the transport stack itself
 (grpc.aio + protobuf; uvicorn + Starlette), i.e. the best any server on these stacks can do.
+The program `FloorProcess` (`mariner.loadtest.servers.mariner`) runs on two free ports.
 """
 
 from __future__ import annotations

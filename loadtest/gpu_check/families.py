@@ -5,16 +5,16 @@ checks included. Every step here runs in order of value (correctness first, then
 count, then the benchmark) and asks the `Budget` first: a step that would not fit is skipped
 and the report says so, rather than the lease ending with nothing written.
 
-Sections (each a `gpu_check.Section`):
+Sections (each a `checklist.Section`):
 - `verify_families`: every minilm_*/resnet18_* archive of the store on the device vs the
-  family's eager archive on the CPU (tolerances in `gpu_check_workloads`); AOTInductor packages
+  family's eager archive on the CPU (tolerances in `workloads`); AOTInductor packages
   exported again on this device; int8 variants stay on the CPU (their kernels are CPU-only);
   ONNX on CUDA needs onnxruntime-gpu and is marked skipped where only the CPU provider exists;
   the eager archive with `autocast: bf16` (and, on CUDA, `cudaGraphs: true`) as extra rows.
 - `family_recompiles`: the CUDA-graphed eager archives (and resnet18_compiled on CUDA) driven
   at every batch size 1..top after the handler's warm-up: graphs compiled, recompiles and
   unrecorded calls must all be 0.
-- `accel_bench` (in `gpu_check_bench`): Mariner vs stock TorchServe with and without bf16 and
+- `accel_bench` (in `bench`): Mariner vs stock TorchServe with and without bf16 and
   CUDA graphs.
 """
 
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mariner.loadtest.gpu_check_workloads import (
+from mariner.loadtest.gpu_check.workloads import (
     ACCEL_VARIANTS,
     compare,
     drive_every_batch_size,
@@ -42,7 +42,7 @@ from mariner.loadtest.gpu_check_workloads import (
 )
 
 if TYPE_CHECKING:  # gpu_check imports this module; the class is needed for annotations only
-    from mariner.loadtest.gpu_check import Section
+    from mariner.loadtest.gpu_check.checklist import Section
     from mariner.loadtest.servers import ServerProcess
 
 
