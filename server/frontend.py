@@ -33,7 +33,7 @@ from typing import Any
 from mariner.server import event_loop
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
-from mariner.server.core.batcher import BatchRunner
+from mariner.server.core.batching import BatchRunner
 from mariner.server.core.dataplane import DataPlane
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError

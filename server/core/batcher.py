@@ -28,10 +28,18 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
+from mariner.server.core.batching import (
+    BatchObserver,
+    BatchPolicy,
+    BatchRunner,
+    InstanceFailed,
+    NullObserver,
+    ReplaceRunner,
+    TokenBudget,
+)
 from mariner.server.core.errors import Code, ServingError, internal
 from mariner.server.core.token_groups import group_by_length, padded_tokens
 from mariner.server.core.types import InferRequest, InferResult, TokenCost
@@ -39,79 +47,10 @@ from mariner.server.core.types import InferRequest, InferResult, TokenCost
 log = logging.getLogger("mariner.batcher")
 
 
-class BatchRunner(Protocol):
-    id: str
-
-    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]: ...
-
-
-class BatchObserver(Protocol):
-    """Hooks for metrics; the batcher itself stays free of Prometheus."""
-
-    def queue_depth(self, items: int) -> None: ...
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None: ...
-    def batch_finished(self, seconds: float) -> None: ...
-    def batch_tokens(self, padded: int, unpadded: int) -> None:
-        """With a token counter: the batch's padded tokens (rows x longest row) and what its
-        requests would cost padded each to its own longest row (the difference is waste)."""
-
-
-class TokenBudget(Protocol):
-    """Counts a request's tokens before it is queued (token_cost.TokenCounter); never raises.
-    `max_batch_tokens` None groups by length without a budget."""
-
-    max_batch_tokens: int | None
-
-    def cost(self, req: InferRequest) -> TokenCost: ...
-
-
 # Length grouping looks at this many live requests per batch slot, from the head of the queue:
 # enough choice to group by length, and a bounded cost per batch however long the queue is.
 GROUPING_WINDOW_PER_SLOT = 4
 _MIN_GROUPING_WINDOW = 32
-
-
-class _NullObserver:
-    def queue_depth(self, items: int) -> None:
-        pass
-
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
-        pass
-
-    def batch_finished(self, seconds: float) -> None:
-        pass
-
-    def batch_tokens(self, padded: int, unpadded: int) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    max_batch_size: int = 8
-    max_batch_delay_s: float = 0.0
-    max_queue: int = 1024
-    # A batch running longer than this is abandoned: its callers get DEADLINE_EXCEEDED and the
-    # instance is replaced (a hung handler must not stall the model forever). None = no limit.
-    batch_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_batch_delay_s < 0:
-            raise ValueError(f"invalid batch policy {self}")
-
-
-class InstanceFailed(Exception):
-    """Raised by a runner that can no longer be used (its handler ended the instance, or its
-    worker process died). `error` is what the batch's callers get; by default UNAVAILABLE
-    ("restarting")."""
-
-    def __init__(self, message: str, *, error: ServingError | None = None) -> None:
-        super().__init__(message)
-        self.error = error
-
-
-# Called with a failed or hung runner and the reason; returns its replacement (or None to
-# retire it). The batcher keeps serving with the remaining runners meanwhile.
-ReplaceRunner = Callable[[BatchRunner, str], Awaitable[BatchRunner | None]]
 
 
 @dataclass
@@ -138,7 +77,7 @@ class Batcher:
             raise ValueError("a batcher needs at least one runner")
         self.policy = policy
         self._runners = list(runners)
-        self._observer = observer or _NullObserver()
+        self._observer = observer or NullObserver()
         self._clock = clock
         self._queue: deque[_Pending] = deque()
         self._queued_items = 0

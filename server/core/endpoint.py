@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from mariner.server.core.archive import ModelArchive
-from mariner.server.core.batcher import Batcher, BatchPolicy, BatchRunner
+from mariner.server.core.batcher import Batcher
+from mariner.server.core.batching import BatchPolicy, BatchRunner
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import (
     ModelSettings,

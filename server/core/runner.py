@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mariner.server.core.archive import ModelArchive
-from mariner.server.core.batcher import InstanceFailed
+from mariner.server.core.batching import InstanceFailed
 from mariner.server.core.context import Context
 from mariner.server.core.encoding import encode_output, pretty_json
 from mariner.server.core.entry_point import load_entry_point

@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 
-from mariner.server.core.batcher import InstanceFailed
+from mariner.server.core.batching import InstanceFailed
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.workers import protocol

@@ -241,7 +241,7 @@ class Worker:
                 return
 
     def _answer(self, jobs: Sequence[_Job], outcome: Any) -> None:
-        from mariner.server.core.batcher import InstanceFailed
+        from mariner.server.core.batching import InstanceFailed
         from mariner.server.core.errors import ServingError
         from mariner.server.workers import protocol
 

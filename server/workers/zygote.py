@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import select
@@ -45,15 +44,15 @@ from concurrent.futures import Future
 from typing import Any
 
 # Messages are small (a spec is a few kB); a recv buffer well above any of them.
-_MAX_MESSAGE = 1 << 20
-_FDS_PER_FORK = 2
+MAX_MESSAGE = 1 << 20
+FDS_PER_FORK = 2
 WORKER_CMDLINE_MODULE = "mariner.server.workers.main"
 # What a worker imports before it loads its handler: imported once here, shared by every fork.
 PRELOAD = (
     "numpy",
     "torch",
     "mariner.server.core.archive",
-    "mariner.server.core.batcher",
+    "mariner.server.core.batching",
     "mariner.server.core.runner",
     "mariner.server.workers.protocol",
     "mariner.server.workers.main",
@@ -173,12 +172,12 @@ class ZygoteClient:
     def _read(self) -> None:
         try:
             while True:
-                data = self._sock.recv(_MAX_MESSAGE)
+                data = self._sock.recv(MAX_MESSAGE)
                 if not data:
                     break
                 self._handle(json.loads(data))
         except (OSError, ValueError) as exc:
-            _stderr(f"zygote {self.pid}: control socket failed: {exc!r}")
+            to_stderr(f"zygote {self.pid}: control socket failed: {exc!r}")
         finally:
             self._gone()
 
@@ -199,7 +198,7 @@ class ZygoteClient:
                     child = self._children[int(msg["pid"])] = ZygoteChild(int(msg["pid"]))
             if fut is None or not fut.set_running_or_notify_cancel():
                 if child is not None:  # nobody waits for it any more (the start timed out)
-                    _kill_group(child.pid)
+                    kill_group(child.pid)
                 return
             if child is not None:
                 fut.set_result(child)
@@ -217,19 +216,19 @@ class ZygoteClient:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(ZygoteUnavailable(f"zygote {self.pid} exited"))
         for child in children:
-            _kill_group(child.pid)
+            kill_group(child.pid)
         for child in children:
             _wait_gone(child.pid)
             child._set_exit(-signal.SIGKILL)
         self._sock.close()
         self.proc.wait()
         if children:
-            _stderr(
+            to_stderr(
                 f"zygote {self.pid} exited with {self.proc.returncode}; killed its {len(children)} workers"
             )
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     for kill in (os.killpg, os.kill):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             kill(pid, signal.SIGKILL)
@@ -304,155 +303,15 @@ def shutdown() -> None:
             client.proc.wait(10)
 
 
-def _stderr(text: str) -> None:
+def to_stderr(text: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(f"mariner zygote: {text}\n")
         sys.stderr.flush()
 
 
-# --------------------------------------------------------------------------- zygote side
-
-
-def serve(fd: int) -> int:
-    """The zygote's main loop: preload, say hello, fork on request, reap and report exits."""
-    import importlib
-    import selectors
-
-    sock = socket.socket(fileno=fd)
-    # `-m` put the supervisor's cwd first on sys.path: workers must not import from it.
-    if sys.path and sys.path[0] in ("", ".", os.getcwd()):
-        del sys.path[0]
-    for name in PRELOAD:
-        importlib.import_module(name)
-    torch = sys.modules["torch"]
-    if torch.cuda.is_initialized():  # a fork would inherit an unusable CUDA context
-        _stderr("CUDA was initialised while preloading; refusing to fork workers")
-        return 1
-    # Freeze what the imports left: a child's garbage collections then walk only its own new
-    # objects instead of touching (and so copying) the shared torch heap pages.
-    gc.collect()
-    gc.freeze()
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd does the work
-    children: set[int] = set()
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, "sock")
-    sel.register(wake_r, selectors.EVENT_READ, "wake")
-    sock.send(json.dumps({"hello": os.getpid(), "cuda_initialized": torch.cuda.is_initialized()}).encode())
-    try:
-        while True:
-            for key, _ in sel.select():
-                if key.data == "wake":
-                    with contextlib.suppress(BlockingIOError):
-                        while os.read(wake_r, 512):
-                            pass
-                    _reap(sock, children)
-                    continue
-                msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _FDS_PER_FORK)
-                if not msg:
-                    return 0  # the supervisor is gone
-                request = json.loads(msg)
-                if len(fds) != _FDS_PER_FORK:
-                    for received in fds:
-                        os.close(received)
-                    sock.send(json.dumps({"req": request.get("req"), "error": "expected 2 fds"}).encode())
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    for received in fds:
-                        os.close(received)
-                    sock.send(json.dumps({"req": request["req"], "error": f"fork: {exc}"}).encode())
-                    continue
-                if pid == 0:
-                    sel.close()
-                    sock.detach()  # its fd is closed below with the rest; never close it twice
-                    _become_worker(request, fds)  # never returns
-                for received in fds:
-                    os.close(received)
-                children.add(pid)
-                sock.send(json.dumps({"req": request["req"], "pid": pid}).encode())
-    except (BrokenPipeError, ConnectionResetError):
-        return 0
-    finally:
-        for pid in children:
-            _kill_group(pid)
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-
-
-def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked child: turn into what a freshly spawned worker is, run it, exit."""
-    code = 1
-    try:
-        os.setsid()  # its own group: kill() SIGKILLs the worker and whatever it started
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        ready_w, err = fds
-        devnull = os.open(os.devnull, os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(ready_w, 1)
-        os.dup2(err, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the control socket, the pipes, the rest
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        main = sys.modules[WORKER_CMDLINE_MODULE]
-        sys.argv[:] = [str(main.__file__)]
-        _set_cmdline([sys.executable, "-m", WORKER_CMDLINE_MODULE])
-        _reseed()
-        code = main.run_worker(main.spec_from_json(request["spec"]))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # noqa: BLE001 - whatever happens, the child must never return to the loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _reseed() -> None:
-    """A fork copies the parent's RNG state; fresh interpreters each seed from the OS."""
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()  # `random` reseeds itself after a fork
-
-
-def _set_cmdline(argv: list[str]) -> None:
-    """Rewrite /proc/self/cmdline (the original argv memory, found via /proc/self/stat) so the
-    worker shows as `python -m mariner.server.workers.main`; skipped if it does not fit."""
-    import ctypes
-
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        arg_start, arg_end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
-        new = b"\0".join(a.encode() for a in argv) + b"\0"
-        size = arg_end - arg_start
-        if 0 < len(new) <= size:
-            ctypes.memmove(arg_start, new.ljust(size, b"\0"), size)
-
-
 if __name__ == "__main__":
+    from mariner.server.workers.zygote_fork import serve
+
     if len(sys.argv) != 2:
         sys.exit("usage: python -m mariner.server.workers.zygote FD (started by the supervisor)")
     sys.exit(serve(int(sys.argv[1])))

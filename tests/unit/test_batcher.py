@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.batcher import Batcher, BatchPolicy
+from mariner.server.core.batcher import Batcher
+from mariner.server.core.batching import BatchPolicy
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 

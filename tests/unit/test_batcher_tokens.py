@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.batcher import Batcher, BatchPolicy
+from mariner.server.core.batcher import Batcher
+from mariner.server.core.batching import BatchPolicy
 from mariner.server.core.token_groups import group_by_length, padded_tokens
 from mariner.server.core.types import InferRequest, TokenCost, WireProtocol
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, result, run, settle

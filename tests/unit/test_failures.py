@@ -16,7 +16,7 @@ import pytest
 
 from mariner.server.core import runner as runner_mod
 from mariner.server.core.archive import ModelArchive
-from mariner.server.core.batcher import InstanceFailed
+from mariner.server.core.batching import InstanceFailed
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failures import Failure, classify
 from mariner.server.core.runner import ModelHost, Placement

@@ -13,7 +13,8 @@ import pytest
 
 from mariner.server.config import ServerConfig, default_frontends, frontend_count, load_config
 from mariner.server.control import channel
-from mariner.server.core.batcher import Batcher, BatchPolicy
+from mariner.server.core.batcher import Batcher
+from mariner.server.core.batching import BatchPolicy
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.listeners import reuseport_listener
 from mariner.server.supervisor.devices import visible_gpus

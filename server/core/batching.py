@@ -1,0 +1,83 @@
+"""What a batcher is given and what it expects: its policy, its runners and what they raise, the
+observer that feeds metrics, and the token budget of length-aware batching (`batcher.py` is
+the dispatcher itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mariner.server.core.errors import ServingError
+from mariner.server.core.types import InferRequest, InferResult, TokenCost
+
+
+class BatchRunner(Protocol):
+    id: str
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]: ...
+
+
+class BatchObserver(Protocol):
+    """Hooks for metrics; the batcher itself stays free of Prometheus."""
+
+    def queue_depth(self, items: int) -> None: ...
+    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None: ...
+    def batch_finished(self, seconds: float) -> None: ...
+    def batch_tokens(self, padded: int, unpadded: int) -> None:
+        """With a token counter: the batch's padded tokens (rows x longest row) and what its
+        requests would cost padded each to its own longest row (the difference is waste)."""
+
+
+class TokenBudget(Protocol):
+    """Counts a request's tokens before it is queued (token_cost.TokenCounter); never raises.
+    `max_batch_tokens` None groups by length without a budget."""
+
+    max_batch_tokens: int | None
+
+    def cost(self, req: InferRequest) -> TokenCost: ...
+
+
+class NullObserver:
+    """Observes nothing: a batcher given no observer."""
+
+    def queue_depth(self, items: int) -> None:
+        pass
+
+    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+        pass
+
+    def batch_finished(self, seconds: float) -> None:
+        pass
+
+    def batch_tokens(self, padded: int, unpadded: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 8
+    max_batch_delay_s: float = 0.0
+    max_queue: int = 1024
+    # A batch running longer than this is abandoned: its callers get DEADLINE_EXCEEDED and the
+    # instance is replaced (a hung handler must not stall the model forever). None = no limit.
+    batch_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_batch_delay_s < 0:
+            raise ValueError(f"invalid batch policy {self}")
+
+
+class InstanceFailed(Exception):
+    """Raised by a runner that can no longer be used (its handler ended the instance, or its
+    worker process died). `error` is what the batch's callers get; by default UNAVAILABLE
+    ("restarting")."""
+
+    def __init__(self, message: str, *, error: ServingError | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+# Called with a failed or hung runner and the reason; returns its replacement (or None to
+# retire it). The batcher keeps serving with the remaining runners meanwhile.
+ReplaceRunner = Callable[[BatchRunner, str], Awaitable[BatchRunner | None]]
