@@ -91,9 +91,11 @@ class MarinerServe:
         self.frontends = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, *, settle: bool = True, timeout: float = START_TIMEOUT_S) -> MarinerServe:
+    def start(
+        self, *, settle: bool = True, require_ready: bool = True, timeout: float = START_TIMEOUT_S
+    ) -> MarinerServe:
         """Start the process; return once every frontend listens and (with `settle`) start-up
-        settled."""
+        settled, every model ready unless `require_ready` is False (a test of failed models)."""
         cmd = [sys.executable, "-m", "mariner.server.cli", "serve", "--config-file", str(self.config_file)]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -113,8 +115,8 @@ class MarinerServe:
             self.frontends = int(found.group(3))
             for index in range(self.frontends):  # each listens once it applied the first table
                 self._wait_log(re.compile(rf'"frontend {index} \(pid \d+\) listening"'), timeout)
-            if settle:
-                self.wait_settled(timeout)
+            if settle and not self.wait_settled(timeout) and require_ready:
+                raise ServeFailed(f"start-up settled with models not ready:\n{self.log_tail()}")
         except BaseException:
             self.stop()
             raise

@@ -83,7 +83,9 @@ def bad_store(root: Path) -> tuple[Path, Path]:
 
 
 def _served(tmp_path: Path, store: Path, models: str) -> MarinerServe:
-    return MarinerServe(store, models, enable_model_management=True, work_dir=tmp_path / "work").start()
+    return MarinerServe(store, models, enable_model_management=True, work_dir=tmp_path / "work").start(
+        require_ready=False
+    )
 
 
 def _describe(srv: MarinerServe, model: str) -> dict:
