@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from mariner.server.core.endpoint import ModelEndpoint, ServingMetrics
 from mariner.server.core.errors import Code, ServingError
@@ -51,6 +51,21 @@ def resolve_version(
             f"model {model!r} has no version {_shown(v)}; versions served: {', '.join(sorted(versions))}",
         )
     return found
+
+
+class _Resolving(Protocol):
+    draining: bool
+
+    def resolve(self, model: str, version: str | None = None) -> Any: ...
+
+
+def version_ready(plane: _Resolving, model: str, version: str | None) -> bool:
+    """Whether `model` (its `version`, or the default one) is served READY and the plane is not
+    draining: an unknown model is simply not ready. One answer for a frontend and the registry."""
+    try:
+        return not plane.draining and plane.resolve(model, version).state is ModelState.READY
+    except ServingError:
+        return False
 
 
 def _registering(ep: ModelEndpoint) -> bool:
@@ -163,10 +178,7 @@ class DataPlane:
         return not self.draining and bool(eps) and all(ep.state is ModelState.READY for ep in eps)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
-        try:
-            return not self.draining and self.resolve(model, version).state is ModelState.READY
-        except ServingError:
-            return False
+        return version_ready(self, model, version)
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, req: InferRequest) -> InferResult:

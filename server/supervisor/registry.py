@@ -21,7 +21,7 @@ from typing import Any
 from mariner.server.config import ServerConfig, server_layers
 from mariner.server.control.metrics import Metrics, MultiprocessMetrics
 from mariner.server.core.archive import UNLISTED, ArchiveLimits, ModelArchive, open_archive, resolve_in_store
-from mariner.server.core.dataplane import require_management, resolve_version
+from mariner.server.core.dataplane import require_management, resolve_version, version_ready
 from mariner.server.core.endpoint import ModelSpec, resolve_model
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
@@ -235,10 +235,7 @@ class ModelRegistry:
         return not self.draining and self._frontends_ok() and self.models_ready()
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
-        try:
-            return not self.draining and self.resolve(model, version).state is ModelState.READY
-        except ServingError:
-            return False
+        return version_ready(self, model, version)
 
     # -- management -------------------------------------------------------------------------------
     def _require_management(self, what: str) -> None:

@@ -43,7 +43,8 @@ _INDEX_STATE = {
 
 
 class RepositoryPlane(Protocol):
-    """What the repository extension needs: the management plane (DataPlane or the registry)."""
+    """What the repository extension needs of a plane: the supervisor's registry serves it (a
+    frontend's DataPlane refuses, as management-disabled, before `register` is reached)."""
 
     management_enabled: bool
 
