@@ -159,10 +159,11 @@ def test_without_management_only_register_and_unregister_are_refused(model_store
         assert "--enable-model-management" in register.json()["message"]
         default = requests.put(f"{mgmt}/{MODEL}/1.0/set-default", timeout=30)
         assert default.status_code == 200, default.text
-        # The single-process server cannot scale (that is `mariner serve`'s), but it is not refused
-        # for want of model management.
+        # Scaling loads no new code: as in TorchServe it is not refused for want of model management.
         scale = requests.put(f"{mgmt}/{MODEL}?min_worker=1&synchronous=true", timeout=30)
-        assert scale.status_code == 501, scale.text
+        assert scale.status_code == 200, scale.text
+        assert scale.json() == {"status": f"Workers scaled to 1 for model: {MODEL}"}
+        assert len(srv.worker_pids(MODEL)) == 1
         with pytest.raises(grpc.RpcError) as info:
             grpc_call(srv.grpc_management_target, "RegisterModel", url="digits_torchscript.mar")
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
