@@ -76,7 +76,11 @@ class MarinerServe:
         self._tmp = tempfile.TemporaryDirectory(prefix="mariner-test-")
         tmp = Path(self._tmp.name)
         config = {name: "127.0.0.1:0" for name in _ADDRESSES}
-        config.update({"model_store": str(model_store), "models": models, "grace_seconds": 20.0})
+        # No refusal window after the drain unless a test asks: no client of a test retries
+        # elsewhere, and each stop would wait it out (a second per server here).
+        config.update(
+            {"model_store": str(model_store), "models": models, "grace_seconds": 20.0, "refuse_seconds": 0.0}
+        )
         config.update({k: _yaml_value(v) for k, v in settings.items()})
         self.config = config
         self.config_file = tmp / "mariner.yaml"
