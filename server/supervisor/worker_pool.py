@@ -90,9 +90,10 @@ class WorkerPool:
         added = []
         for _ in range(count):
             index = max(v.instances, default=-1) + 1
-            inst = Instance(index, first=asyncio.get_running_loop().create_future())
+            first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             # At start-up nobody awaits the first start (its failure is logged and retried).
-            inst.first.add_done_callback(lambda f: f.cancelled() or f.exception())  # type: ignore[union-attr]
+            first.add_done_callback(_retrieve)
+            inst = Instance(index, first=first)
             v.instances[index] = inst
             added.append(inst)
         for inst in added:
@@ -163,3 +164,9 @@ class WorkerPool:
             if inst.process is not None:
                 mark_dead(inst.process.pid)
             inst.status = "STOPPED"
+
+
+def _retrieve(first: asyncio.Future[None]) -> None:
+    """Mark a first start's failure as seen, so asyncio does not log it as never retrieved."""
+    if not first.cancelled():
+        first.exception()
