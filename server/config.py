@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from mariner.server.core.archive import UNLISTED
+from mariner.server.core.archive import UNLISTED, archive_file_name, store_archives
 from mariner.server.core.endpoint import ModelSpec
 from mariner.server.core.model_settings import ServerLayers, SettingsOverrides
 from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
@@ -261,7 +261,7 @@ def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> l
     """
     entries: list[tuple[str | None, str]] = []
     if cfg.models.strip() in ("all", "ALL", ""):
-        entries = [(None, p.name) for p in sorted(cfg.model_store.glob("*.mar"))]
+        entries = [(None, name) for name in store_archives(cfg.model_store)]
     else:
         for item in cfg.models.split(","):
             item = item.strip()
@@ -271,7 +271,7 @@ def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> l
             if sep:
                 entries.append((name.strip(), archive.strip()))
             else:
-                entries.append((None, item if item.endswith(".mar") else f"{item}.mar"))
+                entries.append((None, archive_file_name(cfg.model_store, item)))
     return [
         ModelSpec(
             archive=archive, name=name, sha256=None if pinned is None else pinned.get(archive, UNLISTED)

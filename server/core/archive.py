@@ -1,10 +1,11 @@
-"""Open, check and unpack TorchServe model archives (.mar).
+"""Open, check and unpack TorchServe model archives: a .mar, a .tar.gz or a directory.
 
-A .mar is code the server will execute, so it is treated as hostile until checked: members
-with absolute paths, `..` components or symlink modes are refused, the member count and the
-total unpacked size are capped (and counted while extracting, not trusted from headers), and
-an optional sha256 pin refuses an archive whose digest differs. Archives are only ever read
-from the model store directory; names that are URLs or escape the store are refused.
+An archive is code the server will execute, so it is treated as hostile until checked: the
+three layouts `torch-model-archiver` writes (`archive_formats`) are unpacked with the same
+member checks (no absolute paths, no `..`, no symlinks out of it, member count and unpacked size
+capped while copying) into a private work dir, and an optional sha256 pin refuses an archive
+whose digest differs. Archives are only ever read from the model store directory; names that are
+URLs or escape the store are refused.
 
 The manifest and the model-config are checked field by field (`archive_fields`), and every
 file the manifest names (handler, model file, serialized file, extra files, config file) must
@@ -17,24 +18,34 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from mariner.server.core.archive_fields import MANIFEST, read_manifest, read_model_config
+from mariner.server.core.archive_formats import (
+    ArchiveLimits,
+    archive_stem,
+    copy_directory,
+    extract_file,
+    hoist_single_root,
+)
 from mariner.server.core.errors import Code, ServingError
 
-__all__ = ["MANIFEST", "UNLISTED", "ArchiveLimits", "ModelArchive", "open_archive", "resolve_in_store"]
+__all__ = [
+    "MANIFEST",
+    "UNLISTED",
+    "ArchiveLimits",
+    "ModelArchive",
+    "archive_file_name",
+    "open_archive",
+    "resolve_in_store",
+    "store_archives",
+]
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
-
-
-@dataclass(frozen=True)
-class ArchiveLimits:
-    max_members: int = 10_000
-    max_unpacked_bytes: int = 4 << 30
+_ALLOWED = "a .mar (zip), a .tar.gz or a no-archive directory holding MAR-INF/MANIFEST.json"
 
 
 @dataclass(frozen=True)
@@ -55,18 +66,42 @@ class ModelArchive:
 
 
 def resolve_in_store(store: Path, name: str) -> Path:
-    """`name` (a file name such as digits.mar) as a path inside `store`; never a URL, never outside."""
+    """`name` (a file such as digits.mar or digits.tar.gz, or a no-archive directory) as a path
+    inside `store`; never a URL, never outside."""
     if "://" in name:
         raise ServingError(
             Code.PERMISSION_DENIED, f"archives load only from the model store, not a URL: {name!r}"
         )
     store = store.resolve()
     path = (store / name).resolve()
-    if not path.is_relative_to(store):
+    if not path.is_relative_to(store) or path == store:
         raise ServingError(Code.PERMISSION_DENIED, f"archive {name!r} is outside the model store {store}")
-    if not path.is_file():
+    if not (path.is_file() or path.is_dir()):
         raise ServingError(Code.NOT_FOUND, f"archive {name!r} not found in the model store {store}")
     return path
+
+
+def store_archives(store: Path) -> list[str]:
+    """What `models=all` loads, as TorchServe's start-up does: every `.mar` and `.tar.gz` file
+    and every directory that holds an archive's manifest (itself or its only subdirectory),
+    hidden entries left out. A directory without a manifest is not an archive and is skipped
+    (TorchServe tries it and logs a failure)."""
+    names = []
+    for p in sorted(store.iterdir()) if store.is_dir() else []:
+        if p.name.startswith("."):
+            continue
+        archive_file = p.is_file() and p.name.endswith((".mar", ".tar.gz"))
+        if archive_file or (p.is_dir() and (hoist_single_root(p) / MANIFEST).is_file()):
+            names.append(p.name)
+    return names
+
+
+def archive_file_name(store: Path, item: str) -> str:
+    """A `models` entry given without `name=`: `digits.mar`, `digits.tar.gz` or a directory as
+    it is; a bare `digits` is `digits.mar` unless the store has an entry of exactly that name."""
+    if item.endswith(".mar") or (store / item).exists():
+        return item
+    return f"{item}.mar"
 
 
 def sha256_file(path: Path) -> str:
@@ -77,38 +112,52 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_member(info: zipfile.ZipInfo) -> None:
-    name = info.filename
-    p = PurePosixPath(name)
-    if name.startswith(("/", "\\")) or p.is_absolute() or (p.parts and ":" in p.parts[0]):
-        raise ValueError(f"member {name!r} has an absolute path")
-    if ".." in p.parts or "\\" in name:
-        raise ValueError(f"member {name!r} escapes the archive ('..' or backslash)")
-    mode = info.external_attr >> 16
-    if stat.S_ISLNK(mode):
-        raise ValueError(f"member {name!r} is a symlink")
+def _check_pin(path: Path, digest: str, expected_sha256: str | None) -> None:
+    if expected_sha256 == UNLISTED:
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            f"archive {path.name} (sha256 {digest}) is not in the store's allowlist (index.json); "
+            "not loading it",
+        )
+    if expected_sha256 is not None and digest != expected_sha256.lower():
+        raise ServingError(
+            Code.PERMISSION_DENIED,
+            f"archive {path.name} has sha256 {digest}, not the pinned {expected_sha256}",
+        )
 
 
-def _extract(zf: zipfile.ZipFile, dest: Path, limits: ArchiveLimits) -> None:
-    infos = zf.infolist()
-    if len(infos) > limits.max_members:
-        raise ValueError(f"{len(infos)} members, more than the limit of {limits.max_members}")
-    for info in infos:
-        _check_member(info)
-    budget = limits.max_unpacked_bytes
-    for info in infos:
-        target = dest / info.filename
-        if info.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with zf.open(info) as src, target.open("wb") as dst:
-            # Count real bytes: declared sizes in a hostile zip can lie (zip bombs).
-            while chunk := src.read(1 << 20):
-                budget -= len(chunk)
-                if budget < 0:
-                    raise ValueError(f"unpacks to more than the limit of {limits.max_unpacked_bytes} bytes")
-                dst.write(chunk)
+def _unpack(path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str | None) -> str:
+    """Unpack `path` into `dest` and return its digest, the pin checked against the bytes read.
+
+    A file is hashed and unpacked through one open descriptor, so the file replaced between the
+    two cannot pass the pin with one content and unpack another; a directory's digest is taken
+    while it is copied (`archive_formats.copy_directory`)."""
+    if path.is_dir():
+        digest = copy_directory(path, dest, limits)
+        _check_pin(path, digest, expected_sha256)
+        return digest
+    with path.open("rb") as f:
+        h = hashlib.sha256()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        digest = h.hexdigest()
+        _check_pin(path, digest, expected_sha256)
+        f.seek(0)
+        extract_file(f, dest, limits)
+    return digest
+
+
+def _settle(staging: Path) -> Path:
+    """The unpacked files' directory: `staging`, or its only subdirectory moved into its place
+    (a tgz's top directory, a directory archive wrapped in one more), so `model_dir` always is
+    the one directory to remove."""
+    root = hoist_single_root(staging)
+    if root == staging:
+        return staging
+    moved = staging.with_name(staging.name + "-m")
+    root.rename(moved)
+    staging.rmdir()
+    return moved
 
 
 def open_archive(
@@ -121,31 +170,21 @@ def open_archive(
 ) -> ModelArchive:
     """Check and unpack `path` into a private dir under `work_root`; read manifest and config."""
     limits = limits or ArchiveLimits()
-    digest = sha256_file(path)
-    if expected_sha256 == UNLISTED:
-        raise ServingError(
-            Code.PERMISSION_DENIED,
-            f"archive {path.name} (sha256 {digest}) is not in the store's allowlist (index.json); "
-            "not loading it",
-        )
-    if expected_sha256 is not None and digest != expected_sha256.lower():
-        raise ServingError(
-            Code.PERMISSION_DENIED,
-            f"archive {path.name} has sha256 {digest}, not the pinned {expected_sha256}",
-        )
     work_root.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(tempfile.mkdtemp(prefix=f"{path.stem}-", dir=work_root))
+    model_dir = Path(tempfile.mkdtemp(prefix=f"{archive_stem(path)}-", dir=work_root))
     try:
         try:
-            with zipfile.ZipFile(path) as zf:
-                _extract(zf, model_dir, limits)
+            digest = _unpack(path, model_dir, limits, expected_sha256)
+            model_dir = _settle(model_dir)
         except (zipfile.BadZipFile, ValueError, OSError) as exc:
+            if isinstance(exc, zipfile.BadZipFile):
+                exc = ValueError(f"{exc}; allowed: {_ALLOWED}")
             raise ServingError(Code.INVALID_ARGUMENT, f"archive {path.name} refused: {exc}") from exc
         manifest = read_manifest(model_dir, path.name)
         model = manifest["model"]
         config = read_model_config(model_dir, path.name, model.get("configFile"))
         return ModelArchive(
-            name=name_override or str(model.get("modelName") or path.stem),
+            name=name_override or str(model.get("modelName") or archive_stem(path)),
             version=str(model.get("modelVersion") or "1.0"),
             path=path,
             sha256=digest,

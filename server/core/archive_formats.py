@@ -1,0 +1,222 @@
+"""The three layouts `torch-model-archiver` writes, unpacked with one set of member checks.
+
+`--archive-format default` writes a zip (`x.mar`), `tgz` a gzip'd tar (`x.tar.gz`) whose members
+all sit under one top directory (`x/MAR-INF/MANIFEST.json`), and `no-archive` a plain directory
+(`x/MAR-INF/MANIFEST.json`). TorchServe loads each from its model store; so does Mariner, and
+every layout passes the same checks before a byte of it lands in the private work dir:
+
+* a member's name is relative, has no `..` component and no backslash;
+* a member is a regular file or a directory: a tar's symlinks, hard links and devices are
+  refused, and a directory's symlinks are followed only when they resolve to a file inside it;
+* the member count and the unpacked bytes are capped, counted while copying (headers lie);
+* the digest the sha256 pin is checked against is taken from the very bytes unpacked.
+
+A directory is copied, never served in place: whoever can write to the store must not be able
+to change the code of a model already running. Its digest (`directory_digest_line`) is the
+sha256 of `sha256sum`'s output over its files in byte order of their paths, which a user can
+reproduce with coreutils (docs/torchserve-archives.md) to write the store's index.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+__all__ = ["ArchiveLimits", "Budget", "archive_stem", "copy_directory", "extract_file", "hoist_single_root"]
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_CHUNK = 1 << 20
+TGZ_SUFFIXES = (".tar.gz", ".tgz")
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    max_members: int = 10_000
+    max_unpacked_bytes: int = 4 << 30
+
+
+class Budget:
+    """What is left of the member count and the unpacked bytes; ValueError once either runs out."""
+
+    def __init__(self, limits: ArchiveLimits) -> None:
+        self._limits = limits
+        self.members = 0
+        self.bytes_left = limits.max_unpacked_bytes
+
+    def member(self) -> None:
+        self.members += 1
+        if self.members > self._limits.max_members:
+            raise ValueError(f"more than the limit of {self._limits.max_members} members")
+
+    def copy(self, src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash | None = None) -> None:
+        # Count real bytes: declared sizes in a hostile archive can lie (zip and gzip bombs).
+        while chunk := src.read(_CHUNK):
+            self.bytes_left -= len(chunk)
+            if self.bytes_left < 0:
+                raise ValueError(f"unpacks to more than the limit of {self._limits.max_unpacked_bytes} bytes")
+            if digest is not None:
+                digest.update(chunk)
+            dst.write(chunk)
+
+
+def archive_stem(path: Path) -> str:
+    """The model name an archive file gives when its manifest names none: `x.mar`, `x.tar.gz`, `x/`."""
+    for suffix in TGZ_SUFFIXES:
+        if path.name.endswith(suffix):
+            return path.name[: -len(suffix)]
+    return path.name if path.is_dir() else path.stem
+
+
+def check_name(name: str) -> PurePosixPath:
+    """A member name as a relative path that stays inside the archive, or ValueError."""
+    p = PurePosixPath(name)
+    if name.startswith(("/", "\\")) or p.is_absolute() or (p.parts and ":" in p.parts[0]):
+        raise ValueError(f"member {name!r} has an absolute path")
+    if ".." in p.parts or "\\" in name:
+        raise ValueError(f"member {name!r} escapes the archive ('..' or backslash)")
+    if "\n" in name or "\0" in name:
+        raise ValueError(f"member {name!r} has a newline or NUL in its name")
+    return p
+
+
+# -- files: .mar (zip) and .tar.gz ------------------------------------------------------------
+def extract_file(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
+    """Unpack an open archive file (zip or gzip'd tar, told apart by their first bytes) into
+    `dest`; ValueError, OSError, zipfile/tarfile errors say what was refused."""
+    magic = f.read(2)
+    f.seek(0)
+    if magic == _GZIP_MAGIC:
+        _extract_tar(f, dest, Budget(limits))
+    else:
+        _extract_zip(f, dest, limits)
+
+
+def _extract_zip(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
+    with zipfile.ZipFile(f) as zf:
+        infos = zf.infolist()
+        if len(infos) > limits.max_members:
+            raise ValueError(f"{len(infos)} members, more than the limit of {limits.max_members}")
+        for info in infos:
+            check_name(info.filename)
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise ValueError(f"member {info.filename!r} is a symlink")
+        budget = Budget(limits)
+        for info in infos:
+            target = dest / info.filename
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, target.open("wb") as dst:
+                budget.copy(src, dst)
+
+
+def _extract_tar(f: IO[bytes], dest: Path, budget: Budget) -> None:
+    """Stream the tar (`r|gz`: members are read once, in order, never seeked to by a header's
+    offset) and write only regular files and directories, each checked before it is written."""
+    try:
+        with tarfile.open(fileobj=f, mode="r|gz") as tf:
+            for member in tf:
+                budget.member()
+                check_name(member.name)
+                if member.isdir():
+                    (dest / member.name).mkdir(parents=True, exist_ok=True)
+                    continue
+                if not member.isreg():
+                    kind = (
+                        "a symlink" if member.issym() else "a hard link" if member.islnk() else "not a file"
+                    )
+                    raise ValueError(
+                        f"member {member.name!r} is {kind}; only files and directories are allowed"
+                    )
+                target = dest / member.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tf.extractfile(member)
+                if src is None:  # pragma: no cover - isreg() members always have data
+                    raise ValueError(f"member {member.name!r} has no data")
+                with src, target.open("wb") as dst:
+                    budget.copy(src, dst)
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise ValueError(f"not a readable gzip'd tar ({exc})") from exc
+
+
+def hoist_single_root(dest: Path) -> Path:
+    """The directory holding the archive's files: `dest` itself, or (as TorchServe does for a
+    tgz and a directory) its only child when that is a directory and `dest` has no MAR-INF."""
+    children = list(dest.iterdir())
+    if (dest / "MAR-INF").is_dir() or len(children) != 1 or not children[0].is_dir():
+        return dest
+    return children[0]
+
+
+# -- directories (--archive-format no-archive) ------------------------------------------------
+def _walk(root: Path) -> Iterator[tuple[str, Path, bool]]:
+    """(relative POSIX name, path, is a directory) for every entry under `root`, sorted by name,
+    links not followed. os.walk is not used: it would silently skip what it cannot read."""
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        entries = sorted(os.scandir(root / rel_dir if rel_dir else root), key=lambda e: e.name)
+        for entry in entries:
+            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            is_dir = entry.is_dir(follow_symlinks=False)
+            yield rel, Path(entry.path), is_dir
+            if is_dir:
+                stack.append(rel)
+
+
+def copy_directory(src_root: Path, dest: Path, limits: ArchiveLimits) -> str:
+    """Copy a directory archive into `dest` with the member checks; return its digest.
+
+    A symlink is copied as the file it resolves to when that file is inside `src_root`; one that
+    resolves outside, to a directory, or to nothing is refused. Files are opened without
+    following links and checked to be regular files after opening, so an entry swapped for a
+    link or a FIFO between the listing and the copy is refused, not followed or blocked on."""
+    root = src_root.resolve()
+    budget = Budget(limits)
+    files: list[tuple[bytes, str]] = []  # (name as bytes, sha256 of its content)
+    for rel, path, is_dir in _walk(root):
+        budget.member()
+        check_name(rel)
+        target = dest / rel
+        if is_dir:
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        source = path
+        if path.is_symlink():
+            resolved = path.resolve()
+            if not resolved.is_relative_to(root):
+                raise ValueError(f"member {rel!r} is a symlink to {resolved}, outside the archive directory")
+            if not resolved.is_file():
+                raise ValueError(
+                    f"member {rel!r} is a symlink to a directory or to nothing; "
+                    "only symlinks to files inside the archive directory are allowed"
+                )
+            source = resolved
+        digest = hashlib.sha256()
+        _copy_regular(source, target, rel, budget, digest)
+        files.append((os.fsencode(rel), digest.hexdigest()))
+    listing = b"".join(sha.encode() + b"  " + name + b"\n" for name, sha in sorted(files))
+    return hashlib.sha256(listing).hexdigest()
+
+
+def _copy_regular(source: Path, target: Path, rel: str, budget: Budget, digest: hashlib._Hash) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(source, flags)
+    except OSError as exc:
+        raise ValueError(f"member {rel!r} cannot be opened as a file ({exc.strerror})") from exc
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"member {rel!r} is not a regular file; only files and directories are allowed")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("wb") as dst:
+            budget.copy(src, dst, digest)
