@@ -65,6 +65,7 @@ class ServerConfig:
     access_log: bool = False
     pin_index: bool = False
     require_gpu: bool = False
+    install_py_dep_per_model: bool = False
     # Security: tokens never appear in repr/logs; prefer *_file or env over flags (ps shows argv).
     inference_token: str | None = field(default=None, repr=False)
     inference_token_file: Path | None = None
@@ -118,6 +119,8 @@ _HELP = {
     "pin_index": "refuse archives not listed with their sha256 in MODEL_STORE/index.json",
     "require_gpu": "never serve a model on the CPU unless its model-config says deviceType: cpu: without a "
     "usable GPU such a model fails to load, with the reason, instead of falling back",
+    "install_py_dep_per_model": "pip-install each archive's requirements file (model.requirementsFile) into "
+    "that model's own directory before its workers start (TorchServe's install_py_dep_per_model)",
     "inference_token": "bearer token(s), comma-separated, for inference APIs (prefer the env var or a file)",
     "inference_token_file": "file with inference bearer tokens, one per line",
     "management_token": "bearer token(s) for management APIs and (unless open) metrics",

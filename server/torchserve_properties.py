@@ -43,7 +43,6 @@ _DIFFERENT = {
     "cors_allowed_origin": "Mariner sends no CORS headers: browsers on other origins are refused",
     "max_request_size": "use --max-request-bytes",
     "max_response_size": "use --max-request-bytes (it bounds gRPC messages both ways)",
-    "install_py_dep_per_model": "Mariner never pip-installs an archive's requirements",
 }
 
 
@@ -151,6 +150,7 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
         ("default_workers_per_model", "min_workers"),
         ("enable_model_api", "enable_model_management"),
         ("metrics_config", "metrics_config"),
+        ("install_py_dep_per_model", "install_py_dep_per_model"),
     ):
         if ts_key in props:
             out[ours] = props[ts_key]

@@ -40,11 +40,16 @@ __all__ = [
     "ArchiveLimits",
     "ModelArchive",
     "archive_file_name",
+    "requirements_dir",
     "open_archive",
     "resolve_in_store",
     "store_archives",
 ]
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
+# Where an archive's requirements are pip-installed (install_py_dep_per_model), inside its own
+# unpacked directory; no archive may bring a member of that name, so the directory holds only
+# what pip installed, and the worker puts it on sys.path only when it exists.
+REQUIREMENTS_DIR = ".mariner-requirements"
 _ALLOWED = "a .mar (zip), a .tar.gz or a no-archive directory holding MAR-INF/MANIFEST.json"
 
 
@@ -79,6 +84,11 @@ def resolve_in_store(store: Path, name: str) -> Path:
     if not (path.is_file() or path.is_dir()):
         raise ServingError(Code.NOT_FOUND, f"archive {name!r} not found in the model store {store}")
     return path
+
+
+def requirements_dir(model_dir: Path) -> Path:
+    """The directory an archive's requirements are installed into (see REQUIREMENTS_DIR)."""
+    return model_dir / REQUIREMENTS_DIR
 
 
 def store_archives(store: Path) -> list[str]:
@@ -176,6 +186,10 @@ def open_archive(
         try:
             digest = _unpack(path, model_dir, limits, expected_sha256)
             model_dir = _settle(model_dir)
+            if requirements_dir(model_dir).exists():
+                raise ValueError(
+                    f"member {REQUIREMENTS_DIR!r} is reserved for the requirements Mariner installs"
+                )
         except (zipfile.BadZipFile, ValueError, OSError) as exc:
             if isinstance(exc, zipfile.BadZipFile):
                 exc = ValueError(f"{exc}; allowed: {_ALLOWED}")

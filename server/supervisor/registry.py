@@ -27,6 +27,7 @@ from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
 from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import InferResult, ModelInfo, ModelState, WireProtocol
+from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
 from mariner.server.supervisor.worker_pool import WORKER_START_TIMEOUT_S, WorkerPool
 from mariner.server.workers.api import ModelEntry
@@ -90,7 +91,7 @@ class ModelRegistry:
         """Hash, check and unpack the archive off the event loop (a large one takes seconds,
         and this loop also serves management, health and the frontends' control channels)."""
         path = resolve_in_store(self.cfg.model_store, spec.archive)
-        return await asyncio.to_thread(
+        archive = await asyncio.to_thread(
             open_archive,
             path,
             self._work_dir,
@@ -98,6 +99,12 @@ class ModelRegistry:
             expected_sha256=spec.sha256,
             name_override=spec.name,
         )
+        try:  # before any worker: its handler may import what the archive requires
+            await requirements_step(archive, install=self.cfg.install_py_dep_per_model)
+        except BaseException:
+            shutil.rmtree(archive.model_dir, ignore_errors=True)
+            raise
+        return archive
 
     def _install(self, archive: ModelArchive, spec: ModelSpec) -> Version:
         """Resolve the archive's settings and add the version (no worker yet); on a refusal its

@@ -52,10 +52,14 @@ def spec_from_json(text: str) -> WorkerSpec:
 
 def isolate_sys_path(model_dir: str) -> None:
     """Make `model_dir` the only place model code imports from: drop the current directory and the
-    script's directory (which `-m` and `-c` put first) and put the archive's directory first."""
+    script's directory (which `-m` and `-c` put first) and put the archive's directory first, then
+    the requirements pip installed for it (install_py_dep_per_model), before site-packages."""
+    from mariner.server.core.archive import requirements_dir
+
     cwd = os.getcwd()
-    kept = [p for p in sys.path if p not in ("", ".", cwd, model_dir)]
-    sys.path[:] = [model_dir, *kept]
+    deps = str(requirements_dir(Path(model_dir)))
+    kept = [p for p in sys.path if p not in ("", ".", cwd, model_dir, deps)]
+    sys.path[:] = [model_dir, *([deps] if os.path.isdir(deps) else []), *kept]
 
 
 @dataclass(eq=False)

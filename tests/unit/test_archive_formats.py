@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import UNLISTED, ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.core.archive import (
+    UNLISTED,
+    ArchiveLimits,
+    archive_file_name,
+    open_archive,
+    resolve_in_store,
+    store_archives,
+)
 from mariner.server.core.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
@@ -183,3 +190,25 @@ def test_the_store_resolves_directories_and_tgz_but_not_itself(tmp_path: Path) -
         with pytest.raises(ServingError) as info:
             resolve_in_store(store, name)
         assert info.value.code is Code.PERMISSION_DENIED
+
+
+def test_an_archive_may_not_bring_the_directory_requirements_are_installed_into(tmp_path: Path) -> None:
+    src = make_dir(tmp_path / "toy")
+    (src / ".mariner-requirements").mkdir()
+    (src / ".mariner-requirements" / "numpy.py").write_text("raise SystemExit\n")
+    assert "reserved" in refused(src, tmp_path / "work").message
+
+
+def test_models_all_finds_every_layout_and_bare_names_find_directories(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    make_dir(store / "plain")
+    make_dir(store / "wrapped" / "inner")
+    make_tgz(store / "toy.tar.gz")
+    (store / "toy.mar").write_bytes(b"PK")
+    (store / "notes").mkdir()  # no manifest: not an archive
+    (store / "index.json").write_text("{}")
+    (store / ".hidden.mar").write_bytes(b"PK")
+    assert store_archives(store) == ["plain", "toy.mar", "toy.tar.gz", "wrapped"]
+    assert archive_file_name(store, "plain") == "plain"
+    assert archive_file_name(store, "toy.tar.gz") == "toy.tar.gz"
+    assert archive_file_name(store, "digits") == "digits.mar"
