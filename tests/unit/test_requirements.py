@@ -140,3 +140,14 @@ def test_the_worker_imports_installed_requirements_after_the_archive_before_site
 def test_last_lines_keeps_the_end() -> None:
     assert last_lines("a\n\nb\nc\n", 2) == "b\nc"
     assert os.linesep not in last_lines("")
+
+
+def test_the_torchserve_key_turns_it_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from mariner.server.config import load_config
+
+    props = tmp_path / "config.properties"
+    props.write_text("install_py_dep_per_model=true\n")
+    with caplog.at_level("WARNING", logger="mariner.config"):
+        assert load_config(["--config-file", str(props)], env={}).install_py_dep_per_model is True
+    assert "install_py_dep_per_model" not in caplog.text, "understood, so not warned about"
+    assert load_config([], env={}).install_py_dep_per_model is False
