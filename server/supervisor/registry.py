@@ -91,7 +91,7 @@ class ModelRegistry:
         """Hash, check and unpack the archive off the event loop (a large one takes seconds,
         and this loop also serves management, health and the frontends' control channels)."""
         path = resolve_in_store(self.cfg.model_store, spec.archive)
-        archive = await asyncio.to_thread(
+        return await asyncio.to_thread(
             open_archive,
             path,
             self._work_dir,
@@ -99,12 +99,15 @@ class ModelRegistry:
             expected_sha256=spec.sha256,
             name_override=spec.name,
         )
-        try:  # before any worker: its handler may import what the archive requires
+
+    async def _requirements(self, archive: ModelArchive) -> None:
+        """Install the archive's requirements before any worker (its handler may import them);
+        on a failure its unpacked directory is removed."""
+        try:
             await requirements_step(archive, install=self.cfg.install_py_dep_per_model)
         except BaseException:
             shutil.rmtree(archive.model_dir, ignore_errors=True)
             raise
-        return archive
 
     def _install(self, archive: ModelArchive, spec: ModelSpec) -> Version:
         """Resolve the archive's settings and add the version (no worker yet); on a refusal its
@@ -135,6 +138,7 @@ class ModelRegistry:
             archive: ModelArchive | None = None
             try:
                 archive = await self._unpack(spec)
+                await self._requirements(archive)  # a failure keeps its name and version
                 opened.append(self._install(archive, spec))
             except ServingError as exc:
                 named = exc.message.startswith(f"archive {spec.archive}")
@@ -272,7 +276,9 @@ class ModelRegistry:
         spec = ModelSpec(
             archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
         )
-        v = self._install(await self._unpack(spec), spec)
+        archive = await self._unpack(spec)
+        await self._requirements(archive)
+        v = self._install(archive, spec)
         self._registering.add((v.name, v.version))
         if not synchronous:
             task = asyncio.create_task(self._start_in_background(v))

@@ -89,6 +89,7 @@ def test_requirements_are_installed_for_the_model_before_its_workers_start(serve
 def test_a_requirement_pip_cannot_install_fails_only_that_model(server: MarinerServe) -> None:
     failed = _entry(server, "needs_missing")
     assert failed["mariner"]["state"] == "FAILED"
+    assert failed["modelVersion"] == "1.0", "the archive was read: its version is known"
     assert "mariner-no-such-package-anywhere" in failed["mariner"]["error"]
     assert "pip exited" in failed["mariner"]["error"]
     assert _entry(server, "plain")["mariner"]["state"] == "READY"
