@@ -1,4 +1,9 @@
-"""`mariner` console script. `mariner serve ...` starts the server; flags = MARINER_* env = config keys."""
+"""`mariner` console script. `mariner serve ...` starts the server; flags = MARINER_* env = config keys.
+
+`mariner serve` also takes the `torchserve` command line users already type (`--ts-config`,
+`--model-store`, `--models a=a.mar b.mar`, `--start`, `--foreground`, `--ncs`, ...; see
+server/torchserve_flags.py and docs/torchserve-config.md).
+"""
 
 from __future__ import annotations
 

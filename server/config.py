@@ -1,17 +1,21 @@
 """Server settings: every setting is a CLI flag, a MARINER_* environment variable and a config-file key.
 
-Precedence: built-in defaults < config file < environment < command line. The config file is
-YAML/JSON with our keys, or a TorchServe `config.properties`, of which we understand the keys
-users already have (`inference_address`, `management_address`, `metrics_address`,
-`grpc_inference_port`, `grpc_management_port`, `model_store`, `load_models`,
-`default_workers_per_model`, `models={...}` with batchSize/maxBatchDelay/minWorkers/
-maxWorkers/responseTimeout/deviceType, and TLS: https:// addresses, `enable_grpc_ssl`,
-`private_key_file`, `certificate_file`); torchserve_properties warns about every other key and
-refuses what it cannot honour. Everything binds 127.0.0.1 unless configured otherwise.
+Precedence: built-in defaults < TorchServe config.properties < our config file < MARINER_*
+environment < command line < `TS_*` variables (only with `enable_envvars_config=true` in the
+properties file; TorchServe applies them over its command line). Our config file is YAML/JSON
+with our keys (`--config-file`, MARINER_CONFIG_FILE; a `.properties` one is TorchServe's). The
+TorchServe file is `--ts-config`, `TS_CONFIG_FILE` or `./config.properties` (torchserve_flags);
+of it we understand the keys users already have (`inference_address`, `management_address`,
+`metrics_address`, `grpc_inference_port`, `grpc_management_port`, `model_store`,
+`load_models`, `default_workers_per_model`, `default_response_timeout`, `job_queue_size`,
+`models={...}` with batchSize/maxBatchDelay/minWorkers/maxWorkers/responseTimeout/deviceType,
+and TLS: https:// addresses, `enable_grpc_ssl`, `private_key_file`, `certificate_file`);
+torchserve_properties warns about every other key and refuses what it cannot honour.
+Everything binds 127.0.0.1 unless configured otherwise.
 
 A model version's serving settings (batchSize, maxBatchDelay...) are layered once more, in
-core.model_settings: archive model-config < config.properties `models={...}` < these settings
-(flags/env/file) < a management register call.
+core.model_settings: built-in < `default_*` < config.properties `models={...}` < archive
+model-config < our flags/env/file (`--batch-size`...) < a management register call.
 """
 
 from __future__ import annotations
@@ -28,8 +32,19 @@ import yaml
 
 from mariner.server.core.archive import UNLISTED, archive_file_name, store_archives
 from mariner.server.core.endpoint import ModelSpec
-from mariner.server.core.model_settings import ServerLayers, SettingsOverrides
-from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
+from mariner.server.core.model_settings import ServerLayers, SettingsOverrides, default_workers
+from mariner.server.torchserve_flags import (
+    add_torchserve_flags,
+    take_torchserve_flags,
+    torchserve_config_path,
+)
+from mariner.server.torchserve_properties import (
+    FIELDS_OF_KEY,
+    from_torchserve_properties,
+    read_properties,
+    substitute_env,
+    ts_env_props,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +60,12 @@ class ServerConfig:
     max_batch_delay_ms: float | None = None
     min_workers: int | None = None
     response_timeout_s: float | None = None
-    max_queue: int = 1024
+    max_queue: int | None = None
+    # TorchServe's server-wide defaults (config.properties keys of the same names): under every
+    # model's archive and models={...} entry, where the flags above are over them.
+    default_workers_per_model: int | None = None
+    default_response_timeout: float | None = None
+    job_queue_size: int | None = None
     torch_threads: int | None = None
     frontends: int | None = None
     work_dir: Path | None = None
@@ -83,17 +103,24 @@ class ServerConfig:
 
 _HELP = {
     "model_store": "directory holding the .mar archives (archives load only from here)",
-    "models": "'all', or comma-separated 'file.mar' / 'name=file.mar' entries (like torchserve --models)",
+    "models": "'all', or 'file.mar' / 'name=file.mar' entries, space- or comma-separated (torchserve's "
+    "--models)",
     "inference_address": "HTTP inference listener host:port (TorchServe API, /ping, /healthz, /readyz)",
     "management_address": "HTTP management listener host:port (/models)",
     "metrics_address": "HTTP Prometheus listener host:port (/metrics)",
     "grpc_inference_address": "gRPC inference listener host:port",
     "grpc_management_address": "gRPC management listener host:port",
-    "batch_size": "override every model's batchSize",
+    "batch_size": "override every model's batchSize (over its archive and models={...})",
     "max_batch_delay_ms": "override every model's maxBatchDelay (ms to wait to fill a batch; 0 = never wait)",
     "min_workers": "override every model's instance count (minWorkers)",
     "response_timeout_s": "override every model's responseTimeout (seconds)",
-    "max_queue": "queued items per model version before requests are rejected (RESOURCE_EXHAUSTED)",
+    "max_queue": "override every model's queue: items queued per model version before requests are "
+    "rejected (RESOURCE_EXHAUSTED)",
+    "default_workers_per_model": "workers of a model whose archive and models={...} say none (TorchServe's "
+    "key; default: one per GPU, else per CPU core)",
+    "default_response_timeout": "responseTimeout (s) of a model whose archive and models={...} say none "
+    "(TorchServe's key; default 120)",
+    "job_queue_size": "queue (items) of a model whose archive says none (TorchServe's key; default 100)",
     "torch_threads": "torch intra-op threads for CPU inference (default: all cores but one)",
     "frontends": "inference frontend processes sharing the inference ports (default: 1 on up to 7 cores, "
     "else cores // 4, at most 8; provisional until the benchmark settles it)",
@@ -157,10 +184,21 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
+def read_torchserve_config(path: Path, env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A TorchServe config.properties as our settings, with `$$VAR$$` substituted and, when it
+    says `enable_envvars_config=true`, the `TS_*` variables over its keys; and the settings the
+    `TS_*` variables decided (they beat the command line, as in TorchServe)."""
+    props = substitute_env(read_properties(path.read_text()), env)
+    from_env = ts_env_props(props, env)
+    settings = from_torchserve_properties({**props, **from_env})
+    decided = {f for key in from_env for f in FIELDS_OF_KEY.get(key, ())}
+    return settings, {f: settings[f] for f in decided if f in settings}
+
+
+def read_config_file(path: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix == ".properties":
-        return from_torchserve_properties(read_properties(text))
+        return read_torchserve_config(path, os.environ if env is None else env)[0]
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings")
@@ -185,26 +223,61 @@ def build_parser() -> argparse.ArgumentParser:
                 choices=_CHOICES[f.name],
                 help=f"{_HELP[f.name]} (env MARINER_{f.name.upper()})",
             )
+        elif f.name == "models":  # torchserve's `--models a=a.mar b.mar` as well as ours, comma-separated
+            p.add_argument(flag, nargs="+", default=None, help=f"{_HELP[f.name]} (env MARINER_MODELS)")
         else:
             p.add_argument(flag, default=None, help=f"{_HELP[f.name]} (env MARINER_{f.name.upper()})")
+    add_torchserve_flags(p)
     return p
 
 
-def load_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """defaults < config file < MARINER_* env < flags."""
+def load_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> ServerConfig:
+    """defaults < TorchServe config.properties < our config file < MARINER_* env < flags <
+    TS_* env (when the properties file enables it). `cwd` is where `./config.properties` is
+    looked for (TorchServe's fallback when no config file is given)."""
     env = os.environ if env is None else env
     args = vars(build_parser().parse_args(argv))
+    ts_flags = take_torchserve_flags(args)
+    if ts_flags.enable_model_api and args.get("enable_model_management") is None:
+        args["enable_model_management"] = True
     config_file = args.get("config_file") or env.get("MARINER_CONFIG_FILE")
+    ours_is_properties = bool(config_file) and Path(str(config_file)).suffix == ".properties"
+    ts_file = torchserve_config_path(ts_flags.ts_config, env, cwd, others=bool(config_file))
+    if ts_file is not None and ours_is_properties:
+        raise ValueError(
+            f"two TorchServe config files: {config_file} (--config-file / MARINER_CONFIG_FILE) and "
+            f"{ts_file} (--ts-config / TS_CONFIG_FILE / ./config.properties): give one"
+        )
     merged: dict[str, Any] = {}
+    from_ts_env: dict[str, Any] = {}
+    if ts_file is not None:
+        settings, from_ts_env = read_torchserve_config(ts_file, env)
+        merged.update(settings)
+        merged["config_file"] = ts_file
     if config_file:
-        merged.update(read_config_file(Path(config_file)))
+        if ours_is_properties:
+            settings, from_ts_env = read_torchserve_config(Path(config_file), env)
+        else:
+            settings = read_config_file(Path(config_file), env)
+        # A YAML null means "not set here": it leaves a lower layer's value.
+        merged.update({k: v for k, v in settings.items() if v is not None})
         merged["config_file"] = config_file
     for f in fields(ServerConfig):
         key = f"MARINER_{f.name.upper()}"
         if key in env and f.name != "model_overrides":
             merged[f.name] = env[key]
     merged.update({k: v for k, v in args.items() if v is not None})
-    cfg = replace(ServerConfig(), **{k: _coerce(k, v) for k, v in merged.items()})
+    merged.update(from_ts_env)  # TorchServe applies TS_* variables after its command line
+    coerced = {}
+    for k, v in merged.items():
+        try:
+            coerced[k] = _coerce(k, v)
+        except ValueError:  # say which setting, not only Python's "invalid literal for int()"
+            kind = {f.name: f.type for f in fields(ServerConfig)}[k]
+            raise ValueError(f"{k} must be {str(kind).replace(' | None', '')}, got {v!r}") from None
+    cfg = replace(ServerConfig(), **coerced)
     for name, allowed in _CHOICES.items():
         # The parser checks flags; env and file values are checked here, naming the setting.
         if getattr(cfg, name) not in allowed:
@@ -237,12 +310,30 @@ def frontend_count(cfg: ServerConfig) -> int:
     return cfg.frontends
 
 
-def server_layers(cfg: ServerConfig) -> ServerLayers:
-    """The layers every model version's settings resolve over (see core.model_settings):
-    config.properties `models={...}`, then flags / MARINER_* env / our config file.
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity, as the JVM's availableProcessors)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def server_layers(cfg: ServerConfig, gpus: int = 0, cores: int | None = None) -> ServerLayers:
+    """The layers every model version's settings resolve over (see core.model_settings): the
+    built-in worker count (one per GPU of `gpus`, else per core), the `default_*` keys,
+    config.properties `models={...}`, and flags / MARINER_* env / our config file.
 
     Raises ServingError(INVALID_ARGUMENT) naming the field when a value is not allowed.
     """
+    # TorchServe reads default_workers_per_model=0 as "not set" (GPUs, else cores).
+    workers = cfg.default_workers_per_model or None
+    defaults = [
+        SettingsOverrides.parse({"minWorkers": workers, "maxWorkers": workers}, "default_workers_per_model"),
+        SettingsOverrides.parse(
+            {"responseTimeout": cfg.default_response_timeout}, "default_response_timeout"
+        ),
+        SettingsOverrides.parse({"maxQueue": cfg.job_queue_size}, "job_queue_size"),
+    ]
     flags = SettingsOverrides.parse(
         {
             "batchSize": cfg.batch_size,
@@ -253,7 +344,12 @@ def server_layers(cfg: ServerConfig) -> ServerLayers:
         },
         "the server's flags, MARINER_* environment or config file",
     )
-    return ServerLayers(per_model=cfg.model_overrides, flags=flags)
+    return ServerLayers(
+        per_model=cfg.model_overrides,
+        flags=flags,
+        defaults=SettingsOverrides(**{k: v for d in defaults for k, v in d.given().items()}),
+        startup_workers=default_workers(gpus, available_cores() if cores is None else cores),
+    )
 
 
 def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> list[ModelSpec]:

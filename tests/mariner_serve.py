@@ -81,6 +81,11 @@ class MarinerServe:
         config.update(
             {"model_store": str(model_store), "models": models, "grace_seconds": 20.0, "refuse_seconds": 0.0}
         )
+        # One worker per model unless a test says otherwise (the archive's minWorkers or a
+        # setting still wins): TorchServe's default is one per core, and ~100 servers on a
+        # 2-core machine would double their processes. `default_workers_per_model=None` leaves
+        # the server's own default (a YAML null sets nothing).
+        config["default_workers_per_model"] = 1
         config.update({k: _yaml_value(v) for k, v in settings.items()})
         self.config = config
         self.config_file = tmp / "mariner.yaml"

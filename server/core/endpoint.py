@@ -68,17 +68,23 @@ class ModelSource:
 
 
 def resolve_model(
-    archive: ModelArchive, spec: ModelSpec, *, default_max_queue: int, layers: ServerLayers
+    archive: ModelArchive, spec: ModelSpec, *, default_max_queue: int | None, layers: ServerLayers
 ) -> tuple[ModelSettings, ModelSignature | None]:
     """The one resolution of a version's settings and signature.
 
-    Settings: defaults < archive model-config < config.properties < flags/env < register call.
-    A bad value anywhere refuses this archive with the field named.
+    Settings: defaults < default_* < config.properties models= < archive model-config <
+    flags/env < register call (core.model_settings). A bad value anywhere refuses this archive
+    with the field named.
     """
     settings = resolve_model_settings(
         SettingsOverrides(max_queue=default_max_queue),
-        archive_overrides(archive.model_config, archive.path.name),
-        *layers.for_model(archive.name, archive.version, archive.path.name),
+        *layers.for_model(
+            archive.name,
+            archive.version,
+            archive.path.name,
+            archive_overrides(archive.model_config, archive.path.name),
+            startup=spec.loaded_at_startup,
+        ),
         spec.overrides,
     )
     load_token_counter(archive.model_config, archive.path.name, archive.model_dir)  # refuses a bad one

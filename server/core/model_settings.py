@@ -1,22 +1,35 @@
 """One resolution of a model version's serving settings, from every place a user can set them.
 
-Layers, lowest to highest (a higher layer wins for each setting it gives):
+Layers, lowest to highest (a higher layer wins for each setting it gives), in TorchServe 0.12's
+order (ModelServer.initModelStore, ModelManager.createModel, ApiUtils.handleRegister):
 
-1. built-in defaults (batchSize 1, maxBatchDelay 0 ms, responseTimeout 120 s, one worker),
-2. the archive's model-config YAML (what the model author shipped),
-3. the TorchServe `config.properties` entry `models={"name": {"version": {...}}}`,
-4. server flags / MARINER_* environment / our config file (`--batch-size`, `--max-queue`...),
-5. the management register call's parameters (REST POST /models, gRPC RegisterModel).
+1. built-in defaults, TorchServe's: batchSize 1, maxBatchDelay 100 ms, responseTimeout 120 s,
+   job queue 100 items, and per model as many workers as GPUs, else CPU cores, for a model
+   loaded at start-up (one worker for a model registered later: TorchServe would start none),
+2. server-wide defaults: config.properties `default_workers_per_model`,
+   `default_response_timeout`, `job_queue_size` (or their `TS_*` variables),
+3. config.properties `models={"name": {"version": {...}}}`, this model version's entry,
+4. the archive's model-config YAML (what the model author shipped): it beats `models=`, as in
+   TorchServe,
+5. Mariner's own server flags / MARINER_* environment / our YAML config file (`--batch-size`,
+   `--max-batch-delay-ms`, `--min-workers`, `--response-timeout-s`, `--max-queue`): an
+   operator's explicit override of every model (TorchServe has no such flags; our benchmark
+   scales workers with them, so they stay above the archive),
+6. the management register call's parameters (REST POST /models, gRPC RegisterModel), for
+   that registration only.
+
+Where TorchServe differs (its archive's responseTimeout and workers beat a register call; it
+reads `maxBatchDelay: 0` as unset...), Mariner's choice and why: docs/torchserve-config.md.
 
 Every layer is parsed and checked by `SettingsOverrides.parse`, so a bad value fails the same way
 wherever it came from: a ServingError(INVALID_ARGUMENT) naming the field, the value, what is
 allowed, and where the value came from. Start-up and both register paths go through
-`resolve_model_settings`; nothing else turns a config value into a number.
+`resolve_model_settings` over `ServerLayers.for_model`; nothing else turns a config value into a
+number.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -24,8 +37,10 @@ from typing import Any
 
 from mariner.server.core.archive_fields import inside
 from mariner.server.core.errors import Code, ServingError
-
-DEVICE_TYPES = ("cpu", "gpu")
+from mariner.server.core.setting_values import bad_value as _bad
+from mariner.server.core.setting_values import device_type as _device_type
+from mariner.server.core.setting_values import non_negative_or_positive as _number
+from mariner.server.core.setting_values import positive_int as _positive_int
 
 # Our field name -> TorchServe's model-config key (the name users see in messages and YAML).
 TS_KEYS: dict[str, str] = {
@@ -37,53 +52,17 @@ TS_KEYS: dict[str, str] = {
     "max_queue": "maxQueue",
     "device_type": "deviceType",
 }
+# TorchServe's model-config name for the queue (ModelConfig.jobQueueSize), read beside ours.
+_ALIASES: dict[str, str] = {"max_queue": "jobQueueSize"}
+# TorchServe's built-in defaults (ModelManager, ConfigManager, RegisterModelRequest).
+DEFAULT_BATCH_DELAY_MS = 100.0
+DEFAULT_RESPONSE_TIMEOUT_S = 120.0
+DEFAULT_JOB_QUEUE_SIZE = 100
 _POSITIVE_INTS = frozenset({"batch_size", "min_workers", "max_workers", "max_queue"})
 # The archive's length-aware batching keys (see `token_settings`).
 TOKEN_KEYS = ("maxBatchTokens", "tokenCounter")
 _TOKEN_COUNTER_KEYS = frozenset({"tokenizer", "maxLength"})
 DEFAULT_TOKEN_MAX_LENGTH = 512  # BERT-style encoders' position limit, when tokenCounter omits it
-
-
-def _bad(key: str, allowed: str, value: Any, source: str) -> ServingError:
-    where = f" (from {source})" if source else ""
-    return ServingError(Code.INVALID_ARGUMENT, f"{key} must be {allowed}, got {value!r}{where}")
-
-
-def _positive_int(key: str, value: Any, source: str) -> int:
-    number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif isinstance(value, float) and value.is_integer():
-        number = int(value)
-    elif isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            number = None
-    if number is None or number < 1:
-        raise _bad(key, "a positive integer", value, source)
-    return number
-
-
-def _number(key: str, value: Any, source: str, *, zero_ok: bool) -> float:
-    number: float | None = None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            number = None
-    if number is None or not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
-        raise _bad(key, "a number >= 0" if zero_ok else "a number > 0", value, source)
-    return number
-
-
-def _device_type(key: str, value: Any, source: str) -> str:
-    text = str(value).strip().lower() if isinstance(value, str) else None
-    if text not in DEVICE_TYPES:
-        raise _bad(key, "one of " + ", ".join(repr(d) for d in DEVICE_TYPES), value, source)
-    return text
 
 
 def _checked(name: str, value: Any, source: str, key: str | None = None) -> Any:
@@ -126,6 +105,9 @@ class SettingsOverrides:
         """Read TorchServe's keys (batchSize, maxBatchDelay, ...) from `values`; other keys are
         ignored (a model-config holds handler settings too). `source` is named in errors."""
         given = {name: values[key] for name, key in TS_KEYS.items() if values.get(key) is not None}
+        for name, alias in _ALIASES.items():
+            if name not in given and values.get(alias) is not None:
+                given[name] = values[alias]
         return cls(**{name: _checked(name, value, source) for name, value in given.items()})
 
     def given(self) -> dict[str, Any]:
@@ -138,15 +120,16 @@ class ModelSettings:
     """A model version's resolved serving settings: what the endpoint, batcher and describe use.
 
     `device_type` is None when no layer asked for a device (the runner then uses a GPU when
-    there is one).
+    there is one). The worker counts' default here is one; `ServerLayers` puts TorchServe's
+    (GPUs, else cores) under every model loaded at start-up.
     """
 
     batch_size: int = 1
-    max_batch_delay_ms: float = 0.0
-    response_timeout_s: float = 120.0
+    max_batch_delay_ms: float = DEFAULT_BATCH_DELAY_MS
+    response_timeout_s: float = DEFAULT_RESPONSE_TIMEOUT_S
     min_workers: int = 1
     max_workers: int = 1
-    max_queue: int = 1024
+    max_queue: int = DEFAULT_JOB_QUEUE_SIZE
     device_type: str | None = None
 
 
@@ -223,9 +206,16 @@ def _entry_for(versions: Any, version: str, archive_file: str) -> Mapping[str, A
     return {}
 
 
+def default_workers(gpus: int, cores: int) -> int:
+    """TorchServe's workers per model when nothing sets them (ConfigManager.getDefaultWorkers):
+    one per GPU when there are GPUs, else one per CPU core."""
+    return max(1, gpus if gpus > 0 else cores)
+
+
 @dataclass(frozen=True)
 class ServerLayers:
-    """The server-wide layers: config.properties `models={...}` and flags/env.
+    """The server-wide layers: the built-in start-up worker count, the `default_*` keys,
+    config.properties `models={...}`, and Mariner's flags/env (see the module docstring).
 
     Every `models` entry is checked when this is built, so a typo in config.properties stops
     the server at start-up with the field named, even for a model loaded only later.
@@ -233,6 +223,8 @@ class ServerLayers:
 
     per_model: Mapping[str, Any] = field(default_factory=dict)
     flags: SettingsOverrides = SettingsOverrides()
+    defaults: SettingsOverrides = SettingsOverrides()
+    startup_workers: int = 1
 
     def __post_init__(self) -> None:
         for name, versions in self.per_model.items():
@@ -249,16 +241,38 @@ class ServerLayers:
     def _source(name: str, version: str) -> str:
         return f"config.properties models[{name!r}][{version!r}]"
 
-    def for_model(self, name: str, version: str, archive_file: str) -> tuple[SettingsOverrides, ...]:
-        """This model version's config.properties layer and the flags layer, lowest first."""
+    def models_entry(self, name: str, version: str, archive_file: str) -> SettingsOverrides:
+        """This model version's config.properties `models={...}` layer."""
         entry = _entry_for(self.per_model.get(name), version, archive_file)
-        return (SettingsOverrides.parse(entry, self._source(name, version)), self.flags)
+        return SettingsOverrides.parse(entry, self._source(name, version))
+
+    def for_model(
+        self,
+        name: str,
+        version: str,
+        archive_file: str,
+        archive: SettingsOverrides = SettingsOverrides(),
+        *,
+        startup: bool = True,
+    ) -> tuple[SettingsOverrides, ...]:
+        """Every server-side layer of this model version with its `archive` layer, lowest first:
+        built-in workers, `default_*`, `models={...}`, the archive, flags. The register call's
+        layer goes on top. `startup`: the model is loaded at start-up (TorchServe's default
+        worker count) rather than registered later (one worker)."""
+        workers = self.startup_workers if startup else 1
+        return (
+            SettingsOverrides(min_workers=workers, max_workers=workers),
+            self.defaults,
+            self.models_entry(name, version, archive_file),
+            archive,
+            self.flags,
+        )
 
 
 def _misspelt(key: str) -> str | None:
     """The key of ours `key` almost is (batch_size, BatchSize -> batchSize), else None."""
     folded = key.replace("_", "").replace("-", "").lower()
-    known = (*TS_KEYS.values(), *TOKEN_KEYS)
+    known = (*TS_KEYS.values(), *_ALIASES.values(), *TOKEN_KEYS)
     return next((ts for ts in known if ts.lower() == folded and ts != key), None)
 
 

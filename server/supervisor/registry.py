@@ -27,6 +27,7 @@ from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
 from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import InferResult, ModelInfo, ModelState, WireProtocol
+from mariner.server.supervisor.devices import allocator
 from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
 from mariner.server.supervisor.worker_pool import WORKER_START_TIMEOUT_S, WorkerPool
@@ -79,7 +80,7 @@ class ModelRegistry:
             draining=lambda: self.draining,
             require_gpu=cfg.require_gpu,
         )
-        self._layers = server_layers(cfg)
+        self._layers = server_layers(cfg, gpus=allocator().count)  # default: a worker per GPU, else core
         self._limits = ArchiveLimits()
         self._frontends_ok = frontends_ok
 

@@ -145,7 +145,7 @@ def test_rest_and_grpc_describe_and_list_the_same(server: MarinerServe) -> None:
     entry = rest[0]
     # The archive's model-config (batchSize 32, maxBatchDelay 5, responseTimeout 30) is what serves.
     assert (entry["batchSize"], entry["maxBatchDelay"], entry["responseTimeout"]) == (32, 5, 30)
-    assert entry["jobQueueStatus"] == {"remainingCapacity": 1024, "pendingRequests": 0}
+    assert entry["jobQueueStatus"] == {"remainingCapacity": 100, "pendingRequests": 0}  # job_queue_size
     assert entry["workers"][0]["status"] == "READY"
     assert "startTime" in entry["workers"][0]
     listed = requests.get(f"{server.management}/models", timeout=30).json()

@@ -76,10 +76,11 @@ def test_torchserve_config_properties_are_understood(tmp_path: Path) -> None:
     assert cfg.model_store == tmp_path
     (spec,) = model_specs(cfg)
     assert spec.archive == "digits.mar"
+    # The archive's values beat models={...}; minWorkers, which the archive leaves out, comes from it.
     archive = SettingsOverrides(batch_size=32, max_batch_delay_ms=5, response_timeout_s=30, max_workers=4)
-    resolved = resolve_model_settings(archive, *server_layers(cfg).for_model("digits", "1.0", "digits.mar"))
+    resolved = resolve_model_settings(*server_layers(cfg).for_model("digits", "1.0", "digits.mar", archive))
     assert resolved == ModelSettings(
-        batch_size=16, max_batch_delay_ms=3.0, response_timeout_s=9.0, min_workers=2, max_workers=4
+        batch_size=32, max_batch_delay_ms=5.0, response_timeout_s=30.0, min_workers=2, max_workers=4
     )
 
 

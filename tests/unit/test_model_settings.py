@@ -1,4 +1,4 @@
-"""One resolution of a model's serving settings: archive < config.properties < flags/env < register call.
+"""One resolution of a model's serving settings: default_* < models= < archive < flags/env < register call.
 
 The layer functions are tested alone, then through the DataPlane's real open path with a tiny
 archive (nothing is loaded: the endpoint is built, its settings read back, its batcher faked).
@@ -36,7 +36,7 @@ from mariner.server.supervisor.registry import ModelRegistry
 
 pytestmark = pytest.mark.unit
 
-# Four layers, each giving every setting a different value, lowest first.
+# Four layers, each giving every setting a different value (ARCHIVE beats PROPERTIES).
 ARCHIVE = {"batchSize": 32, "maxBatchDelay": 5, "responseTimeout": 30, "minWorkers": 1, "maxWorkers": 4}
 PROPERTIES = {"batchSize": 16, "maxBatchDelay": 3, "responseTimeout": 9, "minWorkers": 2, "maxWorkers": 5}
 FLAGS = {"batchSize": 8, "maxBatchDelay": 2, "responseTimeout": 7, "minWorkers": 3, "maxQueue": 50}
@@ -45,8 +45,8 @@ CALL = {"batch_size": "4", "max_batch_delay": "1", "response_timeout": "6", "ini
 
 def layers() -> list[SettingsOverrides]:
     return [
-        archive_overrides(ARCHIVE, "toy.mar"),
         SettingsOverrides.parse(PROPERTIES, "properties"),
+        archive_overrides(ARCHIVE, "toy.mar"),
         SettingsOverrides.parse(FLAGS, "flags"),
         register_call_overrides(**CALL),
     ]
@@ -54,7 +54,7 @@ def layers() -> list[SettingsOverrides]:
 
 def test_defaults_when_no_layer_says_anything() -> None:
     assert resolve_model_settings() == ModelSettings(
-        batch_size=1, max_batch_delay_ms=0.0, response_timeout_s=120.0, min_workers=1, max_workers=1
+        batch_size=1, max_batch_delay_ms=100.0, response_timeout_s=120.0, min_workers=1, max_workers=1
     )
     assert (
         resolve_model_settings(SettingsOverrides.parse({"handler": {"topk": 3}}, "archive"))
@@ -63,16 +63,16 @@ def test_defaults_when_no_layer_says_anything() -> None:
 
 
 def test_each_layer_overrides_the_one_below() -> None:
-    archive, properties, flags, call = layers()
-    assert resolve_model_settings(archive) == ModelSettings(32, 5.0, 30.0, 1, 4)
-    assert resolve_model_settings(archive, properties) == ModelSettings(16, 3.0, 9.0, 2, 5)
-    # flags say nothing about maxWorkers: properties' 5 stays; maxQueue only comes from flags
-    assert resolve_model_settings(archive, properties, flags) == ModelSettings(
-        8, 2.0, 7.0, 3, 5, max_queue=50
+    properties, archive, flags, call = layers()
+    assert resolve_model_settings(properties) == ModelSettings(16, 3.0, 9.0, 2, 5)
+    assert resolve_model_settings(properties, archive) == ModelSettings(32, 5.0, 30.0, 1, 4)
+    # flags say nothing about maxWorkers: the archive's 4 stays; maxQueue only comes from flags
+    assert resolve_model_settings(properties, archive, flags) == ModelSettings(
+        8, 2.0, 7.0, 3, 4, max_queue=50
     )
-    assert resolve_model_settings(archive, properties, flags, call) == ModelSettings(4, 1.0, 6.0, 6, 6, 50)
+    assert resolve_model_settings(properties, archive, flags, call) == ModelSettings(4, 1.0, 6.0, 6, 6, 50)
     # order is what decides, not which kind of layer it is
-    assert resolve_model_settings(call, flags, properties, archive) == ModelSettings(32, 5.0, 30.0, 1, 4, 50)
+    assert resolve_model_settings(call, flags, archive, properties) == ModelSettings(16, 3.0, 9.0, 2, 5, 50)
 
 
 @pytest.mark.parametrize("setting", [f.name for f in fields(ModelSettings)])
@@ -186,14 +186,15 @@ def test_properties_entry_is_chosen_by_mar_name_then_version_then_default() -> N
     server = ServerLayers(per_model=per_model, flags=SettingsOverrides(max_queue=7))
 
     def batch(version: str, archive: str) -> int | None:
-        properties, flags = server.for_model("digits", version, archive)
+        *_, properties, _archive, flags = server.for_model("digits", version, archive)
         assert flags == SettingsOverrides(max_queue=7)
+        assert properties == server.models_entry("digits", version, archive)
         return properties.batch_size
 
     assert batch("9.9", "digits_v1.mar") == 1  # by marName, whatever the version
     assert batch("2.0", "digits_v2.mar") == 2  # by version key
     assert batch("4.0", "digits_v4.mar") == 3  # the defaultVersion entry
-    assert server.for_model("unknown", "1.0", "unknown.mar")[0] == SettingsOverrides()
+    assert server.models_entry("unknown", "1.0", "unknown.mar") == SettingsOverrides()
 
 
 def test_bad_properties_entry_is_refused_when_the_layers_are_built() -> None:
@@ -252,17 +253,25 @@ ARCHIVE_YAML = "batchSize: 32\nmaxBatchDelay: 5\nresponseTimeout: 30\nmaxWorkers
 
 def test_the_dataplane_resolves_every_layer_for_a_model_it_opens(tmp_path: Path) -> None:
     properties = {"toy": {"1.0": {"marName": "toy.mar", "batchSize": 16, "maxBatchDelay": 3}}}
-    reg = registry(tmp_path, ARCHIVE_YAML, model_overrides=properties, batch_size=8, max_queue=64)
+    reg = registry(
+        tmp_path,
+        ARCHIVE_YAML,
+        model_overrides=properties,
+        batch_size=8,
+        max_queue=64,
+        default_workers_per_model=1,
+    )
     asyncio.run(reg.open_models([ModelSpec("toy.mar")]))
     (info,) = reg.describe("toy")
-    assert (info.batch_size, info.max_batch_delay_ms, info.response_timeout_s) == (8, 3.0, 30.0)
+    # flags over the archive (batchSize), the archive over models={...} (maxBatchDelay)
+    assert (info.batch_size, info.max_batch_delay_ms, info.response_timeout_s) == (8, 5.0, 30.0)
     assert (info.min_workers, info.max_workers, info.queue_size, info.device_type) == (1, 4, 64, "cpu")
     assert info.loaded_at_startup is True
-    assert reg.resolve("toy").settings == ModelSettings(8, 3.0, 30.0, 1, 4, 64, "cpu")
+    assert reg.resolve("toy").settings == ModelSettings(8, 5.0, 30.0, 1, 4, 64, "cpu")
     endpoint = frontend_endpoint(reg)  # what a frontend batches with, from the table entry
-    assert endpoint.settings == ModelSettings(8, 3.0, 30.0, 1, 4, 64, "cpu")
+    assert endpoint.settings == ModelSettings(8, 5.0, 30.0, 1, 4, 64, "cpu")
     policy = endpoint.policy
-    assert (policy.max_batch_size, policy.max_batch_delay_s, policy.max_queue) == (8, 0.003, 64)
+    assert (policy.max_batch_size, policy.max_batch_delay_s, policy.max_queue) == (8, 0.005, 64)
 
 
 def test_the_register_call_is_the_top_layer(tmp_path: Path) -> None:
