@@ -91,7 +91,9 @@ class MarinerServe:
         self.config_file = tmp / "mariner.yaml"
         self.config_file.write_text(yaml.safe_dump(config))
         self.log_path = tmp / "serve.log"
-        self._env = {**os.environ, **(env or {})}
+        # TS_* variables only from the test: a developer's TS_CONFIG_FILE must not reach every server.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}
+        self._env = {**inherited, **(env or {})}
         self._args = args
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: BoundPorts | None = None

@@ -239,6 +239,7 @@ def test_dollar_dollar_values_come_from_the_environment(tmp_path: Path) -> None:
         tmp_path, "model_store=$$STORE$$/models\njob_queue_size=$$QUEUE$$\n", {"STORE": "/srv", "QUEUE": "9"}
     )
     assert (cfg.model_store, cfg.job_queue_size) == (Path("/srv/models"), 9)
+    assert substitute_env({"k": "$$Q$$"}, {"Q": "x"}) == {"k": "$$Q$$"}  # TorchServe's pattern: 2+ chars
     with pytest.raises(
         ValueError, match=r"model_store: environment variable NOPE \(from \$\$NOPE\$\$\) is not set"
     ):
