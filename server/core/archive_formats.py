@@ -25,7 +25,6 @@ import stat
 import tarfile
 import zipfile
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -158,65 +157,90 @@ def hoist_single_root(dest: Path) -> Path:
 
 
 # -- directories (--archive-format no-archive) ------------------------------------------------
-def _walk(root: Path) -> Iterator[tuple[str, Path, bool]]:
-    """(relative POSIX name, path, is a directory) for every entry under `root`, sorted by name,
-    links not followed. os.walk is not used: it would silently skip what it cannot read."""
-    stack = [""]
-    while stack:
-        rel_dir = stack.pop()
-        entries = sorted(os.scandir(root / rel_dir if rel_dir else root), key=lambda e: e.name)
-        for entry in entries:
-            rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
-            is_dir = entry.is_dir(follow_symlinks=False)
-            yield rel, Path(entry.path), is_dir
-            if is_dir:
-                stack.append(rel)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK  # a FIFO must not block the open
+
+
+class _DirectoryCopy:
+    """One directory archive copied with its checks, walked through directory descriptors.
+
+    Each directory is opened (`O_NOFOLLOW`) relative to its already opened parent and each file
+    relative to its directory, so a directory swapped for a symlink while the copy runs is
+    refused, never followed out of the archive. Symlinks are the one place a path is resolved:
+    the link's target must be a regular file inside the archive directory."""
+
+    def __init__(self, root: Path, dest: Path, limits: ArchiveLimits) -> None:
+        self.root = root
+        self.dest = dest
+        self.budget = Budget(limits)
+        self.files: list[tuple[bytes, str]] = []  # (name as bytes, sha256 of its content)
+
+    def walk(self, dir_fd: int, rel_dir: str) -> None:
+        for name in sorted(os.listdir(dir_fd)):
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            self.budget.member()
+            check_name(rel)
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                (self.dest / rel).mkdir(parents=True, exist_ok=True)
+                child = _open(name, _DIR_FLAGS, dir_fd, rel)
+                try:
+                    self.walk(child, rel)
+                finally:
+                    os.close(child)
+            elif stat.S_ISLNK(mode):
+                self.copy(_open(str(self._link_target(rel)), _FILE_FLAGS, None, rel), rel)
+            else:
+                self.copy(_open(name, _FILE_FLAGS, dir_fd, rel), rel)
+
+    def _link_target(self, rel: str) -> Path:
+        resolved = (self.root / rel).resolve()
+        if not resolved.is_relative_to(self.root):
+            raise ValueError(f"member {rel!r} is a symlink to {resolved}, outside the archive directory")
+        if not resolved.is_file():
+            raise ValueError(
+                f"member {rel!r} is a symlink to a directory or to nothing; "
+                "only symlinks to files inside the archive directory are allowed"
+            )
+        return resolved
+
+    def copy(self, fd: int, rel: str) -> None:
+        with os.fdopen(fd, "rb") as src:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(
+                    f"member {rel!r} is not a regular file; only files and directories are allowed"
+                )
+            digest = hashlib.sha256()
+            target = self.dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("wb") as dst:
+                self.budget.copy(src, dst, digest)
+        self.files.append((os.fsencode(rel), digest.hexdigest()))
+
+    def digest(self) -> str:
+        listing = b"".join(sha.encode() + b"  " + name + b"\n" for name, sha in sorted(self.files))
+        return hashlib.sha256(listing).hexdigest()
+
+
+def _open(name: str, flags: int, dir_fd: int | None, rel: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:  # ELOOP: a symlink where a file or directory was listed
+        raise ValueError(f"member {rel!r} cannot be opened as a file or directory ({exc.strerror})") from exc
 
 
 def copy_directory(src_root: Path, dest: Path, limits: ArchiveLimits) -> str:
-    """Copy a directory archive into `dest` with the member checks; return its digest.
+    """Copy a directory archive into `dest` with the member checks; return its digest: the
+    sha256 of `sha256sum`'s lines for its files, sorted by their relative paths' bytes.
 
     A symlink is copied as the file it resolves to when that file is inside `src_root`; one that
-    resolves outside, to a directory, or to nothing is refused. Files are opened without
-    following links and checked to be regular files after opening, so an entry swapped for a
-    link or a FIFO between the listing and the copy is refused, not followed or blocked on."""
+    resolves outside, to a directory, or to nothing is refused, as is anything that is not a
+    regular file or a directory (a FIFO, a socket, a device)."""
     root = src_root.resolve()
-    budget = Budget(limits)
-    files: list[tuple[bytes, str]] = []  # (name as bytes, sha256 of its content)
-    for rel, path, is_dir in _walk(root):
-        budget.member()
-        check_name(rel)
-        target = dest / rel
-        if is_dir:
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        source = path
-        if path.is_symlink():
-            resolved = path.resolve()
-            if not resolved.is_relative_to(root):
-                raise ValueError(f"member {rel!r} is a symlink to {resolved}, outside the archive directory")
-            if not resolved.is_file():
-                raise ValueError(
-                    f"member {rel!r} is a symlink to a directory or to nothing; "
-                    "only symlinks to files inside the archive directory are allowed"
-                )
-            source = resolved
-        digest = hashlib.sha256()
-        _copy_regular(source, target, rel, budget, digest)
-        files.append((os.fsencode(rel), digest.hexdigest()))
-    listing = b"".join(sha.encode() + b"  " + name + b"\n" for name, sha in sorted(files))
-    return hashlib.sha256(listing).hexdigest()
-
-
-def _copy_regular(source: Path, target: Path, rel: str, budget: Budget, digest: hashlib._Hash) -> None:
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    walker = _DirectoryCopy(root, dest, limits)
+    root_fd = _open(str(root), _DIR_FLAGS, None, ".")
     try:
-        fd = os.open(source, flags)
-    except OSError as exc:
-        raise ValueError(f"member {rel!r} cannot be opened as a file ({exc.strerror})") from exc
-    with os.fdopen(fd, "rb") as src:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"member {rel!r} is not a regular file; only files and directories are allowed")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("wb") as dst:
-            budget.copy(src, dst, digest)
+        walker.walk(root_fd, "")
+    finally:
+        os.close(root_fd)
+    return walker.digest()
