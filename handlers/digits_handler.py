@@ -69,7 +69,7 @@ def _explain_target(row: Any, classes: int) -> int | None:
     body = row.get("body") if isinstance(row, dict) else None
     if target is None and isinstance(body, dict):
         target = body.get("target")
-    if isinstance(target, (bytes, str)) and target.strip().isdigit():
+    if isinstance(target, (bytes, bytearray, str)) and target.strip().isdigit():
         target = int(target)
     if target is None:
         return None

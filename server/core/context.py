@@ -10,6 +10,7 @@ on Mariner (and in our verification harness).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,10 @@ class Context:
         # TorchServe's `context.metrics` API; the metrics appear on /metrics (see the module).
         self.metrics: Any = HandlerMetrics(model_name)
         self.stopping_criteria = None
+        # TorchServe's sequence-batching header names, from the same environment variables.
+        self.header_key_sequence_id = os.getenv("TS_REQUEST_SEQUENCE_ID", "ts_request_sequence_id")
+        self.header_key_sequence_start = os.getenv("TS_REQUEST_SEQUENCE_START", "ts_request_sequence_start")
+        self.header_key_sequence_end = os.getenv("TS_REQUEST_SEQUENCE_END", "ts_request_sequence_end")
         self.request_ids: dict[int, str] = {}
         self._request_headers: list[dict[str, str]] = []
         self._responses: list[ResponseMeta] = []
@@ -106,3 +111,44 @@ class Context:
 
     def get_response_headers(self, idx: int) -> dict[str, str]:
         return dict(self._responses[idx].headers)
+
+    def get_sequence_id(self, idx: int) -> str | None:
+        """TorchServe's sequence-batching id header (`ts_request_sequence_id`)."""
+        return self.get_request_header(idx, self.header_key_sequence_id)
+
+    @property
+    def request_processor(self) -> list[RequestProcessor]:
+        """TorchServe's per-request objects, for handlers that reach past the Context's methods."""
+        return [RequestProcessor(self, i) for i in range(len(self._responses))]
+
+
+class RequestProcessor:
+    """`ts.context.RequestProcessor`'s surface over one request of the Context's batch."""
+
+    def __init__(self, context: Context, idx: int) -> None:
+        self._context = context
+        self._idx = idx
+
+    def get_request_property(self, key: str) -> str | None:
+        return self._context.get_request_header(self._idx, key)
+
+    def get_request_properties(self) -> dict[str, str]:
+        return self._context.get_all_request_header(self._idx)
+
+    def report_status(self, code: int, reason_phrase: str | None = None) -> None:
+        self._context.set_response_status(code, reason_phrase or "", self._idx)
+
+    def get_response_status_code(self) -> int:
+        return self._context.get_response_status(self._idx)[0]
+
+    def get_response_status_phrase(self) -> str | None:
+        return self._context.get_response_status(self._idx)[1] or None
+
+    def add_response_property(self, key: str, value: str) -> None:
+        self._context.set_response_header(self._idx, key, value)
+
+    def get_response_headers(self) -> dict[str, str]:
+        return self._context.get_response_headers(self._idx)
+
+    def get_response_header(self, key: str) -> str | None:
+        return self._context.get_response_headers(self._idx).get(key.lower())

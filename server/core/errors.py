@@ -29,6 +29,21 @@ class Code(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TorchServeAnswer:
+    """How stock TorchServe's own endpoints answer a failure: HTTP status, the exception type
+    its error body names (`{"code", "type", "message"}`), and its message.
+
+    Set on a ServingError where TorchServe answers differently from our code table: a handler's
+    `PredictionException(message, code)`, a handler that raised ("Prediction failed", 503),
+    out of memory ("Out of resources", 507). Elsewhere `torchserve_answer` derives it from the code.
+    """
+
+    status: int
+    type: str
+    message: str
+
+
+@dataclass(frozen=True)
 class StatusPair:
     grpc: grpc.StatusCode
     http: int
@@ -47,6 +62,23 @@ STATUS: dict[Code, StatusPair] = {
     Code.CANCELLED: StatusPair(grpc.StatusCode.CANCELLED, 499),
     Code.INTERNAL: StatusPair(grpc.StatusCode.INTERNAL, 500),
 }
+
+# TorchServe's exception class names (its error bodies' `type`) for each code.
+TORCHSERVE_TYPES: dict[Code, str] = {
+    Code.INVALID_ARGUMENT: "BadRequestException",
+    Code.NOT_FOUND: "ModelNotFoundException",
+    Code.UNAVAILABLE: "ServiceUnavailableException",
+    Code.RESOURCE_EXHAUSTED: "ServiceUnavailableException",
+    Code.DEADLINE_EXCEEDED: "InternalServerException",
+    Code.UNAUTHENTICATED: "InvalidKeyException",
+    Code.UNIMPLEMENTED: "MethodNotAllowedException",
+    Code.PERMISSION_DENIED: "ModelException",
+    Code.ALREADY_EXISTS: "ConflictStatusException",
+    Code.CANCELLED: "InternalServerException",
+    Code.INTERNAL: "InternalServerException",
+}
+# A failure inside the handler, on TorchServe's endpoints (its worker's `sendError`).
+HANDLER_EXCEPTION = "InternalServerException"
 
 # Seconds a client should wait before retrying an overloaded endpoint (HTTP Retry-After).
 RETRY_AFTER_SECONDS = 1
@@ -67,10 +99,11 @@ _HTTP_TO_CODE = {
 class ServingError(Exception):
     """A failure with a code from `Code` and a message that says what was wrong and what is allowed."""
 
-    def __init__(self, code: Code, message: str) -> None:
+    def __init__(self, code: Code, message: str, *, torchserve: TorchServeAnswer | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.torchserve = torchserve
 
     @property
     def grpc_status(self) -> grpc.StatusCode:
@@ -83,9 +116,45 @@ class ServingError(Exception):
     @classmethod
     def from_http_status(cls, status: int, message: str) -> ServingError:
         """A handler's per-item status (e.g. 400 from set_response_status) as a ServingError."""
-        return cls(
-            _HTTP_TO_CODE.get(status, Code.INTERNAL if status >= 500 else Code.INVALID_ARGUMENT), message
-        )
+        return cls(code_for_status(status), message)
+
+
+def code_for_status(status: int) -> Code:
+    """The code of an HTTP status a handler chose (set_response_status, PredictionException)."""
+    return _HTTP_TO_CODE.get(status, Code.INTERNAL if status >= 500 else Code.INVALID_ARGUMENT)
+
+
+def torchserve_answer(err: ServingError) -> TorchServeAnswer:
+    """`err` as TorchServe's endpoints answer it: its own answer where it has one, else ours
+    (status from `STATUS`, TorchServe's exception name for the code, our message)."""
+    if err.torchserve is not None:
+        return err.torchserve
+    return TorchServeAnswer(STATUS[err.code].http, TORCHSERVE_TYPES[err.code], err.message)
+
+
+_TS_GRPC = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ABORTED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    416: grpc.StatusCode.OUT_OF_RANGE,
+    499: grpc.StatusCode.CANCELLED,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def torchserve_grpc(answer: TorchServeAnswer) -> tuple[grpc.StatusCode, str]:
+    """A TorchServe answer as its gRPC frontend sends it (`GRPCUtils.getGRPCStatusCode`, the
+    description augmented with the exception's Java class name on a second line)."""
+    status = _TS_GRPC.get(
+        answer.status, grpc.StatusCode.OK if 200 <= answer.status < 300 else grpc.StatusCode.INTERNAL
+    )
+    return status, f"{answer.message}\norg.pytorch.serve.http.{answer.type}"
 
 
 def internal(what: str) -> ServingError:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mariner.server.core.archive import ModelArchive
@@ -23,6 +24,12 @@ from mariner.server.core.encoding import encode_output, pretty_json
 from mariner.server.core.entry_point import load_entry_point
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failures import Failure, classify, fatal_reason
+from mariner.server.core.handler_errors import (
+    bad_output,
+    handler_failed,
+    out_of_resources,
+    prediction_exception,
+)
 from mariner.server.core.rows import join_rows, max_rows_for, split_rows, splittable
 from mariner.server.core.types import InferRequest, InferResult
 
@@ -100,7 +107,9 @@ def handler_input(req: InferRequest) -> Mapping[str, Any]:
     """
     if req.tensors is not None:
         return {"tensors": req.tensors}
-    return req.data
+    # TorchServe hands binary fields over as bytearray (handlers test for it); text and JSON
+    # fields arrive decoded, as there.
+    return {k: bytearray(v) if type(v) is bytes else v for k, v in req.data.items()}
 
 
 class ModelHost:
@@ -190,12 +199,15 @@ class ModelHost:
         """Let the handler, its module, its context and its model go: what they hold is released
         with them (device memory; an AOTInductor package's extracted .so and its aotinductor_*
         temp dir are removed only then)."""
-        module = getattr(self._handle, "__module__", None)
         self._handle = None
         self._context = None
         self._stream = None
-        if module and module.startswith("mariner_handler_"):
-            sys.modules.pop(module, None)  # module globals may hold the model too
+        # The archive's modules' globals may hold the model too: forget every module loaded from it.
+        root = self.archive.model_dir.resolve()
+        for name, module in list(sys.modules.items()):
+            origin = getattr(module, "__file__", None)
+            if origin and Path(origin).resolve().is_relative_to(root):
+                sys.modules.pop(name, None)
         # Objects frozen by gc.freeze() are never collected: a model in a reference cycle would
         # outlive its unregistration. Thaw, collect, and freeze what is still alive again.
         refreeze = gc.get_freeze_count() > 0
@@ -260,13 +272,8 @@ class ModelHost:
         _release_cached_memory()
         if len(requests) == 1 and not splittable(requests[0]):
             if outcome is Failure.POSSIBLE_OOM:  # the cause is unknown: not "out of memory"
-                raise ServingError(
-                    Code.INTERNAL, "the model's handler failed on this batch; see the server log"
-                )
-            raise ServingError(
-                Code.RESOURCE_EXHAUSTED,
-                "the model ran out of memory on this request alone; send a smaller input",
-            )
+                raise handler_failed(RuntimeError("possible out of memory"))
+            raise out_of_resources("the model ran out of memory on this request alone; send a smaller input")
         if self.on_oom is not None:
             self.on_oom()
         if len(requests) == 1:
@@ -295,6 +302,12 @@ class ModelHost:
         except ServingError:
             raise
         except Exception as exc:
+            answer = prediction_exception(exc)
+            if answer is not None:  # the handler chose the status and message
+                log.warning("handler of %s raised PredictionException (%s) on a batch of %d: %s",
+                            self.id, answer.torchserve and answer.torchserve.status, len(data),
+                            answer.message[:300])  # fmt: skip
+                raise answer from None
             failure = classify(exc)
             reason = fatal_reason(exc) if failure is Failure.FATAL_DEVICE else None
             if failure in (Failure.OTHER, Failure.POSSIBLE_OOM) and self.placement.gpu_id is not None:
@@ -307,9 +320,7 @@ class ModelHost:
                 raise InstanceFailed(f"fatal device error: {reason}") from None
             if failure is Failure.OTHER:
                 log.exception("handler of %s raised for a batch of %d", self.id, len(data))
-                raise ServingError(
-                    Code.INTERNAL, "the model's handler failed on this batch; see the server log"
-                ) from None
+                raise handler_failed(exc) from None
             log.warning("handler of %s: %s on a batch of %d: %s", self.id, failure.value, len(data),
                         str(exc)[-300:])  # fmt: skip
         except BaseException as exc:  # SystemExit & co: the instance is gone, not just this batch
@@ -323,11 +334,9 @@ class ModelHost:
         if failure is not None:
             return failure
         if not isinstance(outputs, list) or len(outputs) != len(data):
-            got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
-            log.error("handler of %s returned %s results for a batch of %d", self.id, got, len(data))
-            raise ServingError(
-                Code.INTERNAL, f"the model's handler returned {got} results for a batch of {len(data)}"
-            )
+            error = bad_output(outputs, len(data))
+            log.error("handler of %s: %s", self.id, error.message)
+            raise error
         results = []
         for i, (req, value) in enumerate(zip(requests, outputs, strict=True)):
             meta = ctx.response_meta(i)

@@ -23,7 +23,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, internal
+from mariner.server.core.errors import (
+    RETRY_AFTER_SECONDS,
+    STATUS,
+    Code,
+    ServingError,
+    TorchServeAnswer,
+    internal,
+    torchserve_answer,
+)
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.protocols.call import CallerGone, CallPlane, Refused
 from mariner.server.security import HIDDEN_FROM_HANDLERS
@@ -59,16 +67,18 @@ def json_response(obj: Any, status: int = 200) -> Response:
 def error_response(
     err: ServingError, *, status: int | None = None, headers: Mapping[str, str] | None = None
 ) -> Response:
-    """`ServingError` as TorchServe's error JSON, status from `mariner.server.core.errors.STATUS`.
+    """`ServingError` as TorchServe's error JSON: status, exception type and message as TorchServe
+    answers that failure (`mariner.server.core.errors.torchserve_answer`).
 
     `status` overrides the table only for transport-level answers that are not a serving code
     (413 for an oversized body). RESOURCE_EXHAUSTED carries Retry-After so clients back off.
     """
-    code = status if status is not None else err.http_status
+    answer = torchserve_answer(err)
+    code = status if status is not None else answer.status
     hdrs = dict(headers) if headers else {}
     if err.code is Code.RESOURCE_EXHAUSTED:
         hdrs["retry-after"] = str(RETRY_AFTER_SECONDS)
-    body = json_bytes({"code": code, "type": err.code.name, "message": err.message})
+    body = json_bytes({"code": code, "type": answer.type, "message": answer.message})
     return Response(body, code, hdrs, media_type=JSON)
 
 
@@ -105,9 +115,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
             ServingError(
                 Code.NOT_FOUND,
                 f"no such endpoint: {request.method} {request.url.path}; see the API documentation",
+                torchserve=TorchServeAnswer(
+                    404,
+                    "ResourceNotFoundException",
+                    "Requested resource is not found, please refer to API document.",
+                ),
             )
         )
-    body = {"code": exc.status_code, "type": "METHOD_NOT_ALLOWED", "message": str(exc.detail)}
+    body = {
+        "code": exc.status_code,
+        "type": "MethodNotAllowedException",
+        "message": "Requested method is not allowed, please refer to API document.",
+    }
     return Response(json_bytes(body), exc.status_code, exc.headers, media_type=JSON)
 
 

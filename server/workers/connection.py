@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mariner.server.core.batching import InstanceFailed
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.workers import protocol
 from mariner.server.workers.api import WorkerEndpoint
@@ -122,7 +122,12 @@ class WorkerConnection:
             if result.error.code == protocol.INSTANCE_FAILED:
                 self.status = "FAILED"
                 raise InstanceFailed(f"worker {self.id}: {result.error.message}")
-            raise ServingError(Code(result.error.code), result.error.message)
+            ts = result.error.torchserve
+            raise ServingError(
+                Code(result.error.code),
+                result.error.message,
+                torchserve=None if ts is None else TorchServeAnswer(*ts),
+            )
         return list(result.results)
 
     async def _read_loop(self) -> None:

@@ -251,7 +251,10 @@ class Worker:
 
         error: protocol.BatchError | None = None
         if isinstance(outcome, ServingError):
-            error = protocol.BatchError(outcome.code.value, outcome.message)
+            ts = outcome.torchserve
+            error = protocol.BatchError(
+                outcome.code.value, outcome.message, None if ts is None else (ts.status, ts.type, ts.message)
+            )
         elif isinstance(outcome, InstanceFailed):
             error = protocol.BatchError(protocol.INSTANCE_FAILED, str(outcome))
             self.exit_code = EXIT_INSTANCE_ENDED

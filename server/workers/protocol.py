@@ -63,6 +63,8 @@ class BatchError:
 
     code: str
     message: str
+    # (status, type, message) as TorchServe's endpoints answer it, where that differs from `code`.
+    torchserve: tuple[int, str, str] | None = None
 
 
 @dataclass(frozen=True)

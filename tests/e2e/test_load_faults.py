@@ -85,6 +85,7 @@ class Outcome:
     cause: str = ""  # set by classify()
 
 
+TS_HANDLER_FAILED = "Prediction failed\norg.pytorch.serve.http.InternalServerException"
 HTTP_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 500: "INTERNAL", 504: "DEADLINE_EXCEEDED"}
 
 
@@ -139,6 +140,8 @@ class Client:
             details = err.details() or ""
             if err.code() is grpc.StatusCode.UNAVAILABLE and "failed to connect" in details.lower():
                 return NOT_SENT, None, details, None
+            if details.endswith(TS_HANDLER_FAILED):  # TorchServe's answer to a handler that raised
+                return "INTERNAL", None, details, None
             return err.code().name, None, details, None
         return "OK", None, "", None
 
@@ -166,7 +169,9 @@ class Client:
             body = {}
         message = str(body.get("message", body.get("error", ""))) if isinstance(body, dict) else ""
         code = HTTP_CODES.get(r.status_code, f"HTTP_{r.status_code}")
-        if r.status_code == 503:
+        if r.status_code == 503 and isinstance(body, dict) and body.get("type") == "InternalServerException":
+            code = "INTERNAL"  # TorchServe's answer to a handler that raised ("Prediction failed")
+        elif r.status_code == 503:
             code = "RESOURCE_EXHAUSTED" if OVERLOADED in message else "UNAVAILABLE"
         if code == "OK" and job.api == "oip":
             assert [o["name"] for o in r.json()["outputs"]] == ["logits", "probabilities", "label"]

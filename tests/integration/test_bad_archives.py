@@ -75,7 +75,8 @@ def bad_store(root: Path) -> tuple[Path, Path]:
     marker = root / "outside-ran"
     outside = root / "outside_handler.py"
     outside.write_text(
-        f"open({str(marker)!r}, 'w').close()\ndef handle(data, context):\n    return [1 for _ in data]\n"
+        f"open({str(marker)!r}, 'w').close()\n"
+        "def handle(data, context):\n    return [1 for _ in data or ()]\n"
     )
     escaping = "../" * 40 + str(outside).lstrip("/")
     write_mar(store / "escape.mar", {"modelName": "escape", "modelVersion": "1.0", "handler": escaping}, {})

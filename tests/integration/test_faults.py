@@ -105,7 +105,9 @@ def test_a_batch_failure_fails_only_that_batch_with_a_sanitized_error(
     server: MarinerServe, tmp_path: Path
 ) -> None:
     out = behind_a_busy_instance(server, tmp_path / "gate", [("ok", 1), ("raise_batch", 2)])
-    assert [r.status_code for r in out] == [500, 500]
+    # TorchServe's answer to a handler that raised, for the whole batch (its worker's, too).
+    failed = {"code": 503, "type": "InternalServerException", "message": "Prediction failed"}
+    assert [(r.status_code, r.json()) for r in out] == [(503, failed)] * 2
     assert "secret" not in out[1].text
     assert "Traceback" not in out[1].text
     assert post(server, "ok", 4).status_code == 200
@@ -113,8 +115,11 @@ def test_a_batch_failure_fails_only_that_batch_with_a_sanitized_error(
 
 def test_wrong_result_count_is_an_internal_error(server: MarinerServe) -> None:
     r = post(server, "wrong_count")
-    assert r.status_code == 500
-    assert "returned 0 results for a batch of 1" in r.json()["message"]
+    assert (r.status_code, r.json()["message"]) == (503, "number of batch response mismatched")
+    kserve = {"instances": [{"op": "wrong_count"}]}
+    r = requests.post(f"{server.http}/v1/models/faulty:predict", json=kserve, timeout=30)
+    assert r.status_code == 500  # KServe's convention, in our words
+    assert "returned 0 results for a batch of 1" in r.json()["error"]
     assert post(server, "ok").status_code == 200
 
 

@@ -50,7 +50,7 @@ def test_http_inference_needs_the_inference_token(secured: MarinerServe) -> None
         assert r.status_code == 401
         assert r.json() == {
             "code": 401,
-            "type": "UNAUTHENTICATED",
+            "type": "InvalidKeyException",  # TorchServe's name; the status stays 401
             "message": "missing or invalid bearer token",
         }
     assert missing.content == wrong.content, "a refusal must not hint at which part was wrong"

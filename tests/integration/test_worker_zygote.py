@@ -73,6 +73,8 @@ def initialize(context):
 
 
 def handle(data, context):
+    if data is None:  # TorchServe initialises a function handler with handle(None, context)
+        return initialize(context)
     return [{"ok": True} for _ in data]
 """
 

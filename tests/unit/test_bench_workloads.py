@@ -385,7 +385,7 @@ def test_ceiling_refuses_a_handler_whose_answers_fail_the_check(tmp_path: Path) 
         "bad_handler.py",
         {
             "bad_handler.py": (
-                "def handle(data, context):\n    return [{'embedding': [1.0] * 384} for _ in data]\n"
+                "def handle(data, context):\n    return [{'embedding': [1.0] * 384} for _ in data or ()]\n"
             ),
             "model-config.yaml": "batchSize: 2\n",
         },

@@ -110,6 +110,8 @@ def host_for(tmp_path: Path, code: str, *, batch_size: int = 8, config: dict | N
 BATCH_FAULT = """
 calls = []
 def handle(data, ctx):
+    if data is None:  # TorchServe initialises a function handler with handle(None, ctx)
+        return None
     calls.append(len(data))
     if len(data) > {limit}:
         big = bytearray(1 << 20)  # held by this frame, i.e. by the traceback
@@ -140,6 +142,8 @@ class Big:
     pass
 refs = []
 def handle(data, ctx):
+    if data is None:  # TorchServe initialises a function handler with handle(None, ctx)
+        return None
     if len(data) > 1:
         activations = Big()
         refs.append(weakref.ref(activations))
@@ -178,6 +182,8 @@ def test_a_fatal_device_error_ends_the_instance(tmp_path: Path) -> None:
 ROWS = """
 calls = []
 def handle(data, ctx):
+    if data is None:  # TorchServe initialises a function handler with handle(None, ctx)
+        return None
     rows = [len(d["tensors"]["x"]) for d in data]
     calls.append(rows)
     if sum(rows) > {limit}:
@@ -213,7 +219,10 @@ def test_one_request_that_runs_out_of_memory_is_retried_in_halves_of_its_rows(tm
 
 
 # -- devices -----------------------------------------------------------------------------------
-PROPS = "def handle(data, ctx):\n    return [ctx.system_properties['require_gpu'] for _ in data]\n"
+PROPS = (
+    "def handle(data, ctx):\n    if data is None:\n        return None\n"
+    "    return [ctx.system_properties['require_gpu'] for _ in data]\n"
+)
 
 
 def test_a_gpu_bound_model_refuses_the_cpu_with_the_reason(tmp_path: Path) -> None:

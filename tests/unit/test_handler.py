@@ -528,7 +528,7 @@ def _runner_with(handle: Any) -> Any:
 
     from mariner.server.core.runner import ModelHost, Placement
 
-    archive = SimpleNamespace(name="digits", version="1.0")
+    archive = SimpleNamespace(name="digits", version="1.0", model_dir=Path("/nonexistent-model-dir"))
     host = ModelHost(archive, id="digits-1.0-0", placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]
     host._context = Context("digits", ".", {}, batch_size=4, gpu_id=None)
     host._handle = handle
@@ -554,7 +554,8 @@ def test_runner_takes_the_tensor_path_only_for_typed_tensor_requests() -> None:
         ts_result, oip_result = host.run_batch([spoof, typed])
     finally:
         host.unload()
-    assert seen[0] is spoof.data
+    assert seen[0].keys() == spoof.data.keys()  # the form field as it came, not a tensor request
+    assert seen[0]["tensors"] is spoof.data["tensors"]
     assert seen[1] == {"tensors": arrays}
     assert ts_result.tensors is None
     assert json.loads(ts_result.body) == {"tensors": {"label": [7, 7]}}  # encoded the TorchServe way

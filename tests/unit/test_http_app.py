@@ -21,7 +21,7 @@ import requests
 
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics_http import metrics_app
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, Code, ServingError
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, TORCHSERVE_TYPES, Code, ServingError
 from mariner.server.core.types import (
     InferRequest,
     InferResult,
@@ -180,7 +180,7 @@ def assert_error(resp: requests.Response, status: int, code: Code) -> dict[str, 
     assert resp.headers["content-type"] == "application/json"
     body = resp.json()
     assert body["code"] == status
-    assert body["type"] == code.name
+    assert body["type"] == TORCHSERVE_TYPES[code]  # TorchServe's exception name for the code
     assert body["message"]
     return body
 
@@ -439,10 +439,25 @@ def test_client_disconnect_cancels_inference(plane: FakePlane, inference_url: st
 
 
 def test_unknown_route_and_method_are_json(plane: FakePlane, inference_url: str) -> None:
-    assert_error(requests.get(f"{inference_url}/nope", timeout=TIMEOUT), 404, Code.NOT_FOUND)
+    """Stock TorchServe's bodies for an unknown path and a wrong method, word for word."""
+    resp = requests.get(f"{inference_url}/nope", timeout=TIMEOUT)
+    assert (resp.status_code, resp.json()) == (
+        404,
+        {
+            "code": 404,
+            "type": "ResourceNotFoundException",
+            "message": "Requested resource is not found, please refer to API document.",
+        },
+    )
     resp = requests.get(f"{inference_url}/predictions/digits", timeout=TIMEOUT)
-    assert resp.status_code == 405
-    assert resp.json()["code"] == 405
+    assert (resp.status_code, resp.json()) == (
+        405,
+        {
+            "code": 405,
+            "type": "MethodNotAllowedException",
+            "message": "Requested method is not allowed, please refer to API document.",
+        },
+    )
 
 
 # -- metrics ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from mariner.server.core.errors import STATUS, Code, ServingError, abort
+from mariner.server.core.errors import STATUS, Code, ServingError, abort, torchserve_grpc
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
@@ -201,6 +201,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         model, version = request.model_name, request.model_version or None
         outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
         if isinstance(outcome, Failed):
+            if outcome.error.torchserve is not None:  # a handler's failure: as TorchServe's worker
+                status, description = torchserve_grpc(outcome.error.torchserve)
+                await context.abort(status, description)
             details = answer_text(outcome.answer) if outcome.answer is not None else ""
             await abort(context, outcome.error, details)
         return outcome.value

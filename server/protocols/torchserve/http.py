@@ -14,8 +14,9 @@ Deliberate differences from TorchServe, each for a reason:
 - A malformed JSON body (or non-UTF-8 text) is rejected with 400 before it is queued; TorchServe
   forwards the raw bytes and lets the handler fail. Validating first keeps one bad request from
   failing a whole batch. An empty body is a 400 too.
-- Errors use TorchServe's `{"code", "type", "message"}` shape, but `type` is our `Code` name and
-  the status comes from `core.errors.STATUS` (the one place codes map to HTTP statuses).
+- Errors use TorchServe's `{"code", "type", "message"}` shape with its exception type names; a
+  handler's failure is answered as TorchServe's worker answers it (`core.handler_errors`). Our
+  own refusals (queue full, bad body, unknown model) keep our more precise messages.
 - Registering from a URL is always refused: archives come only from the model store.
 - Cancelled clients are noticed: when the connection drops, the pending inference is cancelled
   so the batcher drops it before it reaches the device.
@@ -191,7 +192,9 @@ def routes(
             return _result_response(outcome.answer, request_id)
         if outcome.cancelled:
             return Response(status_code=CANCELLED_STATUS)  # nobody reads it
-        return error_response(outcome.error, status=outcome.http_status, headers={"x-request-id": request_id})
+        # A handler's failure answers with TorchServe's status; our refusals with their own.
+        status = None if outcome.error.torchserve is not None else outcome.http_status
+        return error_response(outcome.error, status=status, headers={"x-request-id": request_id})
 
     methods = ["POST", "PUT"]
     explanation = infer_endpoint(explain=True)
