@@ -144,6 +144,7 @@ FIELDS_OF_KEY: dict[str, tuple[str, ...]] = {
     "job_queue_size": ("job_queue_size",),
     "enable_model_api": ("enable_model_management",),
     "metrics_config": ("metrics_config",),
+    "install_py_dep_per_model": ("install_py_dep_per_model",),
     "private_key_file": ("tls_key_file",),
     "certificate_file": ("tls_cert_file",),
 }
