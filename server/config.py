@@ -86,6 +86,9 @@ class ServerConfig:
     pin_index: bool = False
     require_gpu: bool = False
     install_py_dep_per_model: bool = False
+    # TorchServe's request envelope for every model (json, kserve, kservev2, body), recorded
+    # in each archive's manifest at registration as TorchServe's frontend does.
+    service_envelope: str | None = None
     # Security: tokens never appear in repr/logs; prefer *_file or env over flags (ps shows argv).
     inference_token: str | None = field(default=None, repr=False)
     inference_token_file: Path | None = None
@@ -148,6 +151,8 @@ _HELP = {
     "usable GPU such a model fails to load, with the reason, instead of falling back",
     "install_py_dep_per_model": "pip-install each archive's requirements file (model.requirementsFile) into "
     "that model's own directory before its workers start (TorchServe's install_py_dep_per_model)",
+    "service_envelope": "TorchServe request envelope wrapped around every model's handler: json, kserve, "
+    "kservev2 or body (TorchServe's service_envelope)",
     "inference_token": "bearer token(s), comma-separated, for inference APIs (prefer the env var or a file)",
     "inference_token_file": "file with inference bearer tokens, one per line",
     "management_token": "bearer token(s) for management APIs and (unless open) metrics",

@@ -290,6 +290,7 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
         ("enable_model_api", "enable_model_management"),
         ("metrics_config", "metrics_config"),
         ("install_py_dep_per_model", "install_py_dep_per_model"),
+        ("service_envelope", "service_envelope"),
     ):
         if ts_key in props:
             out[ours] = props[ts_key]

@@ -24,6 +24,7 @@ class of that name (`ts.torch_handler.request_envelope.json`, `kserve`, `kservev
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -123,6 +124,16 @@ def _envelope(archive: ModelArchive, handle: Any) -> Any:
     if not classes:
         raise ServingError(Code.INVALID_ARGUMENT, f"envelope module {module.__name__} defines no class")
     return classes[0](handle).handle
+
+
+def with_envelope(archive: ModelArchive, envelope: str | None) -> ModelArchive:
+    """`archive` with the server's `service_envelope` recorded as its manifest's `model.envelope`
+    (TorchServe's frontend sets it on every model it registers; the worker reads it there)."""
+    if not envelope:
+        return archive
+    manifest = dict(archive.manifest)
+    manifest["model"] = {**manifest.get("model", {}), "envelope": envelope}
+    return dataclasses.replace(archive, manifest=manifest)
 
 
 def load_entry_point(archive: ModelArchive) -> tuple[Any, Any]:

@@ -23,6 +23,7 @@ from mariner.server.control.metrics import Metrics, MultiprocessMetrics
 from mariner.server.core.archive import UNLISTED, ArchiveLimits, ModelArchive, open_archive, resolve_in_store
 from mariner.server.core.dataplane import require_management, resolve_version, version_ready
 from mariner.server.core.endpoint import ModelSpec, resolve_model
+from mariner.server.core.entry_point import with_envelope
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
 from mariner.server.core.model_settings import SettingsOverrides
@@ -92,7 +93,7 @@ class ModelRegistry:
         """Hash, check and unpack the archive off the event loop (a large one takes seconds,
         and this loop also serves management, health and the frontends' control channels)."""
         path = resolve_in_store(self.cfg.model_store, spec.archive)
-        return await asyncio.to_thread(
+        archive = await asyncio.to_thread(
             open_archive,
             path,
             self._work_dir,
@@ -100,6 +101,7 @@ class ModelRegistry:
             expected_sha256=spec.sha256,
             name_override=spec.name,
         )
+        return with_envelope(archive, self.cfg.service_envelope)
 
     async def _requirements(self, archive: ModelArchive) -> None:
         """Install the archive's requirements before any worker (its handler may import them);

@@ -204,3 +204,23 @@ def test_errors_without_their_own_answer_use_torchserves_exception_names() -> No
         404, "ModelNotFoundException", "model x is not served"
     )
     assert torchserve_answer(ServingError(Code.ALREADY_EXISTS, "dup")).type == "ConflictStatusException"
+
+
+def test_service_envelope_from_config_properties_reaches_the_manifest(tmp_path: Path) -> None:
+    from mariner.server.core.entry_point import with_envelope
+    from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
+
+    setting = from_torchserve_properties(read_properties("service_envelope=kservev2\n"))
+    assert setting == {"service_envelope": "kservev2"}
+    arch = archive(tmp_path, "h.py", {})
+    wrapped = with_envelope(arch, setting["service_envelope"])
+    assert wrapped.manifest["model"]["envelope"] == "kservev2"
+    assert "envelope" not in arch.manifest["model"]  # the opened archive itself is unchanged
+    assert with_envelope(arch, None) is arch
+
+
+def test_an_unknown_envelope_is_refused_naming_the_choices(tmp_path: Path) -> None:
+    pytest.importorskip("ts")
+    code = "def handle(data, context):\n    return data\n"
+    with pytest.raises(ServingError, match="json, kserve, kservev2, body"):
+        load_entry_point(archive(tmp_path, "h.py", {"h.py": code}, envelope="soap"))
