@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from mariner.server.core.errors import STATUS, Code
+from mariner.server.core.errors import STATUS, TORCHSERVE_TYPES, Code
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid bearer token"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -222,7 +222,7 @@ class HttpTokenAuth:
         self.tokens = tokens
         self.open_paths = frozenset(open_paths)
         self._body = json.dumps(
-            {"code": 401, "type": Code.UNAUTHENTICATED.name, "message": UNAUTHENTICATED_MESSAGE}
+            {"code": 401, "type": TORCHSERVE_TYPES[Code.UNAUTHENTICATED], "message": UNAUTHENTICATED_MESSAGE}
         ).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
