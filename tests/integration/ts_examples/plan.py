@@ -1,0 +1,188 @@
+"""Every call the drop-in suite sends, in order, named before any server starts.
+
+Per pair: /ping and gRPC Ping; for the plain pair the registrations made at start-up (url= of
+each archive not loaded by load_models); the model list; describe of every archive; each
+archive's requests over REST and, where the catalogue says, TorchServe's gRPC Predictions; then
+the management calls that change state (scale, unregister) and the errors TorchServe users
+meet (unknown model, conflict, missing file), last so they disturb nothing before them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tests.integration.ts_examples.calls import TIMEOUT_S, Answer, grpc_ping, grpc_predict, http
+from tests.integration.ts_examples.catalogue import PAIRS
+from tests.integration.ts_examples.examples import Example, Req
+from tests.integration.ts_examples.servers import Endpoint, Pair
+
+Run = Callable[[Endpoint, Pair], Answer]
+SCALE_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Call:
+    pair: str
+    archive: str
+    label: str  # what is sent, as a TorchServe user would write it
+    run: Run
+    describe: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.pair}|{self.archive}|{self.label}"
+
+
+def _rest(
+    method: str,
+    path: str,
+    *,
+    management: bool = False,
+    body: bytes | None = None,
+    content_type: str | None = None,
+    headers: tuple[tuple[str, str], ...] = (),
+    params: dict[str, str] | None = None,
+) -> Run:
+    def run(ep: Endpoint, pair: Pair) -> Answer:
+        base = ep.management if management else ep.http
+        timeout = TIMEOUT_S if management else pair.timeout_for(path.rsplit("/", 1)[-1])
+        return http(
+            method,
+            base + path,
+            body=body,
+            content_type=content_type,
+            headers=headers,
+            params=params,
+            timeout=timeout,
+        )
+
+    return run
+
+
+def _predict_grpc(model: str, body: bytes) -> Run:
+    return lambda ep, pair: grpc_predict(ep.grpc, model, body, timeout=pair.timeout_for(model))
+
+
+def _registered(name: str) -> Run:
+    return lambda ep, pair: pair.registrations[name][0 if ep.title == "TorchServe" else 1]
+
+
+def _describe_when_scaled(model: str, workers: int) -> Run:
+    """Describe once the model shows `workers` READY workers (or SCALE_WAIT_S passed): scaling is
+    asynchronous on both servers, and the answer compared is the settled one."""
+
+    def run(ep: Endpoint, _: Pair) -> Answer:
+        end = time.monotonic() + SCALE_WAIT_S
+        while True:
+            answer = http("GET", f"{ep.management}/models/{model}")
+            try:
+                states = [w.get("status") for v in json.loads(answer.body) for w in v.get("workers", [])]
+            except (ValueError, TypeError, AttributeError):
+                states = []
+            if states.count("READY") >= workers or time.monotonic() > end:
+                return answer
+            time.sleep(0.5)
+
+    return run
+
+
+def _request_calls(pair: str, e: Example, req: Req) -> list[Call]:
+    path = f"/{req.endpoint}/{e.name}"
+    shown = f"POST {path} ({req.label}{', ' + req.content_type if req.content_type else ''})"
+    calls = [
+        Call(
+            pair,
+            e.name,
+            shown,
+            _rest("POST", path, body=req.body, content_type=req.content_type, headers=req.headers),
+        )
+    ]
+    if req.grpc:
+        calls.append(Call(pair, e.name, f"gRPC Predictions ({req.label})", _predict_grpc(e.name, req.body)))
+    return calls
+
+
+def pair_calls(pair: str) -> list[Call]:
+    examples = PAIRS[pair]
+    calls = [
+        Call(pair, "-", "GET /ping", _rest("GET", "/ping")),
+        Call(pair, "-", "gRPC Ping", lambda ep, _: grpc_ping(ep.grpc)),
+    ]
+    for e in examples:
+        if not e.at_startup:  # registered by url= when not loaded at start-up (Example docs)
+            calls.append(
+                Call(pair, e.name, f"POST /models?url={e.url}&initial_workers=1", _registered(e.name))
+            )
+    calls.append(Call(pair, "-", "GET /models", _rest("GET", "/models", management=True)))
+    for e in examples:
+        calls.append(
+            Call(
+                pair,
+                e.name,
+                f"GET /models/{e.name}",
+                _rest("GET", f"/models/{e.name}", management=True),
+                describe=True,
+            )
+        )
+    for e in examples:
+        for req in e.requests:
+            calls += _request_calls(pair, e, req)
+    if pair == "plain":
+        calls += management_calls(pair)
+    return calls
+
+
+def management_calls(pair: str) -> list[Call]:
+    m = lambda method, path, **kw: _rest(method, path, management=True, **kw)  # noqa: E731
+    return [
+        Call(
+            pair,
+            "with_config",
+            "GET /models/with_config/2.0",
+            m("GET", "/models/with_config/2.0"),
+            describe=True,
+        ),
+        Call(pair, "with_config", "GET /models/with_config/9.9", m("GET", "/models/with_config/9.9")),
+        Call(pair, "-", "GET /models/nope", m("GET", "/models/nope")),
+        Call(
+            pair,
+            "-",
+            "POST /predictions/nope",
+            _rest("POST", "/predictions/nope", body=b"x", content_type="text/plain"),
+        ),
+        Call(pair, "-", "gRPC Predictions (nope)", _predict_grpc("nope", b"x")),
+        Call(
+            pair,
+            "errors",
+            "POST /models?url=errors.mar (conflict)",
+            m("POST", "/models", params={"url": "errors.mar"}),
+        ),
+        Call(pair, "-", "POST /models?url=missing.mar", m("POST", "/models", params={"url": "missing.mar"})),
+        Call(
+            pair,
+            "errors",
+            "PUT /models/errors?min_worker=2",
+            m("PUT", "/models/errors", params={"min_worker": "2"}),
+        ),
+        Call(
+            pair,
+            "errors",
+            "GET /models/errors (after scale)",
+            _describe_when_scaled("errors", 2),
+            describe=True,
+        ),
+        Call(pair, "with_deps", "DELETE /models/with_deps", m("DELETE", "/models/with_deps")),
+        Call(
+            pair,
+            "with_deps",
+            "POST /predictions/with_deps (after unregister)",
+            _rest("POST", "/predictions/with_deps", body=b"x", content_type="text/plain"),
+        ),
+        Call(pair, "-", "DELETE /models/nope", m("DELETE", "/models/nope")),
+    ]
+
+
+ALL_CALLS: tuple[Call, ...] = tuple(c for pair in PAIRS for c in pair_calls(pair))
