@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
+.PHONY: bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -74,6 +74,11 @@ MODEL ?= digits_torchscript
 BENCH_ARGS ?=
 bench: models protos java
 	$(PY) -m mariner.loadtest.bench --model $(MODEL) $(BENCH_ARGS)
+
+# Start-up of an archive naming a TorchServe built-in handler (base_handler), Mariner against
+# stock TorchServe, 3 interleaved rounds; prints the medians and their ratio.
+bench-startup: $(STAMP) java
+	$(PY) -m mariner.loadtest.startup --rounds 3
 
 # Mariner alone at 64 clients: frontends 1/2 x workers 1/2 (bench/scaling.md).
 bench-scaling: models protos
