@@ -32,7 +32,7 @@ from mariner.server.core.archive_formats import (
     extract_file,
     hoist_single_root,
 )
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
 
 __all__ = [
     "MANIFEST",
@@ -82,7 +82,11 @@ def resolve_in_store(store: Path, name: str) -> Path:
     if not path.is_relative_to(store) or path == store:
         raise ServingError(Code.PERMISSION_DENIED, f"archive {name!r} is outside the model store {store}")
     if not (path.is_file() or path.is_dir()):
-        raise ServingError(Code.NOT_FOUND, f"archive {name!r} not found in the model store {store}")
+        raise ServingError(
+            Code.NOT_FOUND,
+            f"archive {name!r} not found in the model store {store}",
+            torchserve=TorchServeAnswer(404, "ModelNotFoundException", f"Model not found at: {name[:200]}"),
+        )
     return path
 
 

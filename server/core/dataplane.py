@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
 
 from mariner.server.core.endpoint import ModelEndpoint, ServingMetrics
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
 
 __all__ = ["DataPlane", "ModelEndpoint"]
@@ -24,6 +24,9 @@ log = logging.getLogger("mariner.dataplane")
 
 
 T = TypeVar("T")
+
+
+_LIMIT = 200  # characters of a client-supplied name quoted back in TorchServe's messages
 
 
 def _shown(name: str, limit: int = 80) -> str:
@@ -41,7 +44,9 @@ def resolve_version(
         served = sorted(table)
         listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
         raise ServingError(
-            Code.NOT_FOUND, f"model {_shown(model)} is not served here; served: {listed or 'none'}"
+            Code.NOT_FOUND,
+            f"model {_shown(model)} is not served here; served: {listed or 'none'}",
+            torchserve=TorchServeAnswer(404, "ModelNotFoundException", f"Model not found: {model[:_LIMIT]}"),
         )
     v = version or defaults[model]
     found = versions.get(v)
@@ -49,6 +54,11 @@ def resolve_version(
         raise ServingError(
             Code.NOT_FOUND,
             f"model {model!r} has no version {_shown(v)}; versions served: {', '.join(sorted(versions))}",
+            torchserve=TorchServeAnswer(
+                404,
+                "ModelVersionNotFoundException",
+                f"Model version: {v[:_LIMIT]} does not exist for model: {model}",
+            ),
         )
     return found
 

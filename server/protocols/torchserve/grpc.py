@@ -21,7 +21,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from mariner.server.core.errors import STATUS, Code, ServingError, abort, torchserve_grpc
+from mariner.server.core.errors import (
+    HANDLER_EXCEPTION,
+    STATUS,
+    Code,
+    ServingError,
+    abort,
+    torchserve_grpc,
+)
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
@@ -201,8 +208,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         model, version = request.model_name, request.model_version or None
         outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
         if isinstance(outcome, Failed):
-            if outcome.error.torchserve is not None:  # a handler's failure: as TorchServe's worker
-                status, description = torchserve_grpc(outcome.error.torchserve)
+            ts = outcome.error.torchserve
+            if ts is not None and ts.type == HANDLER_EXCEPTION:  # a handler's failure: as TorchServe's
+                status, description = torchserve_grpc(ts)
                 await context.abort(status, description)
             details = answer_text(outcome.answer) if outcome.answer is not None else ""
             await abort(context, outcome.error, details)
