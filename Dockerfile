@@ -49,7 +49,11 @@ WORKDIR /src
 # below finds it satisfied. An empty TORCH_INDEX_URL means "the indexes configured above" (`make
 # image` passes it empty: the machine's own find-links hold the CPU wheel).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+# torchvision comes beside it from the same index (pyproject's `vision` extra, same pin: 0.28.0
+# requires torch==2.13.0): there, a CPU build with its C ops. From the registry (`make image`)
+# it is the CUDA build, whose C ops cannot load beside the CPU torch: the worker then runs nms on
+# a pure-torch kernel (server/workers/torchvision_ops.py; docs/torchserve-torchvision.md).
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0 torchvision==0.28.0
 # The whole build context (.dockerignore trims it to sources): every package pyproject.toml
 # includes comes along without being listed here.
 COPY . .
@@ -63,6 +67,12 @@ RUN python3 -m venv /opt/protogen \
  && /opt/protogen/bin/pip install "${GRPCIO_TOOLS}" \
  && /opt/protogen/bin/python server/protogen.py \
  && pip install .
+# The rest of pyproject's `vision` extra, same pins: TorchServe's vision handlers import captum
+# (vision_handler.py), and captum imports matplotlib. Not `pip install .[vision]`: torchvision
+# must stay the build taken from the torch index above.
+ARG CAPTUM=captum==0.9.0
+ARG MATPLOTLIB=matplotlib==3.11.2
+RUN pip install "${CAPTUM}" "${MATPLOTLIB}"
 # What serving never reads leaves the virtualenv before the runtime stage copies it (scripts/
 # image_trim.sh says what and why, and keeps the bytecode: the root filesystem is read-only in the
 # pod, so what is not compiled here is compiled again on every start).

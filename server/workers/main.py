@@ -300,7 +300,9 @@ def _ready_stream() -> IO[str]:
 def _load(spec: WorkerSpec) -> tuple[Any, float]:
     from mariner.server.core.archive import ModelArchive
     from mariner.server.core.runner import ModelHost, Placement
+    from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
 
+    ensure_torchvision_importable()  # before the handler imports torchvision (ts's vision handlers do)
     archive = ModelArchive(
         name=spec.model,
         version=spec.version,

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.image.pod import Pod, built_refs, mismatches, project_version, render
-from tests.image.podman import ImageMeta, chroot_argv, inside, mounted, require_image
+from tests.image.podman import Bind, ImageMeta, chroot_argv, inside, mounted, require_image
 
 pytestmark = pytest.mark.image
 
@@ -145,7 +145,46 @@ def test_serving_packages_import_as_the_pod_user(
     assert set(distributions) <= installed, sorted(installed)
     other = "onnxruntime" if rel == "overlays/gpu" else "onnxruntime-gpu"
     assert other not in installed
-    assert not {"pip", "grpcio-tools", "pytest"} & installed, "build or test tools in the runtime image"
+    assert not {"pip", "wheel", "grpcio-tools", "pytest"} & installed, (
+        "build or test tools in the runtime image"
+    )
+
+
+# What a worker does before it imports a handler, then what users' handlers import: TorchServe's
+# BaseHandler and vision built-ins (torchvision, captum), and torchvision's nms.
+_TS_HANDLERS = """
+import os, torch, ts
+from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+ensure_torchvision_importable()
+from ts.torch_handler.base_handler import BaseHandler
+from ts.torch_handler.image_classifier import ImageClassifier
+from ts.torch_handler.object_detector import ObjectDetector
+from ts.utils.util import PredictionException
+import torchvision.ops
+boxes = torch.tensor([[0.0, 0.0, 10.0, 10.0], [1.0, 1.0, 11.0, 11.0], [20.0, 20.0, 30.0, 30.0]])
+print(torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5).tolist())
+print(os.path.exists(os.path.join(os.path.dirname(ts.__file__), "frontend", "model-server.jar")))
+"""
+
+
+@pytest.mark.parametrize("rel", OVERLAYS)
+def test_torchserve_handlers_import_as_the_pod_user(rel: str, tmp_path: Path) -> None:
+    """Users' handlers import `ts` (and the vision built-ins torchvision): the images carry them,
+    without TorchServe's Java frontend, which Mariner never runs (scripts/image_trim.sh)."""
+    ref = built_refs()[rel]
+    require_image(ref, MAKE_TARGET[rel])
+    # torch._dynamo (which torchvision.ops imports) needs a writable temp dir: the pod's /tmp emptyDir.
+    tmp_path.chmod(0o1777)
+    meta = ImageMeta.inspect(ref)
+    with mounted(ref) as root:
+        command = chroot_argv(
+            root, [Bind(tmp_path, "/tmp", read_only=False)], uid=10001, gid=10001, groups=[10001],
+            env={**meta.env_dict(), "HOME": "/tmp"}, workdir=meta.working_dir,
+            argv=["python3", "-c", _TS_HANDLERS], read_only_root=True,
+        )  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["[0, 2]", "False"], proc.stdout
 
 
 @pytest.mark.parametrize("rel", OVERLAYS)

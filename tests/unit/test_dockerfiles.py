@@ -336,6 +336,22 @@ def test_torch_pin_matches_pyproject(dockerfile: Dockerfile, pyproject: dict) ->
     )
 
 
+def test_vision_pins_match_pyproject(dockerfile: Dockerfile, pyproject: dict) -> None:
+    """Both images carry pyproject's `vision` extra at its pins (TorchServe's vision handlers need
+    all of it), torchvision from the torch index beside torch, so the two builds match."""
+    build = next(s for s in dockerfile.stages if any("pip install ." in r.args for r in s.all("RUN")))
+    args = _stage_args(build)
+    runs = [_substitute(r.args, args) for r in build.all("RUN")]
+    vision = pyproject["project"]["optional-dependencies"]["vision"]
+    for pin in vision:
+        assert sum(len(re.findall(rf"(?<![\w-]){re.escape(pin)}(?![\w.])", r)) for r in runs) == 1, (
+            f"{dockerfile.path.name} must install {pin} once (as pyproject's `vision` extra pins it)"
+        )
+    (torchvision,) = [d for d in vision if d.startswith("torchvision==")]
+    (torch_run,) = [r for r in runs if re.search(r"\btorch==", r)]
+    assert torchvision in torch_run, f"{dockerfile.path.name}: {torchvision} is not installed beside torch"
+
+
 def _stage_args(stage: Stage) -> dict[str, str]:
     """ARG defaults declared inside a stage."""
     return dict(a.args.split("=", 1) for a in stage.all("ARG") if "=" in a.args)

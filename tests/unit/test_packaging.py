@@ -31,13 +31,14 @@ FOLDERS: tuple[str, ...] = ast.literal_eval(
     re.search(r"^FOLDERS = (\(.*?\))$", (REPO / "setup.py").read_text(), re.MULTILINE)[1]  # type: ignore[index]
 )
 # Distributions a serving install must not carry: training, benchmarking, code generation.
-NOT_SERVING = ("scikit-learn", "matplotlib", "torchserve", "torchao", "locust", "grpcio-tools")
+NOT_SERVING = ("scikit-learn", "matplotlib", "torchao", "locust", "grpcio-tools", "torchvision")
 # Import names of everything outside the base set that this project's environments hold. The
 # subprocess below makes each unimportable, as on a machine with only the base set installed.
 BLOCKED_IMPORTS = (
     "sklearn",
     "matplotlib",
-    "ts",
+    # optional (the `vision` extra): a serving install without it serves every other archive.
+    "torchvision",
     "torchao",
     "locust",
     "gevent",
@@ -47,7 +48,6 @@ BLOCKED_IMPORTS = (
     # not tqdm: transformers (base set, for the MiniLM archives) requires it, so pip installs it
     # with any serving install.
     "model_archiver",
-    "psutil",
     "pytest",
     "hypothesis",
     "kubernetes_validate",
@@ -93,7 +93,9 @@ def test_base_set_carries_no_training_benchmark_or_build_tools(base: set[str], p
     train = {_dist_name(r) for r in extras["train"]}
     bench = {_dist_name(r) for r in extras["bench"]}
     assert {"scikit-learn", "torchao", "onnx", "torch-model-archiver"} <= train
-    assert {"locust", "torchserve"} <= bench
+    assert {"locust"} <= bench
+    # Users' handlers import TorchServe's `ts`: serving carries it and what its import needs.
+    assert {"torchserve", "pyyaml", "psutil", "packaging"} <= base
     # dev is everything: the Makefile installs it and `make test` needs all of it.
     assert any(r.replace(" ", "").startswith("mariner[") for r in extras["dev"]), extras["dev"]
     dev_extras = next(r for r in extras["dev"] if r.startswith("mariner["))
@@ -178,6 +180,7 @@ _BASE_ONLY = textwrap.dedent(
     md.version = lambda name: hidden(name).version
 
     import mariner.client, mariner.handlers, mariner.server
+    import ts.torch_handler.base_handler  # users' handlers subclass it: the base set carries ts
     imported = 0
     for pkg in (mariner.server, mariner.client, mariner.handlers):
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
