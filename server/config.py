@@ -65,6 +65,7 @@ class ServerConfig:
     # model's archive and models={...} entry, where the flags above are over them.
     default_workers_per_model: int | None = None
     default_response_timeout: float | None = None
+    default_startup_timeout: float | None = None
     job_queue_size: int | None = None
     torch_threads: int | None = None
     frontends: int | None = None
@@ -121,6 +122,8 @@ _HELP = {
     "rejected (RESOURCE_EXHAUSTED)",
     "default_workers_per_model": "workers of a model whose archive and models={...} say none (TorchServe's "
     "key; default: one per GPU, else per CPU core)",
+    "default_startup_timeout": "startupTimeout (s) of a model whose archive and models={...} say none: "
+    "how long a worker may take to start and initialise its handler (TorchServe's default_startup_timeout)",
     "default_response_timeout": "responseTimeout (s) of a model whose archive and models={...} say none "
     "(TorchServe's key; default 120)",
     "job_queue_size": "queue (items) of a model whose archive says none (TorchServe's key; default 100)",
@@ -337,6 +340,7 @@ def server_layers(cfg: ServerConfig, gpus: int = 0, cores: int | None = None) ->
         SettingsOverrides.parse(
             {"responseTimeout": cfg.default_response_timeout}, "default_response_timeout"
         ),
+        SettingsOverrides.parse({"startupTimeout": cfg.default_startup_timeout}, "default_startup_timeout"),
         SettingsOverrides.parse({"maxQueue": cfg.job_queue_size}, "job_queue_size"),
     ]
     flags = SettingsOverrides.parse(

@@ -20,8 +20,6 @@ from mariner.server.core.types import InferResult, ModelInfo, WireProtocol, Work
 MAX_PAGE = 100
 # TorchServe's default max_retry_timeout_in_sec; Mariner has no such limit (describe_model).
 TORCHSERVE_MAX_RETRY_TIMEOUT_S = 300
-# TorchServe's default startup_timeout, for a plane that does not say its own.
-TORCHSERVE_STARTUP_TIMEOUT_S = 120
 
 
 class Describable(Protocol):
@@ -104,15 +102,13 @@ def device_type(info: ModelInfo) -> str:
     return info.device_type or ("gpu" if _gpu_ids(info) else "cpu")
 
 
-def describe_model(
-    info: ModelInfo, startup_timeout_s: float = TORCHSERVE_STARTUP_TIMEOUT_S
-) -> dict[str, Any]:
+def describe_model(info: ModelInfo) -> dict[str, Any]:
     """One element of TorchServe 0.12's describe-model list, with every key stock TorchServe
     sends, in its order.
 
     Mariner's own values: batchSize, maxBatchDelay, responseTimeout, min/maxWorkers,
-    deviceType, loadedAtStartup, workers, jobQueueStatus; startupTimeout is the time a worker
-    process is given to start and load its handler (`startup_timeout_s`, the plane's).
+    deviceType, loadedAtStartup, workers, jobQueueStatus, startupTimeout (the time a worker
+    process is given to start and initialise its handler, enforced as TorchServe does).
     TorchServe's values for a feature Mariner does not have (so its answer is the one TorchServe
     gives with the feature off): maxRetryTimeoutInSec 300 (Mariner retries a failed worker with
     backoff until the model is unregistered; TorchServe's default is kept so scripts comparing
@@ -138,7 +134,7 @@ def describe_model(
         "batchSize": info.batch_size,
         "maxBatchDelay": round(info.max_batch_delay_ms),
         "responseTimeout": round(info.response_timeout_s),
-        "startupTimeout": round(startup_timeout_s),
+        "startupTimeout": round(info.startup_timeout_s),
         "maxRetryTimeoutInSec": TORCHSERVE_MAX_RETRY_TIMEOUT_S,
         "clientTimeoutInMills": 0,
         "parallelType": "",
@@ -195,11 +191,8 @@ def select_versions(plane: Describable, model: str, version: str | None) -> list
 
 
 def describe_models(plane: Describable, model: str, version: str | None) -> list[dict[str, Any]]:
-    """TorchServe's describe-model document (a list, one entry per version described).
-
-    startupTimeout is the plane's `startup_timeout_s` (the worker start timeout it enforces)."""
-    startup = getattr(plane, "startup_timeout_s", TORCHSERVE_STARTUP_TIMEOUT_S)
-    return [describe_model(i, startup) for i in select_versions(plane, model, version)]
+    """TorchServe's describe-model document (a list, one entry per version described)."""
+    return [describe_model(i) for i in select_versions(plane, model, version)]
 
 
 def _metadata(body: bytes) -> Any:

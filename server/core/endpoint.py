@@ -304,6 +304,7 @@ def version_info(
         batch_size=settings.batch_size,
         max_batch_delay_ms=settings.max_batch_delay_ms,
         response_timeout_s=settings.response_timeout_s,
+        startup_timeout_s=settings.startup_timeout_s,
         queue_size=settings.max_queue,
         min_workers=settings.min_workers,
         max_workers=settings.max_workers,

@@ -4,10 +4,12 @@ Layers, lowest to highest (a higher layer wins for each setting it gives), in To
 order (ModelServer.initModelStore, ModelManager.createModel, ApiUtils.handleRegister):
 
 1. built-in defaults, TorchServe's: batchSize 1, maxBatchDelay 100 ms, responseTimeout 120 s,
+   startupTimeout 120 s,
    job queue 100 items, and per model as many workers as GPUs, else CPU cores, for a model
    loaded at start-up (one worker for a model registered later: TorchServe would start none),
 2. server-wide defaults: config.properties `default_workers_per_model`,
-   `default_response_timeout`, `job_queue_size` (or their `TS_*` variables),
+   `default_response_timeout`, `default_startup_timeout`, `job_queue_size` (or their `TS_*`
+   variables),
 3. config.properties `models={"name": {"version": {...}}}`, this model version's entry,
 4. the archive's model-config YAML (what the model author shipped): it beats `models=`, as in
    TorchServe,
@@ -47,6 +49,7 @@ TS_KEYS: dict[str, str] = {
     "batch_size": "batchSize",
     "max_batch_delay_ms": "maxBatchDelay",
     "response_timeout_s": "responseTimeout",
+    "startup_timeout_s": "startupTimeout",
     "min_workers": "minWorkers",
     "max_workers": "maxWorkers",
     "max_queue": "maxQueue",
@@ -57,6 +60,7 @@ _ALIASES: dict[str, str] = {"max_queue": "jobQueueSize"}
 # TorchServe's built-in defaults (ModelManager, ConfigManager, RegisterModelRequest).
 DEFAULT_BATCH_DELAY_MS = 100.0
 DEFAULT_RESPONSE_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 120.0  # a worker's start: process, imports, handler initialize
 DEFAULT_JOB_QUEUE_SIZE = 100
 _POSITIVE_INTS = frozenset({"batch_size", "min_workers", "max_workers", "max_queue"})
 # The archive's length-aware batching keys (see `token_settings`).
@@ -73,7 +77,7 @@ def _checked(name: str, value: Any, source: str, key: str | None = None) -> Any:
         return _positive_int(key, value, source)
     if name == "max_batch_delay_ms":
         return _number(key, value, source, zero_ok=True)
-    if name == "response_timeout_s":
+    if name in ("response_timeout_s", "startup_timeout_s"):
         return _number(key, value, source, zero_ok=False)
     return _device_type(key, value, source)
 
@@ -93,6 +97,7 @@ class SettingsOverrides:
     max_workers: int | None = None
     max_queue: int | None = None
     device_type: str | None = None
+    startup_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -131,6 +136,7 @@ class ModelSettings:
     max_workers: int = 1
     max_queue: int = DEFAULT_JOB_QUEUE_SIZE
     device_type: str | None = None
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
 
 def resolve_model_settings(*layers: SettingsOverrides) -> ModelSettings:

@@ -126,6 +126,7 @@ class ModelInfo:
     pending_requests: int = 0  # queued in the batcher now, not yet running
     device_type: str | None = None  # "cpu" / "gpu" when the settings asked for one
     error: str | None = None  # why a FAILED version is not served (a refused archive, a failed load)
+    startup_timeout_s: float = 120.0  # how long a worker may take to start (TorchServe's startupTimeout)
 
 
 def instance_id(name: str, version: str, instance: int, generation: int) -> str:

@@ -31,7 +31,7 @@ from mariner.server.core.types import InferResult, ModelInfo, ModelState, WirePr
 from mariner.server.supervisor.devices import allocator
 from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
-from mariner.server.supervisor.worker_pool import WORKER_START_TIMEOUT_S, WorkerPool
+from mariner.server.supervisor.worker_pool import WorkerPool
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.protocol import ask_describe, describe_request
 
@@ -197,8 +197,6 @@ class ModelRegistry:
         )
 
     # -- lookups (the management apps' slice of the DataPlane) ----------------------------------
-    startup_timeout_s = WORKER_START_TIMEOUT_S  # describe's startupTimeout: what WorkerPool enforces
-
     def resolve(self, model: str, version: str | None = None) -> Version:
         return resolve_version(self._versions, self._defaults, model, version)
 

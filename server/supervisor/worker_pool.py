@@ -21,8 +21,6 @@ from mariner.server.workers.process import worker_spec
 
 log = logging.getLogger("mariner.supervisor")
 
-WORKER_START_TIMEOUT_S = 300.0  # torch import + handler initialise on a loaded machine
-
 
 class WorkerPool:
     """Keeps every worker slot it was given running until it is retired or the server drains.
@@ -116,7 +114,7 @@ class WorkerPool:
             inst.process, inst.status, inst.endpoint = proc, "LOADING", None
             t0 = time.perf_counter()
             try:
-                inst.endpoint = await proc.start(WORKER_START_TIMEOUT_S)
+                inst.endpoint = await proc.start(v.settings.startup_timeout_s)
             except (ServingError, OSError) as exc:
                 reason = exc.message if isinstance(exc, ServingError) else str(exc)
                 log.error("worker %s failed to start: %s; retrying in %.1f s", spec.id, reason, backoff.delay)

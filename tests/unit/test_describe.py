@@ -7,6 +7,7 @@ awaited directly, both over one fake DataPlane, so the comparison is of the two 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import json
 from collections.abc import Mapping
@@ -122,7 +123,6 @@ class Plane:
         ]
     )
     management_enabled: bool = False
-    startup_timeout_s: float = 77.0  # the plane's worker start timeout: describe's startupTimeout
     described: list[tuple[str, str | None, dict[str, str]]] = field(default_factory=list)
     handler_answer: InferResult = field(
         default_factory=lambda: InferResult(body=b'{\n  "labels": [0, 1]\n}', status=200)
@@ -269,8 +269,9 @@ def test_describe_has_every_stock_torchserve_key_in_its_order() -> None:
             assert list(worker) == STOCK_WORKER_KEYS
 
 
-def test_startup_timeout_is_the_planes_worker_start_timeout(pb: SimpleNamespace) -> None:
+def test_startup_timeout_is_the_versions_own(pb: SimpleNamespace) -> None:
     plane = Plane()
+    plane.infos = [dataclasses.replace(i, startup_timeout_s=77.0) for i in plane.infos]
     status, rest = asyncio.run(rest_get(management_app(plane), "/models/echo"))  # type: ignore[arg-type]
     assert status == 200
     assert rest[0]["startupTimeout"] == 77

@@ -85,9 +85,10 @@ def test_a_layer_that_is_silent_on_a_setting_leaves_the_lower_value(setting: str
         max_workers=2,
         max_queue=2,
         device_type="cpu",
+        startup_timeout_s=2.0,
     )
     high_values = {"batch_size": 9, "max_batch_delay_ms": 9.0, "response_timeout_s": 9.0, "min_workers": 1}
-    high_values |= {"max_workers": 9, "max_queue": 9, "device_type": "gpu"}
+    high_values |= {"max_workers": 9, "max_queue": 9, "device_type": "gpu", "startup_timeout_s": 9.0}
     del high_values[setting]
     resolved = resolve_model_settings(low, SettingsOverrides(**high_values))
     for name, value in high_values.items():
