@@ -1,7 +1,8 @@
 """One call, sent alike to a server, and its answer: REST (requests) or TorchServe's gRPC.
 
-The gRPC messages come from TorchServe's own `inference.proto`, read out of the torchserve
-wheel's `ts/frontend/model-server.jar` and compiled to a descriptor set at test time. The
+The gRPC messages come from TorchServe's own `inference.proto` and `management.proto`, read out
+of the torchserve wheel's `ts/frontend/model-server.jar` and compiled to a descriptor set at test
+time. The
 message classes live in a private descriptor pool, never the default one, so they cannot clash
 with Mariner's stubs of the same package should a test process hold both.
 """
@@ -73,39 +74,43 @@ def torchserve_jar() -> Path:
 
 
 @cache
-def _messages() -> tuple[Any, Any, Any]:
-    """PredictionsRequest, PredictionResponse and TorchServeHealthResponse from TorchServe's proto."""
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+def _pool() -> Any:
+    """A private descriptor pool holding TorchServe's inference.proto and management.proto."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
     from grpc_tools import protoc
 
+    names = ("proto/inference.proto", "proto/management.proto", "google/rpc/status.proto")
     with tempfile.TemporaryDirectory(prefix="ts-proto-") as tmp:
         out = Path(tmp)
         with zipfile.ZipFile(torchserve_jar()) as jar:
-            for name in ("proto/inference.proto", "google/rpc/status.proto"):
+            for name in names:
                 (out / name).parent.mkdir(parents=True, exist_ok=True)
                 (out / name).write_bytes(jar.read(name))
         well_known = Path(protoc.__file__).parent / "_proto"
-        rc = protoc.main(
-            [
-                "protoc",
-                f"-I{out / 'proto'}",
-                f"-I{out}",
-                f"-I{well_known}",
-                "--include_imports",
-                f"--descriptor_set_out={out / 'ts.pb'}",
-                str(out / "proto" / "inference.proto"),
-            ]
-        )
-        assert rc == 0, "protoc could not compile TorchServe's inference.proto"
+        args = ["protoc", f"-I{out / 'proto'}", f"-I{out}", f"-I{well_known}", "--include_imports"]
+        args += [f"--descriptor_set_out={out / 'ts.pb'}", str(out / names[0]), str(out / names[1])]
+        assert protoc.main(args) == 0, "protoc could not compile TorchServe's protos"
         files = descriptor_pb2.FileDescriptorSet.FromString((out / "ts.pb").read_bytes())
     pool = descriptor_pool.DescriptorPool()
     for file in files.file:
         pool.Add(file)
+    return pool
+
+
+@cache
+def message(full_name: str) -> Any:
+    """The message class for `full_name` (e.g. org.pytorch.serve.grpc.inference.PredictionsRequest)."""
+    from google.protobuf import message_factory
+
+    return message_factory.GetMessageClass(_pool().FindMessageTypeByName(full_name))
+
+
+def _messages() -> tuple[Any, Any, Any]:
+    """PredictionsRequest, PredictionResponse and TorchServeHealthResponse from TorchServe's proto."""
     package = "org.pytorch.serve.grpc.inference."
-    return tuple(  # type: ignore[return-value]
-        message_factory.GetMessageClass(pool.FindMessageTypeByName(package + n))
-        for n in ("PredictionsRequest", "PredictionResponse", "TorchServeHealthResponse")
-    )
+    return tuple(
+        message(package + n) for n in ("PredictionsRequest", "PredictionResponse", "TorchServeHealthResponse")
+    )  # type: ignore[return-value]
 
 
 def _grpc_error(exc: grpc.RpcError) -> Answer:
@@ -149,3 +154,22 @@ def grpc_ping(target: str) -> Answer:
         except grpc.RpcError as exc:
             return _grpc_error(exc)
     return Answer("grpc OK", response.health.encode())
+
+
+MANAGEMENT = "org.pytorch.serve.grpc.management."
+
+
+def grpc_manage(target: str, method: str, request: str, **fields: Any) -> Answer:
+    """ManagementAPIsService/<method> with a <request> message; the answer's body is its `msg`."""
+    response_cls = message(MANAGEMENT + "ManagementResponse")
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            f"/{MANAGEMENT}ManagementAPIsService/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=response_cls.FromString,
+        )
+        try:
+            response = call(message(MANAGEMENT + request)(**fields), timeout=TIMEOUT_S)
+        except grpc.RpcError as exc:
+            return _grpc_error(exc)
+    return Answer("grpc OK", response.msg.encode())

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tests.integration.ts_examples.calls import TIMEOUT_S, Answer, grpc_ping, grpc_predict, http
+from tests.integration.ts_examples.calls import TIMEOUT_S, Answer, grpc_manage, grpc_ping, grpc_predict, http
 from tests.integration.ts_examples.catalogue import PAIRS
 from tests.integration.ts_examples.examples import Example, Req
 from tests.integration.ts_examples.servers import Endpoint, Pair
@@ -66,6 +67,10 @@ def _predict_grpc(model: str, body: bytes) -> Run:
     return lambda ep, pair: grpc_predict(ep.grpc, model, body, timeout=pair.timeout_for(model))
 
 
+def _manage(method: str, request: str, **fields: str | int) -> Run:
+    return lambda ep, _: grpc_manage(ep.grpc_management, method, request, **fields)
+
+
 def _registered(name: str) -> Run:
     return lambda ep, pair: pair.registrations[name][0 if ep.title == "TorchServe" else 1]
 
@@ -87,6 +92,34 @@ def _describe_when_scaled(model: str, workers: int) -> Run:
             time.sleep(0.5)
 
     return run
+
+
+BURST = 4  # with_config's batchSize: requests sent at once, to see how they are batched
+
+
+def _burst(model: str) -> Run:
+    """BURST requests at once; the answer lists the statuses and bodies, sorted (order-free).
+
+    with_config says batchSize 4, maxBatchDelay 150 ms and its handler answers how many rows its
+    batch had, so this shows whether a server waits to fill a batch as TorchServe does.
+    """
+
+    def run(ep: Endpoint, pair: Pair) -> Answer:
+        one = lambda i: http("POST", f"{ep.http}/predictions/{model}", body=b"x", content_type="text/plain")  # noqa: E731
+        with ThreadPoolExecutor(max_workers=BURST) as pool:
+            answers = list(pool.map(one, range(BURST)))
+        statuses = ",".join(sorted(a.status for a in answers))
+        bodies = sorted(json.dumps(_json_or_text(a.body), sort_keys=True) for a in answers)
+        return Answer(statuses, json.dumps([json.loads(b) for b in bodies]).encode())
+
+    return run
+
+
+def _json_or_text(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", errors="replace")
 
 
 def _request_calls(pair: str, e: Example, req: Req) -> list[Call]:
@@ -131,6 +164,14 @@ def pair_calls(pair: str) -> list[Call]:
         for req in e.requests:
             calls += _request_calls(pair, e, req)
     if pair == "plain":
+        calls.append(
+            Call(
+                pair,
+                "with_config",
+                f"{BURST} concurrent POST /predictions/with_config",
+                _burst("with_config"),
+            )
+        )
         calls += management_calls(pair)
     return calls
 
@@ -182,6 +223,35 @@ def management_calls(pair: str) -> list[Call]:
             _rest("POST", "/predictions/with_deps", body=b"x", content_type="text/plain"),
         ),
         Call(pair, "-", "DELETE /models/nope", m("DELETE", "/models/nope")),
+        Call(
+            pair,
+            "with_config",
+            "POST /predictions/with_config/2.0",
+            _rest("POST", "/predictions/with_config/2.0", body=b"x", content_type="text/plain"),
+        ),
+        Call(pair, "-", "GET /models?limit=2", m("GET", "/models", params={"limit": "2"})),
+        Call(pair, "-", "gRPC ListModels", _manage("ListModels", "ListModelsRequest")),
+        Call(pair, "-", "gRPC ListModels (limit=100)", _manage("ListModels", "ListModelsRequest", limit=100)),
+        Call(
+            pair,
+            "errors",
+            "gRPC DescribeModel",
+            _manage("DescribeModel", "DescribeModelRequest", model_name="errors"),
+            describe=True,
+        ),
+        Call(
+            pair,
+            "-",
+            "gRPC DescribeModel (nope)",
+            _manage("DescribeModel", "DescribeModelRequest", model_name="nope"),
+        ),
+        Call(
+            pair,
+            "with_config",
+            "PUT /models/with_config/2.0/set-default",
+            m("PUT", "/models/with_config/2.0/set-default"),
+        ),
+        Call(pair, "with_config", "DELETE /models/with_config/2.0", m("DELETE", "/models/with_config/2.0")),
     ]
 
 

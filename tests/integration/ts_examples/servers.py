@@ -3,7 +3,8 @@
 TorchServe's file is the one `StockTorchServe` writes (ports it picked, `load_models`,
 `models={...}`, token auth off) plus the pair's keys (`enable_model_api`, `service_envelope`).
 Mariner gets that same file with only the listener addresses changed to port 0 (it reports the
-ports it bound), started as users start it: `mariner serve --config-file config.properties`.
+ports it bound), started with the oracle's own command line: `mariner serve --start --foreground
+--ncs --disable-token-auth --model-store <store> --ts-config config.properties`.
 A server that does not start is kept as a reason, so every call still gets a row in the report.
 """
 
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from mariner.loadtest.servers import ServerError, StockTorchServe
 from tests.integration.ts_examples import oracle_env
@@ -47,6 +50,7 @@ class Endpoint:
     http: str = ""
     management: str = ""
     grpc: str = ""
+    grpc_management: str = ""
     failure: str | None = None
 
 
@@ -102,7 +106,9 @@ class Pair:
             ts.stop()
         else:
             self._ts = ts
-            self.torchserve = Endpoint("TorchServe", ts.http_url, ts.management_url, ts.grpc_target)
+            self.torchserve = Endpoint(
+                "TorchServe", ts.http_url, ts.management_url, ts.grpc_target, ts.grpc_management_target
+            )
         t1 = time.monotonic()
         self._start_mariner(self._properties(ts))
         t2 = time.monotonic()
@@ -146,9 +152,15 @@ class Pair:
         return path
 
     def _start_mariner(self, properties: Path) -> None:
-        srv = MarinerServe(self.store, "", args=("--refuse-seconds", "0", "--grace-seconds", "20"))
-        srv.config_file = properties  # the TorchServe file itself, not a Mariner YAML
-        self.mariner_command = f"mariner serve --config-file {properties.name} --refuse-seconds 0"
+        """`mariner serve` with the command line the oracle got (TorchServe's flags), plus a
+        config file holding only the test harness's drain knobs (no refusal window)."""
+        flags = ["--start", "--foreground", "--ncs", "--disable-token-auth", "--model-store", str(self.store)]
+        flags += ["--ts-config", str(properties)]
+        srv = MarinerServe(self.store, "", args=tuple(flags))
+        srv.config_file.write_text(yaml.safe_dump({"refuse_seconds": 0.0, "grace_seconds": 20.0}))
+        self.mariner_command = "mariner serve " + " ".join(
+            f.replace(str(self.store), "<store>").replace(str(properties), "config.properties") for f in flags
+        )
         try:
             srv.start(require_ready=False, timeout=240)
         except ServeFailed as exc:
@@ -156,7 +168,9 @@ class Pair:
             srv.stop()
             return
         self._mariner = srv
-        self.mariner = Endpoint("Mariner", srv.http, srv.management, srv.grpc_target)
+        self.mariner = Endpoint(
+            "Mariner", srv.http, srv.management, srv.grpc_target, srv.grpc_management_target
+        )
 
     @staticmethod
     def register(server: Endpoint, params: dict[str, str]) -> Answer:
