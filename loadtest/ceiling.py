@@ -96,6 +96,7 @@ def measure_in_process(spec: CeilingSpec, bodies: Sequence[bytes]) -> RawResult:
     from mariner.server.core.archive import open_archive
     from mariner.server.core.context import Context
     from mariner.server.core.runner import load_entry_point
+    from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
 
     torch.set_num_threads(spec.torch_threads)  # the servers get the same setting
     gpu_id = 0 if torch.cuda.is_available() else None
@@ -109,6 +110,7 @@ def measure_in_process(spec: CeilingSpec, bodies: Sequence[bytes]) -> RawResult:
             gpu_id=gpu_id,
             model_yaml_config=archive.model_config,
         )
+        ensure_torchvision_importable()  # as a worker does before it imports the handler
         handle, initialize = load_entry_point(archive)
         initialize(ctx)
         handler = getattr(handle, "__self__", None)

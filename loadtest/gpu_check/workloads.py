@@ -37,6 +37,7 @@ from mariner.server.core.archive import ModelArchive, open_archive
 from mariner.server.core.context import Context
 from mariner.server.core.entry_point import load_entry_point
 from mariner.server.protocols.torchserve.forms import decode_value, mime_type
+from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
 
 FAMILIES = {"minilm": "minilm_", "resnet18": "resnet18_"}
 COSINE_FP32 = 0.9999
@@ -157,6 +158,7 @@ class Loaded:
             gpu_id=0 if device == "cuda" else None,
             model_yaml_config=archive.model_config,
         )
+        ensure_torchvision_importable()  # as a worker does before it imports the handler
         self._handle, initialize = load_entry_point(archive)
         initialize(self.ctx)
         self.handler = getattr(self._handle, "__self__", None)
