@@ -59,7 +59,8 @@ class Suite:
             f"- pair `{name}`: `service_envelope={pair.envelope or '(unset)'}`; Mariner started as "
             f"`{pair.mariner_command}`; loaded at start-up: {', '.join(e.name for e in pair.startup)}"
             + (f"; registered after start-up because a module does not import here: {late}" if late else "")
-            + f"; {pair.timings}, store built in {t0 - t_build:.0f} s"
+            + f"; {pair.timings}, store built in {t0 - t_build:.0f} s; config.properties keys besides the "
+            f"listeners: {', '.join(pair.config_keys)}"
         )
         for side in (pair.torchserve, pair.mariner):
             if side.failure:

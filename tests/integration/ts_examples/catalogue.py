@@ -82,7 +82,17 @@ MAIN: tuple[Example, ...] = (
         ),
     ),
     Example("with_config", "with_config.mar", b.build_model_config, (Req("yaml", b"x", TEXT, grpc=True),)),
-    Example("with_deps", "with_deps.mar", b.build_deps, (Req("shout", b"quiet", TEXT, grpc=True),)),
+    Example(
+        "with_deps",
+        "with_deps.mar",
+        b.build_deps,
+        (
+            Req("shout", b"quiet", TEXT, grpc=True),
+            Req("json-object", b'{"a": 1}', JSON, grpc=True),
+            Req("octets", b"\x01abc", "application/octet-stream"),
+            Req("no-content-type", b"plain words"),
+        ),
+    ),
     Example("onnx_linear", "onnx_linear.mar", b.build_onnx, (Req("json-rows", FOUR, JSON, grpc=True),)),
     Example(
         "plain_dir", "plain_dir", b.build_no_archive, (Req("shout", b"from a dir", TEXT),), startup=False

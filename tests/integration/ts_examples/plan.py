@@ -34,7 +34,7 @@ class Call:
 
     @property
     def id(self) -> str:
-        return f"{self.pair}|{self.archive}|{self.label}"
+        return f"{self.pair}:{self.archive}:{self.label}"
 
 
 def _rest(

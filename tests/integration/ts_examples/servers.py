@@ -11,7 +11,6 @@ A server that does not start is kept as a reason, so every call still gets a row
 from __future__ import annotations
 
 import contextlib
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -85,6 +84,7 @@ class Pair:
         self.registrations: dict[str, tuple[Answer, Answer]] = {}
         self.mariner_command = ""
         self.timings = ""
+        self.config_keys: list[str] = []
 
     def pair_config(self) -> dict[str, str]:
         extra = {"enable_model_api": "true"}
@@ -147,6 +147,7 @@ class Pair:
                 **self.pair_config(),
             }
         props.update(_PORT0)
+        self.config_keys = sorted(k for k in props if k not in _PORT0 and "address" not in k)
         path = Path(self._tmp.name) / "config.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
         return path
@@ -183,9 +184,6 @@ class Pair:
         unloadable = {e.name for e in self.examples if e.missing()}
         return UNLOADABLE_TIMEOUT_S if model in unloadable else TIMEOUT_S
 
-    def mariner_log_tail(self) -> str:
-        return self._mariner.log_tail() if self._mariner else ""
-
     def stop(self) -> None:
         if self._ts is not None:
             self._ts.stop()
@@ -195,7 +193,3 @@ class Pair:
                 self._mariner.__exit__(None, None, None)  # stop, and remove its temp dir
             self._mariner = None
         self._tmp.cleanup()
-
-
-def short_reason(text: str) -> str:
-    return re.sub(r"\s+", " ", text)[:300]

@@ -12,7 +12,8 @@ class DepsHandler(BaseHandler):
         out = []
         for row in data:
             value = row.get("data") or row.get("body")
+            received = type(value).__name__  # what the server made of the body
             if isinstance(value, (bytes, bytearray)):
                 value = value.decode("utf-8")
-            out.append(helper_mod.shout(value))
+            out.append({**helper_mod.shout(value), "received": received})
         return out
