@@ -120,3 +120,30 @@ def test_same_answer_as_stock_torchserve(suite: Suite, call: Call) -> None:
 
 def test_every_pair_has_calls() -> None:
     assert {c.pair for c in ALL_CALLS} == set(PAIRS)
+
+
+# -- the comparison itself, without servers ------------------------------------------------------
+def test_json_bodies_compare_by_structure_not_by_formatting() -> None:
+    pretty = Answer("200", b'{\n  "a": [1, 2.0000001],\n  "b": "x"\n}')
+    compact = Answer("200", b'{"b":"x","a":[1,2.0]}')
+    assert compare(pretty, compact).same
+    assert not compare(pretty, Answer("200", b'{"a":[1,2.1],"b":"x"}')).same
+    assert not compare(pretty, Answer("503", compact.body)).same, "the status counts"
+    assert not compare(Answer("200", b"8"), Answer("200", b"8.0")).same, "an int is not a float"
+    assert not compare(Answer("200", b"abc"), Answer("200", b"abd")).same, "non-JSON compares as bytes"
+
+
+def test_describe_lists_the_differing_keys_and_ignores_process_values() -> None:
+    ts = Answer("200", b'[{"batchSize": 4, "workers": [{"id": "9000", "pid": 11, "status": "READY"}]}]')
+    same_but_pids = Answer(
+        "200", b'[{"batchSize": 4, "workers": [{"id": "w-1", "pid": 99, "status": "READY"}]}]'
+    )
+    assert compare(ts, same_but_pids, describe=True).same
+    assert not compare(ts, same_but_pids).same, "outside describe, every value counts"
+    other = Answer(
+        "200", b'[{"batchSize": 1, "extra": {}, "workers": [{"id": "w", "pid": 1, "status": "READY"}]}]'
+    )
+    verdict = compare(ts, other, describe=True)
+    assert not verdict.same
+    assert "[0].batchSize: 4 vs 1" in verdict.why
+    assert "[0].extra (Mariner only)" in verdict.why

@@ -1,7 +1,7 @@
 """Are two answers the same? Status first, then the body: structurally when both are JSON.
 
 Floats compare with a relative tolerance of 1e-6 (two worker processes may use different
-thread counts for the same kernel); everything else compares exactly. Describe answers are
+thread counts for the same kernel); everything else compares exactly, type included. Describe answers are
 compared key by key and the differing keys are listed; values that name a process or a time
 (`VOLATILE`) only have to be present on both sides.
 """
@@ -52,14 +52,10 @@ def _differences(a: Any, b: Any, path: str, volatile: frozenset[str]) -> list[st
             for i, (x, y) in enumerate(zip(a, b, strict=True))
             for d in _differences(x, y, f"{path}[{i}]", volatile)
         ]
-    if isinstance(a, float) or isinstance(b, float):
-        if (
-            isinstance(a, int | float)
-            and isinstance(b, int | float)
-            and math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-        ):
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9):
             return []
-    elif a == b and type(a) is type(b):
+    elif a == b and type(a) is type(b):  # 8 is not 8.0, True is not 1
         return []
     return [f"{path or 'body'}: {json.dumps(a)[:80]} vs {json.dumps(b)[:80]}"]
 
