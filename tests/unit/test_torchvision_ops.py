@@ -168,6 +168,21 @@ def test_ensure_does_nothing_beside_a_cuda_torch(monkeypatch: pytest.MonkeyPatch
     assert not torchvision_ops.fallback_active()
 
 
+def test_ensure_registers_nothing_when_torchvisions_own_ops_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU torchvision beside the CPU torch (the PyTorch CPU index): its `_C` loads, and its
+    operators are the ones registered."""
+    monkeypatch.setattr(torchvision_ops, "_state", None)
+    monkeypatch.setattr(torchvision_ops.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torchvision_ops, "_load_native_ops", lambda: True)
+    meta_path = list(sys.meta_path)
+    torchvision_ops.ensure_torchvision_importable()
+    assert sys.meta_path == meta_path
+    assert torchvision_ops._library is None
+    assert not torchvision_ops.fallback_active()
+
+
 # One fresh interpreter does what a worker does (ensure, then import the handler and torchvision)
 # and reports; registering operators is a once-per-process act, so it cannot happen in this one.
 WORKER_LIKE = """
