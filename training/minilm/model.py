@@ -69,11 +69,16 @@ class MiniLMEncoder(nn.Module):
 
 def bert_from_config(config_json: Path) -> nn.Module:
     """An uninitialised BertModel (no pooler head: mean pooling replaces it) from config.json."""
-    from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
-
     # transformers imports torchvision when it is installed (the `vision` extra), and the
-    # registry's torchvision does not import beside the CPU torch without this.
-    ensure_torchvision_importable()
+    # registry's torchvision does not import beside the CPU torch without Mariner's shim. This
+    # file also ships in the archive (minilm_model.py), where Mariner may be absent (stock
+    # TorchServe): there the shim is skipped, and Mariner's workers have run it already.
+    try:
+        from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+    except ImportError:
+        pass
+    else:
+        ensure_torchvision_importable()
     from transformers import BertConfig, BertModel
 
     try:  # random init of 22M weights costs seconds and every one is overwritten by the load
