@@ -141,7 +141,7 @@ MODEL_CONFIG = """\
 minWorkers: 1
 maxWorkers: 1
 batchSize: 4
-maxBatchDelay: 150
+maxBatchDelay: 1000
 responseTimeout: 60
 handler:
   greeting: hello from model-config.yaml

@@ -100,7 +100,8 @@ BURST = 4  # with_config's batchSize: requests sent at once, to see how they are
 def _burst(model: str) -> Run:
     """BURST requests at once; the answer lists the statuses and bodies, sorted (order-free).
 
-    with_config says batchSize 4, maxBatchDelay 150 ms and its handler answers how many rows its
+    with_config says batchSize 4, maxBatchDelay 1000 ms (long, so that on a loaded machine the four
+    still arrive inside the window) and its handler answers how many rows its
     batch had, so this shows whether a server waits to fill a batch as TorchServe does.
     """
 
