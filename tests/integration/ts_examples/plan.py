@@ -205,6 +205,23 @@ def management_calls(pair: str) -> list[Call]:
         Call(pair, "-", "POST /models?url=missing.mar", m("POST", "/models", params={"url": "missing.mar"})),
         Call(
             pair,
+            "errors_idle",
+            "POST /models?url=errors.mar&model_name=errors_idle&initial_workers=0",
+            m(
+                "POST",
+                "/models",
+                params={"url": "errors.mar", "model_name": "errors_idle", "initial_workers": "0"},
+            ),
+        ),
+        Call(pair, "errors_idle", "GET /models/errors_idle", m("GET", "/models/errors_idle"), describe=True),
+        Call(
+            pair,
+            "errors_idle",
+            "POST /predictions/errors_idle (no worker)",
+            _rest("POST", "/predictions/errors_idle", body=b"fine", content_type="text/plain"),
+        ),
+        Call(
+            pair,
             "errors",
             "PUT /models/errors?min_worker=2",
             m("PUT", "/models/errors", params={"min_worker": "2"}),
