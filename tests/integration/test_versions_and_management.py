@@ -61,8 +61,17 @@ def test_versions_are_addressable_and_the_first_is_the_default(server: MarinerSe
     assert default.status_code == v1.status_code == v2.status_code == 200
     assert default.content == v1.content == v2.content  # same weights, three routes
     missing = requests.post(f"{base}/3.0", data=BODY, headers=HDR, timeout=30)
-    assert missing.status_code == 404
-    assert "1.0, 2.0" in missing.json()["message"]
+    assert (missing.status_code, missing.json()) == (  # stock TorchServe's answer on its endpoint
+        404,
+        {
+            "code": 404,
+            "type": "ModelVersionNotFoundException",
+            "message": "Model version: 3.0 does not exist for model: digits",
+        },
+    )
+    oip = requests.get(f"{server.http}/v2/models/digits/versions/3.0", timeout=30)
+    assert oip.status_code == 404
+    assert "1.0, 2.0" in oip.json()["error"]  # ours, elsewhere: it names what is served
     described = requests.get(f"{server.management}/models/digits/all", timeout=30).json()
     assert sorted(d["modelVersion"] for d in described) == ["1.0", "2.0"]
 

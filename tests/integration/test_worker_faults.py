@@ -134,7 +134,7 @@ def wait_until_ok(srv: MarinerServe) -> None:
         ("segfault", 500, "worker process"),
         ("abort", 500, "worker process"),
         ("os_exit", 500, "worker process"),
-        ("memory_hog", 503, "out of memory"),
+        ("memory_hog", 507, "Out of resources"),  # TorchServe's answer on its endpoint
     ],
 )
 def test_a_fault_fails_only_its_batch_and_the_other_model_keeps_answering(

@@ -135,6 +135,7 @@ def test_qnms_matches_the_reference_on_integer_representations() -> None:
 
 def test_ensure_is_a_no_op_without_torchvision(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torchvision_ops, "_state", None)
+    monkeypatch.setattr(torchvision_ops, "_library", None)  # an earlier test's registration
     asked: list[str] = []
 
     def find_spec(name: str, *args: object) -> None:
@@ -155,6 +156,7 @@ def test_ensure_does_nothing_beside_a_cuda_torch(monkeypatch: pytest.MonkeyPatch
     """On a CUDA (or ROCm) torch the installed torchvision is expected to match it: nothing is
     loaded, registered or hooked, whatever is installed."""
     monkeypatch.setattr(torchvision_ops, "_state", None)
+    monkeypatch.setattr(torchvision_ops, "_library", None)  # an earlier test's registration
     monkeypatch.setattr(torchvision_ops.importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
@@ -172,6 +174,7 @@ def test_ensure_registers_nothing_when_torchvisions_own_ops_load(monkeypatch: py
     """A CPU torchvision beside the CPU torch (the PyTorch CPU index): its `_C` loads, and its
     operators are the ones registered."""
     monkeypatch.setattr(torchvision_ops, "_state", None)
+    monkeypatch.setattr(torchvision_ops, "_library", None)  # an earlier test's registration
     monkeypatch.setattr(torchvision_ops.importlib.util, "find_spec", lambda name, *a: object())
     monkeypatch.delitem(sys.modules, "torchvision", raising=False)
     monkeypatch.setattr(torch.version, "cuda", None)
