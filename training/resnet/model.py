@@ -1,10 +1,11 @@
 """ResNet-18 written out, with torchvision's module names, so its state_dict keys are torchvision's.
 
 The archives must not need torchvision (it is an optional extra; the registry's build loads
-beside the pinned CPU torch only through Mariner's nms shim): this file is shipped in the eager and compiled archives as `resnet_model.py`
-and imported by the handler, so it imports only torch. The layout (conv1, bn1, layer1..4 of
-BasicBlocks with conv1/bn1/conv2/bn2/downsample.0/.1, fc) and the initialisation follow
-torchvision.models.resnet18 exactly, so a real torchvision checkpoint loads into it unchanged.
+beside the pinned CPU torch only through Mariner's nms shim): this file is shipped in the eager
+and compiled archives as `resnet_model.py` and imported by the handler, so it imports only
+torch. The layout (conv1, bn1, layer1..4 of BasicBlocks with conv1/bn1/conv2/bn2/downsample.0/.1,
+fc) and the initialisation follow torchvision.models.resnet18 exactly, so a real torchvision
+checkpoint loads into it unchanged.
 """
 
 from __future__ import annotations
