@@ -8,7 +8,8 @@ of servers reads one config.properties (tests/integration/ts_examples/servers.py
 goes to both; each test asserts one call answered the same (status, and the body: structurally
 when both are JSON), so a run lists exactly what differs. The table of every call is printed at
 the end of the module and written to build/dropin/report.md. Differences are not marked xfail:
-which ones are deliberate is decided from the table.
+the deliberate ones (docs/torchserve.md) are checked against their documented shape
+(ts_examples/deliberate.py), so any other difference, or a documented one that changes, fails.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import pytest
 
 from tests.integration.ts_examples.calls import Answer, not_serving
 from tests.integration.ts_examples.catalogue import PAIRS, build_store
-from tests.integration.ts_examples.compare import compare
+from tests.integration.ts_examples.compare import Verdict, compare
+from tests.integration.ts_examples.deliberate import DELIBERATE, judge
 from tests.integration.ts_examples.plan import ALL_CALLS, Call
 from tests.integration.ts_examples.report import Row, render, render_plain, write
 from tests.integration.ts_examples.servers import Endpoint, Pair
@@ -110,7 +112,8 @@ def test_same_answer_as_stock_torchserve(suite: Suite, call: Call) -> None:
     pair = suite.pair(call.pair)
     ts = _ask(call, pair.torchserve, pair)
     mariner = _ask(call, pair.mariner, pair)
-    verdict = compare(ts, mariner, describe=call.describe)
+    passed, why = judge(call.label, ts, mariner, describe=call.describe)
+    verdict = Verdict(passed, why)
     suite.rows.append(Row(call.id, call.pair, call.archive, call.label, ts, mariner, verdict))
     assert verdict.same, (
         f"{call.label} on {call.archive}: {verdict.why}\n"
@@ -120,6 +123,14 @@ def test_same_answer_as_stock_torchserve(suite: Suite, call: Call) -> None:
 
 def test_every_pair_has_calls() -> None:
     assert {c.pair for c in ALL_CALLS} == set(PAIRS)
+
+
+def test_every_deliberate_difference_names_a_call_and_is_in_the_guide() -> None:
+    labels = {c.label for c in ALL_CALLS}
+    assert set(DELIBERATE) <= labels, set(DELIBERATE) - labels
+    guide = (REPO / "docs" / "torchserve.md").read_text()
+    for phrase in ("case-insensitive", "NOT_FOUND", "ListModels", "initial_workers=0", "batch"):
+        assert phrase in guide, phrase
 
 
 # -- the comparison itself, without servers ------------------------------------------------------

@@ -24,20 +24,26 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _deliberate(r: Row) -> bool:
+    return r.verdict.same and r.verdict.why.startswith("deliberate: ")
+
+
 def render(rows: list[Row], preamble: list[str]) -> str:
-    same = sum(r.verdict.same for r in rows)
+    deliberate = sum(_deliberate(r) for r in rows)
+    same = sum(r.verdict.same for r in rows) - deliberate
     lines = [
         "# Stock TorchServe 0.12 vs Mariner: the same calls, side by side",
         "",
         *preamble,
         "",
-        f"{same} of {len(rows)} calls answered the same.",
+        f"{same} of {len(rows)} calls answered the same; {deliberate} differ as docs/torchserve.md "
+        f"documents; {len(rows) - same - deliberate} differ otherwise.",
         "",
         "| pair | archive | call | TorchServe | Mariner | same? |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
-        mark = "yes" if r.verdict.same else f"**no**: {r.verdict.why}"
+        mark = r.verdict.why if _deliberate(r) else "yes" if r.verdict.same else f"**no**: {r.verdict.why}"
         lines.append(
             f"| {r.pair} | {r.archive} | {_cell(r.label)} "
             f"| {_cell(r.torchserve.status)} {_cell(r.torchserve.text())} "
@@ -50,7 +56,7 @@ def render_plain(rows: list[Row]) -> list[str]:
     """One short line per call for the terminal."""
     out = []
     for r in rows:
-        mark = "same" if r.verdict.same else "DIFF"
+        mark = "DOC" if _deliberate(r) else "same" if r.verdict.same else "DIFF"
         out.append(f"{mark:4} {r.call_id}: TS {r.torchserve.status} {r.torchserve.text(70)}")
         if not r.verdict.same:
             out.append(f"{'':4} {'':{len(r.call_id)}}  MA {r.mariner.status} {r.mariner.text(70)}")
