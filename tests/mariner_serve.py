@@ -86,6 +86,10 @@ class MarinerServe:
         # 2-core machine would double their processes. `default_workers_per_model=None` leaves
         # the server's own default (a YAML null sets nothing).
         config["default_workers_per_model"] = 1
+        # A queue of 1,024 items unless a test says otherwise: TorchServe's default of 100 counts
+        # requests, Mariner's queue counts rows (an OIP request of 3 rows takes 3), and tests that
+        # fire a hundred multi-row requests at once measure batching, not the queue's limit.
+        config["job_queue_size"] = 1024
         config.update({k: _yaml_value(v) for k, v in settings.items()})
         self.config = config
         self.config_file = tmp / "mariner.yaml"

@@ -113,13 +113,15 @@ def ours(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mari
         "--models",
         *(f"{m}={m}.mar" for m in MODELS),
     )
-    # default_workers_per_model=None: the harness pins none, the file and TS_* variable decide.
+    # default_workers_per_model / job_queue_size None: the harness pins neither, the file, the
+    # TS_* variable and TorchServe's defaults decide.
     srv = MarinerServe(
         store,
         "none.mar",
         args=argv,
         env={"TS_DEFAULT_WORKERS_PER_MODEL": "1"},
         default_workers_per_model=None,
+        job_queue_size=None,
     )
     srv.start()
     try:

@@ -45,7 +45,10 @@ def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(store: Path) -> Iterator[MarinerServe]:
     srv = MarinerServe(
-        store, "digits=digits_v1.mar,digits=digits_v2.mar", enable_model_management=True
+        store,
+        "digits=digits_v1.mar,digits=digits_v2.mar",
+        enable_model_management=True,
+        job_queue_size=None,  # the server's own default: TorchServe's 100
     ).start()
     try:
         yield srv
