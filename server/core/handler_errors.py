@@ -61,11 +61,13 @@ def prediction_exception(exc: BaseException) -> ServingError | None:
     )
 
 
-def handler_failed(exc: BaseException) -> ServingError:
-    """Any other exception from the handler: the batch fails, the instance goes on."""
+def handler_failed(kind: str | None) -> ServingError:
+    """Any other exception from the handler (`kind`: its type's name, None when the exception is
+    gone): the batch fails, the instance goes on."""
+    named = f" ({kind})" if kind else ""
     return ServingError(
         Code.INTERNAL,
-        f"the model's handler failed on this batch ({type(exc).__name__}); see the server log",
+        f"the model's handler failed on this batch{named}; see the server log",
         torchserve=TorchServeAnswer(503, HANDLER_EXCEPTION, "Prediction failed"),
     )
 

@@ -272,7 +272,7 @@ class ModelHost:
         _release_cached_memory()
         if len(requests) == 1 and not splittable(requests[0]):
             if outcome is Failure.POSSIBLE_OOM:  # the cause is unknown: not "out of memory"
-                raise handler_failed(RuntimeError("possible out of memory"))
+                raise handler_failed(None)
             raise out_of_resources("the model ran out of memory on this request alone; send a smaller input")
         if self.on_oom is not None:
             self.on_oom()
@@ -320,7 +320,7 @@ class ModelHost:
                 raise InstanceFailed(f"fatal device error: {reason}") from None
             if failure is Failure.OTHER:
                 log.exception("handler of %s raised for a batch of %d", self.id, len(data))
-                raise handler_failed(exc) from None
+                raise handler_failed(type(exc).__name__) from None
             log.warning("handler of %s: %s on a batch of %d: %s", self.id, failure.value, len(data),
                         str(exc)[-300:])  # fmt: skip
         except BaseException as exc:  # SystemExit & co: the instance is gone, not just this batch
