@@ -173,61 +173,37 @@ def _stage_deps(work: Path, name: str) -> Path:
     return s
 
 
-def build_deps(store: Path, work: Path) -> None:
-    """--requirements-file requirements.txt and --extra-files helper_mod.py (imported by the handler)."""
-    s = _stage_deps(work, "with_deps")
+def _deps_archive(store: Path, work: Path, name: str, *flags: str) -> None:
+    """deps_handler.py with helper_mod.py as an extra file, archived as `name` with `flags`."""
+    s = _stage_deps(work, name)
     archive(
         s,
         store,
         "--model-name",
-        "with_deps",
+        name,
         "--version",
         "1.0",
         "--handler",
         "deps_handler.py",
         "--extra-files",
         "helper_mod.py",
-        "--requirements-file",
-        "requirements.txt",
+        *flags,
     )
+
+
+def build_deps(store: Path, work: Path) -> None:
+    """--requirements-file requirements.txt and --extra-files helper_mod.py (imported by the handler)."""
+    _deps_archive(store, work, "with_deps", "--requirements-file", "requirements.txt")
 
 
 def build_no_archive(store: Path, work: Path) -> None:
     """--archive-format no-archive: a directory in the store, registered with url=<dir>."""
-    s = _stage_deps(work, "plain_dir")
-    archive(
-        s,
-        store,
-        "--model-name",
-        "plain_dir",
-        "--version",
-        "1.0",
-        "--handler",
-        "deps_handler.py",
-        "--extra-files",
-        "helper_mod.py",
-        "--archive-format",
-        "no-archive",
-    )
+    _deps_archive(store, work, "plain_dir", "--archive-format", "no-archive")
 
 
 def build_tgz(store: Path, work: Path) -> None:
     """--archive-format tgz: plain_tgz.tar.gz in the store, registered with url=<file>."""
-    s = _stage_deps(work, "plain_tgz")
-    archive(
-        s,
-        store,
-        "--model-name",
-        "plain_tgz",
-        "--version",
-        "1.0",
-        "--handler",
-        "deps_handler.py",
-        "--extra-files",
-        "helper_mod.py",
-        "--archive-format",
-        "tgz",
-    )
+    _deps_archive(store, work, "plain_tgz", "--archive-format", "tgz")
 
 
 def build_onnx(store: Path, work: Path) -> None:
