@@ -103,6 +103,10 @@ class ServerConfig:
     tls_client_ca_file: Path | None = None
     config_file: Path | None = None
     model_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Connection limits of the gRPC inference listener (see protocols.grpc_server), per frontend.
+    grpc_max_connections: int = 1000
+    grpc_max_concurrent_streams: int = 256
+    grpc_idle_timeout_s: float = 60.0
 
 
 _HELP = {
@@ -167,6 +171,12 @@ _HELP = {
     "tls_key_file": "PEM private key for --tls-cert-file",
     "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS)",
     "config_file": "YAML/JSON config, or a TorchServe config.properties",
+    "grpc_max_connections": "open connections to the gRPC inference listener per frontend; more are closed "
+    "at once",
+    "grpc_max_concurrent_streams": "concurrent calls (HTTP/2 streams) per gRPC connection, advertised to "
+    "clients; more are refused",
+    "grpc_idle_timeout_s": "seconds a gRPC connection without calls stays open (then GOAWAY; clients "
+    "reconnect when they next call)",
 }
 
 
