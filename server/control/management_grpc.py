@@ -26,6 +26,7 @@ import grpc
 from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
 from mariner.server.core.errors import Code, ServingError, abort, as_serving_error
 from mariner.server.core.model_settings import register_call_overrides
+from mariner.server.core.names import check_model_name, check_params
 from mariner.server.core.types import InferResult, ModelInfo, WireProtocol
 from mariner.server.protogen import stubs_missing
 
@@ -84,7 +85,9 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
     parameters); refuses the ones Mariner cannot honour.
 
     proto3 sends 0 / "" for unset fields, so only non-zero values override the archive's config.
+    Every string field is checked first (no control characters: they reach paths and log lines).
     """
+    check_params(_strings(request))
     if request.handler:
         raise ServingError(
             Code.INVALID_ARGUMENT,
@@ -107,8 +110,14 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
         initial_workers=request.initial_workers,
     ).given()
     if request.model_name:
-        overrides["name"] = request.model_name
+        overrides["name"] = check_model_name(request.model_name)
     return overrides
+
+
+def _strings(request: Any) -> dict[str, object]:
+    """A request message's string fields by name (the model name and version of every call,
+    a register's url, handler, runtime, ...)."""
+    return {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
 
 
 def registered_message(info: ModelInfo) -> str:
@@ -143,6 +152,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         self, request: management_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
     ) -> management_pb2.ManagementResponse:
         async def describe() -> str:
+            check_params(_strings(request))
             version = request.model_version or None
             if request.customized:  # TorchServe answers OK whatever status the handler set
                 headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
@@ -177,8 +187,10 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         self, request: management_pb2.UnregisterModelRequest, context: grpc.aio.ServicerContext
     ) -> management_pb2.ManagementResponse:
         async def unregister() -> str:
-            if self._plane.management_enabled and not request.model_name:
-                raise ServingError(Code.INVALID_ARGUMENT, "model_name is required")
+            if self._plane.management_enabled:
+                check_params(_strings(request))
+                if not request.model_name:
+                    raise ServingError(Code.INVALID_ARGUMENT, "model_name is required")
             await self._plane.unregister(request.model_name, request.model_version or None)
             await self._changed()
             return f'Model "{request.model_name}" unregistered'
@@ -195,6 +207,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         version = request.model_version or None
 
         async def scale() -> str:
+            check_params(_strings(request))
             if max_workers < min_workers:
                 raise ServingError(
                     Code.INVALID_ARGUMENT, f"max_worker ({max_workers}) must be >= min_worker ({min_workers})"
@@ -211,6 +224,7 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         self, request: management_pb2.SetDefaultRequest, context: grpc.aio.ServicerContext
     ) -> management_pb2.ManagementResponse:
         async def set_default() -> str:
+            check_params(_strings(request))
             if not (request.model_name and request.model_version):
                 raise ServingError(Code.INVALID_ARGUMENT, "model_name and model_version are both required")
             await self._plane.set_default(request.model_name, request.model_version)

@@ -26,6 +26,7 @@ from mariner.server.control.describe import MAX_PAGE, describe_customized, descr
 from mariner.server.control.openapi import api_description_routes
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import register_call_overrides
+from mariner.server.core.names import check_model_name, check_params
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.http_common import (
     JSON,
@@ -71,6 +72,17 @@ def _lenient_int(params: Mapping[str, str], key: str, default: int) -> int:
 
 
 _guarded = make_guard("management", log, error_response)
+
+
+def _path(request: Request) -> dict[str, str]:
+    """The route's model name and version, refused (400) when they hold control characters: they
+    reach log lines and error messages. Any other name is looked up and, when unknown, is 404."""
+    params = dict(request.path_params)
+    if "version" not in params and "model_version" in request.query_params:
+        params["model_version"] = request.query_params["model_version"]
+    check_params(params)
+    return params
+
 
 # TorchServe's answer to a change it accepted and carries on with after answering.
 ACCEPTED_STATUS = "Processing worker updates..."
@@ -138,7 +150,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
 
     async def describe(request: Request) -> Response:
         """Describe a model's default version, one version, or every version ("all")."""
-        p = request.path_params
+        p = _path(request)
         if _true(request.query_params.get("customized"), False):  # the handler's describe_handle
             doc, status = await describe_customized(
                 dataplane, p["name"], p.get("version"), request.headers, WireProtocol.TS_HTTP
@@ -162,6 +174,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
             if not isinstance(body, dict):
                 raise ServingError(Code.INVALID_ARGUMENT, "register request body must be a JSON object")
             params.update(body)
+        check_params(params)  # a NUL reached pathlib (a 500), a newline the workers' log lines
         url = params.get("url")
         if isinstance(url, str) and _SCHEME.match(url):
             raise ServingError(
@@ -190,7 +203,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
             initial_workers=params.get("initial_workers"),
         ).given()
         if params.get("model_name"):
-            overrides["name"] = str(params["model_name"])
+            overrides["name"] = check_model_name(str(params["model_name"]))
         if not _true(params.get("synchronous"), True):
             # Only passed when asked for, so planes that predate it see the call unchanged.
             await dataplane.register(url, synchronous=False, **overrides)
@@ -206,14 +219,14 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
         """Stop serving a model version (needs model management)."""
         if not dataplane.management_enabled:
             return _not_allowed("model unregistration")
-        p = request.path_params
+        p = _path(request)
         await dataplane.unregister(p["name"], p.get("version"))
         return json_response({"status": f'Model "{p["name"]}" unregistered'})
 
     async def scale(request: Request) -> Response:
         """Set a model version's worker count; 202 at once unless synchronous=true."""
-        p, q = request.path_params, request.query_params
-        version = p.get("version") or q.get("model_version")
+        p, q = _path(request), request.query_params
+        version = p.get("version") or p.get("model_version")
         min_workers = _lenient_int(q, "min_worker", 1)
         max_workers = _lenient_int(q, "max_worker", min_workers)
         if max_workers < min_workers:
@@ -229,7 +242,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
 
     async def set_default(request: Request) -> Response:
         """Make a version the one calls without a version reach."""
-        p = request.path_params
+        p = _path(request)
         await dataplane.set_default(p["name"], p["version"])
         return json_response(
             {"status": f'Default version successfully updated for model "{p["name"]}" to "{p["version"]}"'}

@@ -33,6 +33,7 @@ from mariner.server.core.archive_formats import (
     hoist_single_root,
 )
 from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
+from mariner.server.core.names import check_model_name, check_param
 
 __all__ = [
     "MANIFEST",
@@ -72,7 +73,9 @@ class ModelArchive:
 
 def resolve_in_store(store: Path, name: str) -> Path:
     """`name` (a file such as digits.mar or digits.tar.gz, or a no-archive directory) as a path
-    inside `store`; never a URL, never outside."""
+    inside `store`; never a URL, never outside, never a name with a control character (a NUL
+    made pathlib raise) or longer than a path can be."""
+    check_param("url", name)
     if "://" in name:
         raise ServingError(
             Code.PERMISSION_DENIED, f"archives load only from the model store, not a URL: {name!r}"
@@ -81,7 +84,15 @@ def resolve_in_store(store: Path, name: str) -> Path:
     path = (store / name).resolve()
     if not path.is_relative_to(store) or path == store:
         raise ServingError(Code.PERMISSION_DENIED, f"archive {name!r} is outside the model store {store}")
-    if not (path.is_file() or path.is_dir()):
+    try:
+        found = path.is_file() or path.is_dir()
+    except OSError as exc:  # ENAMETOOLONG and the like: no such archive can exist
+        raise ServingError(
+            Code.INVALID_ARGUMENT,
+            f"archive {name!r} cannot be a file in the model store ({exc.strerror}); "
+            "allowed: the file name of an archive in the store",
+        ) from None
+    if not found:
         raise ServingError(
             Code.NOT_FOUND,
             f"archive {name!r} not found in the model store {store}",
@@ -174,6 +185,17 @@ def _settle(staging: Path) -> Path:
     return moved
 
 
+def _model_name(path: Path, name_override: str | None, manifest_name: Any) -> str:
+    """The name the archive is served under: the one given (register's model_name, a `models=`
+    entry's `name=`), else its manifest's (checked by `archive_fields`), else its file name's
+    stem; each must be a name TorchServe's archiver would write (`names.check_model_name`)."""
+    if name_override:
+        return name_override  # checked before unpacking (open_archive)
+    if manifest_name:
+        return str(manifest_name)
+    return check_model_name(archive_stem(path), f"archive {path.name}: the model name from its file name")
+
+
 def open_archive(
     path: Path,
     work_root: Path,
@@ -184,6 +206,8 @@ def open_archive(
 ) -> ModelArchive:
     """Check and unpack `path` into a private dir under `work_root`; read manifest and config."""
     limits = limits or ArchiveLimits()
+    if name_override:
+        check_model_name(name_override, f"archive {path.name}: model name")
     work_root.mkdir(parents=True, exist_ok=True)
     model_dir = Path(tempfile.mkdtemp(prefix=f"{archive_stem(path)}-", dir=work_root))
     try:
@@ -202,7 +226,7 @@ def open_archive(
         model = manifest["model"]
         config = read_model_config(model_dir, path.name, model.get("configFile"))
         return ModelArchive(
-            name=name_override or str(model.get("modelName") or archive_stem(path)),
+            name=_model_name(path, name_override, model.get("modelName")),
             version=str(model.get("modelVersion") or "1.0"),
             path=path,
             sha256=digest,

@@ -11,18 +11,16 @@ what it holds and what is allowed, so a store with one broken archive logs one c
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.names import model_name_problem
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 
-# TorchServe's model-archiver rule for names; a version also lands in URLs and metric labels.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 # Manifest fields that name one file of the archive (TorchServe's manifest keys).
 _FILE_FIELDS = ("serializedFile", "modelFile", "configFile", "requirementsFile")
 
@@ -112,7 +110,8 @@ def read_manifest(model_dir: Path, archive_file: str) -> dict[str, Any]:
     _check_inside(archive_file, model_dir, "handler", handler_file(handler))
     for key, numbers in (("modelName", False), ("modelVersion", True)):
         value = _string(archive_file, model, key, numbers=numbers)
-        if value is not None and not _NAME.match(value):
+        # TorchServe's model-archiver rule for names; a version also lands in URLs and log lines.
+        if value is not None and model_name_problem(value) is not None:
             raise _refuse(
                 archive_file,
                 f"manifest field model.{key} {value!r} is not allowed: use letters, digits, '_', '-' "

@@ -8,7 +8,9 @@ every layout passes the same checks before a byte of it lands in the private wor
 * a member's name is relative, has no `..` component and no backslash;
 * a member is a regular file or a directory: a tar's symlinks, hard links and devices are
   refused, and a directory's symlinks are followed only when they resolve to a file inside it;
-* the member count and the unpacked bytes are capped, counted while copying (headers lie);
+* the member count and the unpacked bytes are capped: first on what a zip's central directory
+  and each tar header declare, before anything is written, then counted while copying, since
+  headers lie (`archive_budget`, which also stops zip and gzip bombs on their compression ratio);
 * the digest the sha256 pin is checked against is taken from the very bytes unpacked.
 
 A directory is copied, never served in place: whoever can write to the store must not be able
@@ -19,51 +21,22 @@ reproduce with coreutils (docs/torchserve-archives.md) to write the store's inde
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import stat
 import tarfile
 import zipfile
 import zlib
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
+
+from mariner.server.core.archive_budget import ArchiveLimits, Budget, GzipGuard, check_zip_declared
 
 __all__ = ["ArchiveLimits", "Budget", "archive_stem", "copy_directory", "extract_file", "hoist_single_root"]
 
 _GZIP_MAGIC = b"\x1f\x8b"
-_CHUNK = 1 << 20
 TGZ_SUFFIXES = (".tar.gz", ".tgz")
-
-
-@dataclass(frozen=True)
-class ArchiveLimits:
-    max_members: int = 10_000
-    max_unpacked_bytes: int = 4 << 30
-
-
-class Budget:
-    """What is left of the member count and the unpacked bytes; ValueError once either runs out."""
-
-    def __init__(self, limits: ArchiveLimits) -> None:
-        self._limits = limits
-        self.members = 0
-        self.bytes_left = limits.max_unpacked_bytes
-
-    def member(self) -> None:
-        self.members += 1
-        if self.members > self._limits.max_members:
-            raise ValueError(f"more than the limit of {self._limits.max_members} members")
-
-    def copy(self, src: IO[bytes], dst: IO[bytes], digest: hashlib._Hash | None = None) -> None:
-        # Count real bytes: declared sizes in a hostile archive can lie (zip and gzip bombs).
-        while chunk := src.read(_CHUNK):
-            self.bytes_left -= len(chunk)
-            if self.bytes_left < 0:
-                raise ValueError(f"unpacks to more than the limit of {self._limits.max_unpacked_bytes} bytes")
-            if digest is not None:
-                digest.update(chunk)
-            dst.write(chunk)
 
 
 def archive_stem(path: Path) -> str:
@@ -93,7 +66,7 @@ def extract_file(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
     magic = f.read(2)
     f.seek(0)
     if magic == _GZIP_MAGIC:
-        _extract_tar(f, dest, Budget(limits))
+        _extract_tar(f, dest, limits)
     else:
         _extract_zip(f, dest, limits)
 
@@ -107,6 +80,7 @@ def _extract_zip(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
             check_name(info.filename)
             if stat.S_ISLNK(info.external_attr >> 16):
                 raise ValueError(f"member {info.filename!r} is a symlink")
+        check_zip_declared(infos, limits)  # before a byte is written
         budget = Budget(limits)
         for info in infos:
             target = dest / info.filename
@@ -115,14 +89,17 @@ def _extract_zip(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(info) as src, target.open("wb") as dst:
-                budget.copy(src, dst)
+                budget.copy(src, dst, name=info.filename, declared=info.file_size)
 
 
-def _extract_tar(f: IO[bytes], dest: Path, budget: Budget) -> None:
-    """Stream the tar (`r|gz`: members are read once, in order, never seeked to by a header's
-    offset) and write only regular files and directories, each checked before it is written."""
+def _extract_tar(f: IO[bytes], dest: Path, limits: ArchiveLimits) -> None:
+    """Stream the tar (`r|`: members are read once, in order, never seeked to by a header's
+    offset) out of a guarded gzip stream (`GzipGuard`: capped, ratio-checked) and write only
+    regular files and directories, each checked, its declared size too, before it is written."""
+    budget = Budget(limits)
+    guard = GzipGuard(f, limits)
     try:
-        with tarfile.open(fileobj=f, mode="r|gz") as tf:
+        with tarfile.open(fileobj=guard, mode="r|") as tf:  # type: ignore[call-overload]
             for member in tf:
                 budget.member()
                 check_name(member.name)
@@ -136,15 +113,18 @@ def _extract_tar(f: IO[bytes], dest: Path, budget: Budget) -> None:
                     raise ValueError(
                         f"member {member.name!r} is {kind}; only files and directories are allowed"
                     )
+                budget.declared(member.name, member.size)
                 target = dest / member.name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 src = tf.extractfile(member)
                 if src is None:  # pragma: no cover - isreg() members always have data
                     raise ValueError(f"member {member.name!r} has no data")
                 with src, target.open("wb") as dst:
-                    budget.copy(src, dst)
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+                    budget.copy(src, dst, name=member.name, declared=member.size)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise ValueError(f"not a readable gzip'd tar ({exc})") from exc
+    finally:
+        guard.close()
 
 
 def hoist_single_root(dest: Path) -> Path:
@@ -210,11 +190,12 @@ class _DirectoryCopy:
                 raise ValueError(
                     f"member {rel!r} is not a regular file; only files and directories are allowed"
                 )
+            self.budget.declared(rel, os.fstat(fd).st_size)  # before copying a byte
             digest = hashlib.sha256()
             target = self.dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             with target.open("wb") as dst:
-                self.budget.copy(src, dst, digest)
+                self.budget.copy(src, dst, digest, name=rel)
         self.files.append((os.fsencode(rel), digest.hexdigest()))
 
     def digest(self) -> str:

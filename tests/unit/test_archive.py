@@ -73,8 +73,9 @@ def test_member_count_and_unpacked_size_are_capped(tmp_path: Path) -> None:
     many = make_mar(tmp_path / "many.mar", [(f"f{i}.txt", b"x") for i in range(20)])
     with pytest.raises(ServingError, match="members"):
         open_archive(many, tmp_path / "work", limits=ArchiveLimits(max_members=10))
-    big = make_mar(tmp_path / "big.mar", [("zeros.bin", b"\0" * 200_000)])  # compresses to ~200 bytes
-    with pytest.raises(ServingError, match="unpacks to more"):
+    big = make_mar(tmp_path / "big.mar", [("zeros.bin", b"\0" * 200_000)])
+    # Refused on the size its central directory declares, before a byte is written.
+    with pytest.raises(ServingError, match="declares 200000 bytes unpacked, more than the limit of 100000"):
         open_archive(big, tmp_path / "work", limits=ArchiveLimits(max_unpacked_bytes=100_000))
 
 
