@@ -87,6 +87,8 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
     proto3 sends 0 / "" for unset fields, so only non-zero values override the archive's config.
     Every string field is checked first (no control characters: they reach paths and log lines).
     """
+    if request.model_name:  # first: its message says the rule
+        check_model_name(request.model_name)
     check_params(_strings(request))
     if request.handler:
         raise ServingError(
@@ -110,7 +112,7 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
         initial_workers=request.initial_workers,
     ).given()
     if request.model_name:
-        overrides["name"] = check_model_name(request.model_name)
+        overrides["name"] = request.model_name
     return overrides
 
 

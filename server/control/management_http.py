@@ -174,6 +174,8 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
             if not isinstance(body, dict):
                 raise ServingError(Code.INVALID_ARGUMENT, "register request body must be a JSON object")
             params.update(body)
+        if isinstance(params.get("model_name"), str) and params["model_name"]:
+            check_model_name(params["model_name"])  # before the generic check: its message says the rule
         check_params(params)  # a NUL reached pathlib (a 500), a newline the workers' log lines
         url = params.get("url")
         if isinstance(url, str) and _SCHEME.match(url):

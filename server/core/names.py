@@ -89,7 +89,7 @@ def model_name_problem(name: str) -> str | None:
     return None
 
 
-def check_model_name(name: str, where: str = "model_name") -> str:
+def check_model_name(name: str, where: str = "parameter model_name") -> str:
     """`name` when it is an allowed model name, else ServingError(INVALID_ARGUMENT) naming
     `where` it came from (a parameter, a manifest field, a file name) and the rule."""
     problem = model_name_problem(name)

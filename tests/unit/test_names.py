@@ -56,7 +56,7 @@ def test_bad_names_are_refused_with_the_rule_and_escaped(name: str) -> None:
     assert err.code is Code.INVALID_ARGUMENT
     answer = torchserve_answer(err)
     assert (answer.status, answer.type) == (400, "BadRequestException")
-    assert err.message.startswith("model_name ")
+    assert err.message.startswith("parameter model_name ")
     assert MODEL_NAME_RULE in err.message
     assert "at most 128 characters" in err.message
     assert not any(ch in err.message for ch in "\x00\n\u2028"), "the name is quoted escaped"
