@@ -34,11 +34,13 @@ def _private_metrics_dir(argv: Sequence[str]) -> Path:
 
         with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
             work_dir = (yaml.safe_load(Path(config_file).read_text()) or {}).get("work_dir")
+    from mariner.server.private_dir import check_private, ensure_private_dir
+
     parent = None
     if work_dir:
-        Path(work_dir).mkdir(parents=True, exist_ok=True)
-        parent = work_dir
-    path = Path(tempfile.mkdtemp(prefix="mariner-metrics-", dir=parent))  # mode 0700
+        parent = ensure_private_dir(Path(work_dir))  # ours alone, or start-up is refused
+    path = Path(tempfile.mkdtemp(prefix="mariner-metrics-", dir=parent))  # made 0700 atomically
+    check_private(path, what="metrics dir")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     return path
 
@@ -60,7 +62,13 @@ def _serve(argv: Sequence[str]) -> int:
         from mariner.server.config import build_parser
 
         build_parser().parse_args(["--help"])
-    metrics_dir = _private_metrics_dir(argv)
+    from mariner.server.core.errors import ServingError
+
+    try:
+        metrics_dir = _private_metrics_dir(argv)
+    except ServingError as exc:
+        print(f"mariner serve: {exc.message}", file=sys.stderr)
+        return 2
     try:
         return _supervise(argv)
     finally:

@@ -1,8 +1,10 @@
 """The control channel between the supervisor and one frontend: pickled messages, length-prefixed,
 over a Unix socketpair the frontend inherits (its fd number is on the command line).
 
-Pickle is safe here because both ends are our own processes on a private socketpair: nothing
-else can connect to it. The supervisor sends `FrontendInit` once, then a `ModelTable` at start
+Both ends are our own processes on a socketpair the supervisor made: nothing else can connect
+to it, and the frontend checks that its peer runs as our uid before its first read. Messages are
+still loaded with `safe_pickle` (our value types only), so a frame never runs code. The
+supervisor sends `FrontendInit` once, then a `ModelTable` at start
 and after every change; the frontend answers `Listening` once its listeners are bound,
 `TableApplied` after each table, and `Drained` with its accounting before it exits.
 """
@@ -16,7 +18,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from mariner.server.workers import safe_pickle
 from mariner.server.workers.api import ModelEntry
+from mariner.server.workers.peer import check_peer
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20
@@ -74,13 +78,15 @@ async def receive(reader: asyncio.StreamReader) -> Any | None:
         (size,) = _HEADER.unpack(header)
         if size > MAX_MESSAGE_BYTES:
             raise ValueError(f"control message of {size} bytes is over the limit")
-        return pickle.loads(await reader.readexactly(size))
+        return safe_pickle.loads(await reader.readexactly(size))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
 
 
 def receive_blocking(sock: socket.socket) -> Any | None:
-    """The next message on a blocking socket (the frontend reads its init before its loop runs)."""
+    """The next message on a blocking socket (the frontend reads its init before its loop runs);
+    raises PeerRefused if the other end does not run as our uid."""
+    check_peer(sock, what="control channel")
 
     def exactly(n: int) -> bytes | None:
         buf = bytearray()
@@ -96,4 +102,4 @@ def receive_blocking(sock: socket.socket) -> Any | None:
         return None
     (size,) = _HEADER.unpack(header)
     body = exactly(size)
-    return None if body is None else pickle.loads(body)
+    return None if body is None else safe_pickle.loads(body)

@@ -1,6 +1,10 @@
 """The frontend processes of `mariner serve` and the model table broadcast to them.
 
-Frontends are fresh interpreters (`python -m mariner.server.frontend`), never forks. A frontend
+Frontends are fresh interpreters (`python -m mariner.server.frontend`), never forks, started
+with the supervisor's environment less every secret (the tokens travel in the config over the
+control channel) and SIGKILLed by the kernel the moment the supervisor dies, so an orphan never
+holds the inference ports (`parent_death`; started from the loop's thread, which lives as long
+as the supervisor). A frontend
 that dies is restarted with backoff; one that dies before it ever listened fails the start-up.
 `publish` sends a new model table to every live frontend and waits (bounded) until each one
 applied it, so the supervisor stops a removed worker only after no frontend sends it batches.
@@ -21,7 +25,9 @@ from mariner.server.config import ServerConfig
 from mariner.server.control import channel
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.supervisor.children import Backoff, mark_dead
+from mariner.server.workers import parent_death
 from mariner.server.workers.api import ModelEntry
+from mariner.server.workers.child_env import child_env
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -89,7 +95,8 @@ class FrontendPool:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno()),
-                pass_fds=(child.fileno(),),
+                pass_fds=(child.fileno(),), env=child_env(),
+                preexec_fn=parent_death.preexec_for_this_parent(),
             )  # fmt: skip
         finally:
             child.close()

@@ -40,12 +40,14 @@ from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.types import ModelState
 from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
+from mariner.server.private_dir import ensure_private_dir
 from mariner.server.protocols.grpc_server import bind_port, build_management_server
 from mariner.server.protocols.http_common import json_response
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, GrpcTokenAuth, HttpTokenAuth, grpc_credentials
 from mariner.server.supervisor.frontends import FrontendPool
 from mariner.server.supervisor.ports import reserve_port
 from mariner.server.supervisor.registry import ModelRegistry
+from mariner.server.workers.child_env import forget_secrets
 from mariner.server.workers.process import socket_dir_for
 
 log = logging.getLogger("mariner.supervisor")
@@ -58,13 +60,16 @@ class Supervisor:
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
         self.frontend_count = frontend_count(cfg)
+        # The tokens are in `cfg` now: no child may find them in its environment.
+        forget_secrets((cfg.inference_token, cfg.management_token))
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if cfg.work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="mariner-")
             self.work_dir = Path(self._tmp.name)
         else:
             self.work_dir = cfg.work_dir
-        self.work_dir.mkdir(parents=True, exist_ok=True)
+        # Worker sockets and the handler code workers import live here: ours alone, or refused.
+        ensure_private_dir(self.work_dir)
         # Unix socket paths are limited to 107 bytes: the workers' sockets go where they stay short.
         self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self.work_dir)
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))

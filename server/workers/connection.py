@@ -22,6 +22,7 @@ from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.workers import protocol
 from mariner.server.workers.api import WorkerEndpoint
+from mariner.server.workers.peer import PeerRefused, check_peer
 
 log = logging.getLogger("mariner.worker_connection")
 
@@ -77,7 +78,8 @@ class WorkerConnection:
         self._read_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Connect, retrying briefly while the socket file appears."""
+        """Connect, retrying briefly while the socket file appears, and check that the process
+        listening is the worker the supervisor started (our uid, its pid) before any frame."""
         deadline = time.monotonic() + CONNECT_WAIT_S
         while True:
             try:
@@ -90,6 +92,17 @@ class WorkerConnection:
                         Code.UNAVAILABLE, f"cannot reach the worker of {self.id} (pid {self.pid}): {exc}"
                     ) from exc
                 await asyncio.sleep(0.02)
+        try:
+            check_peer(
+                self._writer.get_extra_info("socket"),
+                what=f"worker socket {self.endpoint.socket_path}",
+                expected_pid=self.pid,
+            )
+        except PeerRefused as exc:
+            self.status = "FAILED"
+            self._writer.close()
+            log.error("%s", exc)
+            raise ServingError(Code.UNAVAILABLE, f"cannot reach the worker of {self.id}: {exc}") from None
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"worker-{self.id}")
         self.status = "READY"
 

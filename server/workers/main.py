@@ -168,7 +168,14 @@ class Worker:
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         from mariner.server.workers import protocol
+        from mariner.server.workers.peer import PeerRefused, check_peer
 
+        try:
+            check_peer(writer.get_extra_info("socket"), what=f"worker {self.spec.id}")
+        except PeerRefused as exc:
+            log.error("worker %s: refusing a connection: %s", self.spec.id, exc)
+            writer.close()
+            return
         conn = _Conn(writer, protocol.SentSegments())
         self._conns.add(conn)
         try:

@@ -7,7 +7,8 @@ mariner.server.workers.main`). A worker placed on a GPU (or required to have one
 fresh interpreter: it initialises CUDA itself, with nothing inherited from a fork. Either way
 it runs in a session of its own (a signal to the parent's process group does not reach it; we
 stop it ourselves, and SIGKILL its whole group), its fd 1 carries exactly one line, the ready
-line, and its stderr is the parent's.
+line, and its stderr is the parent's. Its environment is the supervisor's less every secret
+(`child_env`), and it is SIGKILLed by the kernel when its parent dies (`parent_death`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from pathlib import Path
 
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.workers import zygote
+from mariner.server.private_dir import check_private, make_private_subdir
+from mariner.server.workers import parent_death, zygote
 from mariner.server.workers.api import WorkerEndpoint, WorkerSpec
+from mariner.server.workers.child_env import child_env
 from mariner.server.workers.connection import kill_worker
 from mariner.server.workers.main import EXIT_LOAD_FAILED, spec_to_json
 
@@ -47,7 +50,8 @@ class WorkerProcess:
 
     def __init__(self, spec: WorkerSpec, *, env: Mapping[str, str] | None = None) -> None:
         self._spec = spec
-        self._env = dict(os.environ if env is None else env)
+        # Handler code reads its environment: no token may be in it.
+        self._env = child_env(os.environ if env is None else env)
         self._proc: subprocess.Popen[bytes] | None = None  # spawned
         self._forked: zygote.ZygoteChild | None = None  # forked by the zygote
         self._endpoint: WorkerEndpoint | None = None
@@ -169,6 +173,7 @@ class WorkerProcess:
             env=self._env,
             start_new_session=True,
             close_fds=True,
+            preexec_fn=parent_death.preexec_for_this_parent(),
         )
         proc = self._proc
         assert proc.stdin is not None
@@ -271,13 +276,14 @@ def _describe_exit(code: int) -> str:
 
 
 def socket_dir_for(work_dir: Path) -> tuple[Path, bool]:
-    """Where worker sockets go: under the work dir when the path stays short, else a private dir
-    under /tmp (Unix socket paths must be < 108 bytes). Returns (dir, whether it is a temp dir)."""
+    """Where worker sockets go: under the (private) work dir when the path stays short, else a
+    private dir under /tmp (Unix socket paths must be < 108 bytes). Either is made 0700 and
+    checked (ours, no group/other access). Returns (dir, whether it is a temp dir)."""
     candidate = work_dir / "sockets"
     if len(str(candidate)) + 40 <= MAX_SOCKET_PATH:
-        candidate.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return candidate, False
-    return Path(tempfile.mkdtemp(prefix="mrnr-")), True
+        return make_private_subdir(work_dir, "sockets", what="worker socket dir"), False
+    made = Path(tempfile.mkdtemp(prefix="mrnr-"))  # created 0700 atomically, a fresh name
+    return check_private(made, what="worker socket dir"), True
 
 
 def socket_path_for(socket_dir: Path, model: str, version: str, instance: int, generation: int) -> str:

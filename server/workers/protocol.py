@@ -8,8 +8,10 @@ there are none) names them in order. The receiver copies each segment out and un
 segment lives only between send and receive; a sender unlinks what it sent on a connection that
 closed (the peer will never read it), so no segment outlives a dead connection.
 
-Pickle is safe here because both ends are processes of the same server started by it, on a
-socket in a private directory: no untrusted peer can connect.
+Both ends are processes of the same server, on a socket in a private directory; each end also
+checks its peer's credentials (`peer.py`) before reading a frame. Frames are still loaded with
+`safe_pickle`, which builds only the protocol's value types: a peer that is not ours, or a
+handler's result that names a callable, fails that message instead of running code.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.workers import safe_pickle
+from mariner.server.workers.peer import PeerRefused, check_peer
 
 # Buffers this large or larger travel through shared memory instead of the socket.
 SHM_THRESHOLD = 256 * 1024
@@ -201,7 +205,13 @@ def encode(msg: Any) -> tuple[bytes, list[ShmRef]]:
 
 
 def decode(header: bytes, body: bytes) -> Any:
-    refs: Sequence[ShmRef] = pickle.loads(header) if header else ()
+    """The message of one frame; FrameError if it is not one of ours (see `safe_pickle`)."""
+    try:
+        refs: Sequence[ShmRef] = safe_pickle.loads(header) if header else ()
+    except Exception as exc:  # noqa: BLE001 - whatever a bad header raises, the frame is refused
+        raise FrameError(f"bad frame header: {exc}") from None
+    if not all(isinstance(r, ShmRef) for r in refs):
+        raise FrameError("bad frame header: it names something other than shared-memory segments")
     buffers = []
     try:
         for ref in refs:
@@ -209,7 +219,10 @@ def decode(header: bytes, body: bytes) -> Any:
     finally:
         # A segment that could not be read must still not outlive this frame.
         unlink_segments(r.name for r in refs[len(buffers) + 1 :])
-    return pickle.loads(body, buffers=buffers)
+    try:
+        return safe_pickle.loads(body, buffers=buffers)
+    except Exception as exc:  # noqa: BLE001 - a refused or broken pickle fails this message only
+        raise FrameError(f"bad frame: {exc}") from None
 
 
 async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_FRAME) -> Any:
@@ -270,6 +283,7 @@ async def ask_describe(socket_path: str, request: InferRequest, timeout_s: float
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_unix_connection(socket_path)
             try:
+                check_peer(writer.get_extra_info("socket"), what=f"worker socket {socket_path}")
                 await write_message(writer, Describe(0, request))
                 answer = await read_message(reader)
             finally:
@@ -278,7 +292,7 @@ async def ask_describe(socket_path: str, request: InferRequest, timeout_s: float
         raise ServingError(
             Code.DEADLINE_EXCEEDED, f"the handler did not describe the model within {timeout_s:g} s"
         ) from None
-    except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
+    except (OSError, asyncio.IncompleteReadError, FrameError, PeerRefused) as exc:
         raise ServingError(Code.UNAVAILABLE, f"the model's worker could not be asked: {exc}") from None
     if not isinstance(answer, Result) or answer.id != 0:
         raise ServingError(Code.INTERNAL, "the model's worker answered a describe call with something else")

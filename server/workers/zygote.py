@@ -56,6 +56,7 @@ PRELOAD = (
     "mariner.server.core.runner",
     "mariner.server.workers.protocol",
     "mariner.server.workers.main",
+    "mariner.server.workers.parent_death",
 )
 
 
@@ -111,7 +112,10 @@ class ZygoteClient:
     forked worker's exit status (a reader thread, so it serves any event loop)."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = dict(env)
+        from mariner.server.workers import parent_death
+        from mariner.server.workers.child_env import child_env
+
+        self.env = child_env(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         try:
@@ -124,6 +128,7 @@ class ZygoteClient:
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # a Ctrl-C to the supervisor's group does not reach it
                 close_fds=True,
+                preexec_fn=parent_death.preexec_for_this_parent(),  # dies with the supervisor
             )
         finally:
             theirs.close()
@@ -154,7 +159,9 @@ class ZygoteClient:
                 raise ZygoteUnavailable(f"zygote {self.pid} is gone")
             req = self._next_req = self._next_req + 1
             self._pending[req] = fut
-        msg = json.dumps({"op": "fork", "req": req, "spec": spec_json, "env": dict(env), "cwd": cwd})
+        from mariner.server.workers.child_env import child_env
+
+        msg = json.dumps({"op": "fork", "req": req, "spec": spec_json, "env": child_env(env), "cwd": cwd})
         try:
             with self._send_lock:
                 socket.send_fds(self._sock, [msg.encode()], [ready_w, 2])

@@ -32,6 +32,13 @@ def serve(fd: int) -> int:
     import selectors
 
     sock = socket.socket(fileno=fd)
+    from mariner.server.workers.peer import PeerRefused, check_peer
+
+    try:  # a socketpair's peer is the process that made it: our parent, the supervisor
+        check_peer(sock, what="zygote control socket", expected_pid=os.getppid())
+    except PeerRefused as exc:
+        to_stderr(str(exc))
+        return 1
     # `-m` put the supervisor's cwd first on sys.path: workers must not import from it.
     if sys.path and sys.path[0] in ("", ".", os.getcwd()):
         del sys.path[0]
@@ -73,6 +80,7 @@ def serve(fd: int) -> int:
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
+                zygote_pid = os.getpid()
                 try:
                     pid = os.fork()
                 except OSError as exc:
@@ -83,7 +91,7 @@ def serve(fd: int) -> int:
                 if pid == 0:
                     sel.close()
                     sock.detach()  # its fd is closed below with the rest; never close it twice
-                    _become_worker(request, fds)  # never returns
+                    _become_worker(request, fds, zygote_pid)  # never returns
                 for received in fds:
                     os.close(received)
                 children.add(pid)
@@ -107,10 +115,13 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+def _become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
     """In the forked child: turn into what a freshly spawned worker is, run it, exit."""
     code = 1
     try:
+        from mariner.server.workers import parent_death
+
+        parent_death.arm(zygote_pid)  # the zygote (single-threaded) going means the server went
         os.setsid()  # its own group: kill() SIGKILLs the worker and whatever it started
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
