@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 # The variables that carry secrets: bearer tokens (MARINER_* as for every setting) and
 # TorchServe's keystore password (refused as key material, never to be handed on either).
 SECRET_ENV_NAMES = frozenset({"MARINER_INFERENCE_TOKEN", "MARINER_MANAGEMENT_TOKEN", "TS_KEYSTORE_PASS"})
+MIN_MATCHED_SECRET = 8
 # Secret values loaded by this process; no child's variable may hold one. Set once at start-up.
 _secret_values: set[str] = set()
 
@@ -25,9 +26,11 @@ def forget_secrets(values: Iterable[str | None] = ()) -> None:
     remember `values` (comma-separated token lists are split) so `child_env` drops any other
     variable that carries one."""
     for value in values:
-        if value:
-            _secret_values.update(t.strip() for t in value.split(",") if len(t.strip()) >= 4)
-            _secret_values.add(value)
+        # Only values long enough to be told apart from ordinary text: a one-letter "token"
+        # would strip every variable holding that letter (its variable is dropped by name).
+        for token in (value or "", *(value or "").split(",")):
+            if len(token.strip()) >= MIN_MATCHED_SECRET:
+                _secret_values.add(token.strip())
     for name in list(os.environ):
         if _is_secret(name, os.environ[name]):
             del os.environ[name]
