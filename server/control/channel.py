@@ -12,6 +12,7 @@ and after every change; the frontend answers `Listening` once its listeners are 
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
 import socket
 import struct
@@ -21,6 +22,8 @@ from typing import Any
 from mariner.server.workers import safe_pickle
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.peer import check_peer
+
+log = logging.getLogger("mariner.control_channel")
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 << 20
@@ -72,15 +75,19 @@ async def send(writer: asyncio.StreamWriter, message: object) -> None:
 
 
 async def receive(reader: asyncio.StreamReader) -> Any | None:
-    """The next message, or None when the other end has gone (EOF)."""
-    try:
-        header = await reader.readexactly(_HEADER.size)
-        (size,) = _HEADER.unpack(header)
-        if size > MAX_MESSAGE_BYTES:
-            raise ValueError(f"control message of {size} bytes is over the limit")
-        return safe_pickle.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
+    """The next message, or None when the other end has gone (EOF). A message `safe_pickle`
+    refuses is logged and skipped: it fails alone, the channel goes on."""
+    while True:
+        try:
+            header = await reader.readexactly(_HEADER.size)
+            (size,) = _HEADER.unpack(header)
+            if size > MAX_MESSAGE_BYTES:
+                raise ValueError(f"control message of {size} bytes is over the limit")
+            return safe_pickle.loads(await reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        except safe_pickle.UnsafePickle as exc:
+            log.error("control channel: a message was refused: %s", exc)
 
 
 def receive_blocking(sock: socket.socket) -> Any | None:
