@@ -24,11 +24,14 @@ from mariner.server.core.batcher import Batcher
 from mariner.server.core.batching import BatchPolicy, BatchRunner
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import (
+    REGISTER_CALL,
+    LayerSource,
     ModelSettings,
     ServerLayers,
     SettingsOverrides,
     archive_overrides,
     resolve_model_settings,
+    worker_count_origin,
 )
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.token_cost import TokenCounter, load_token_counter
@@ -77,15 +80,7 @@ def resolve_model(
     with the field named.
     """
     settings = resolve_model_settings(
-        SettingsOverrides(max_queue=default_max_queue),
-        *layers.for_model(
-            archive.name,
-            archive.version,
-            archive.path.name,
-            archive_overrides(archive.model_config, archive.path.name),
-            startup=spec.loaded_at_startup,
-        ),
-        spec.overrides,
+        *(layer for _, layer in _named_layers(archive, spec, default_max_queue, layers))
     )
     load_token_counter(archive.model_config, archive.path.name, archive.model_dir)  # refuses a bad one
     try:
@@ -94,6 +89,31 @@ def resolve_model(
         msg = f"archive {archive.path.name}: bad signature: {exc}"
         raise ServingError(Code.INVALID_ARGUMENT, msg) from exc
     return settings, signature
+
+
+def _named_layers(
+    archive: ModelArchive, spec: ModelSpec, default_max_queue: int | None, layers: ServerLayers
+) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
+    """Every layer of a version's settings, lowest first, with where each comes from."""
+    return (
+        (None, SettingsOverrides(max_queue=default_max_queue)),
+        *layers.named_for_model(
+            archive.name,
+            archive.version,
+            archive.path.name,
+            archive_overrides(archive.model_config, archive.path.name),
+            startup=spec.loaded_at_startup,
+        ),
+        (REGISTER_CALL if not spec.loaded_at_startup else None, spec.overrides),
+    )
+
+
+def resolve_worker_origin(
+    archive: ModelArchive, spec: ModelSpec, *, default_max_queue: int | None, layers: ServerLayers
+) -> LayerSource | None:
+    """Where a version's worker count (minWorkers) was set, for the worker budget's refusal
+    (see `model_settings.worker_count_origin`); None for the built-in default count."""
+    return worker_count_origin(_named_layers(archive, spec, default_max_queue, layers))
 
 
 class ServingMetrics(Protocol):

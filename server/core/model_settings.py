@@ -32,7 +32,7 @@ number.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -265,14 +265,59 @@ class ServerLayers:
         built-in workers, `default_*`, `models={...}`, the archive, flags. The register call's
         layer goes on top. `startup`: the model is loaded at start-up (TorchServe's default
         worker count) rather than registered later (one worker)."""
+        return tuple(
+            layer for _, layer in self.named_for_model(name, version, archive_file, archive, startup=startup)
+        )
+
+    def named_for_model(
+        self,
+        name: str,
+        version: str,
+        archive_file: str,
+        archive: SettingsOverrides = SettingsOverrides(),
+        *,
+        startup: bool = True,
+    ) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
+        """`for_model`'s layers, each with where it comes from (None: the built-in defaults), so
+        a limit on a setting can name the place its value was set (`worker_count_origin`)."""
         workers = self.startup_workers if startup else 1
         return (
-            SettingsOverrides(min_workers=workers, max_workers=workers),
-            self.defaults,
-            self.models_entry(name, version, archive_file),
-            archive,
-            self.flags,
+            (None, SettingsOverrides(min_workers=workers, max_workers=workers)),
+            (LayerSource("default_workers_per_model", "default_workers_per_model"), self.defaults),
+            (
+                LayerSource("minWorkers", self._source(name, version)),
+                self.models_entry(name, version, archive_file),
+            ),
+            (LayerSource("minWorkers", f"the model-config of {archive_file}"), archive),
+            (LayerSource("min_workers", FLAGS_SOURCE), self.flags),
         )
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """Where a settings layer comes from, as a limit's refusal names it: `worker_key` is the
+    name its worker count is given under there, `source` the place."""
+
+    worker_key: str
+    source: str
+
+
+# The register call's layer (REST POST /models, gRPC RegisterModel): its count is initial_workers.
+REGISTER_CALL = LayerSource("initial_workers", "the register call")
+FLAGS_SOURCE = "the server's flags, MARINER_* environment or config file"
+
+
+def worker_count_origin(
+    named: Sequence[tuple[LayerSource | None, SettingsOverrides]],
+) -> LayerSource | None:
+    """Which layer decided the worker count (minWorkers): the highest one that gives it, lowest
+    first as `named_for_model` lists them; None when only the built-in default does (one per
+    GPU or core at start-up, one for a register call without initial_workers)."""
+    origin: LayerSource | None = None
+    for source, layer in named:
+        if layer.min_workers is not None:
+            origin = source
+    return origin
 
 
 def _misspelt(key: str) -> str | None:

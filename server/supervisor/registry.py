@@ -22,24 +22,32 @@ from mariner.server.config import ServerConfig, server_layers
 from mariner.server.control.metrics import Metrics, MultiprocessMetrics
 from mariner.server.core.archive import UNLISTED, ArchiveLimits, ModelArchive, open_archive, resolve_in_store
 from mariner.server.core.dataplane import require_management, resolve_version, version_ready
-from mariner.server.core.endpoint import ModelSpec, resolve_model
+from mariner.server.core.endpoint import ModelSpec, resolve_model, resolve_worker_origin
 from mariner.server.core.entry_point import with_envelope
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
-from mariner.server.core.model_settings import SettingsOverrides
+from mariner.server.core.model_settings import LayerSource, ModelSettings, SettingsOverrides
 from mariner.server.core.types import InferResult, ModelInfo, ModelState, WireProtocol
 from mariner.server.supervisor.devices import allocator
 from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
+from mariner.server.supervisor.worker_budget import (
+    FORKED_WORKER_BASE,
+    Ask,
+    Limits,
+    VersionUse,
+    WorkerBudget,
+    archive_estimate,
+)
 from mariner.server.supervisor.worker_pool import WorkerPool
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.protocol import ask_describe, describe_request
 
 log = logging.getLogger("mariner.supervisor")
 
-# Scaling needs no model management (as in TorchServe), so one call must not be able to start
-# an unbounded number of processes: each worker holds a copy of the model.
-MAX_SCALE_WORKERS = 64
+# Where a count nobody set comes from, as a refusal names it (see `_admit`).
+BUILT_IN_WORKERS = "the built-in default: one worker per GPU, else per CPU core"
+REGISTER_DEFAULT_WORKERS = "the register call's default of one worker"
 
 
 class ModelRegistry:
@@ -72,6 +80,8 @@ class ModelRegistry:
         self._failed = FailedModels()  # asked for at start-up, refused (see core.failed_models)
         self._registering: set[tuple[str, str]] = set()  # not part of readiness until registered
         self._background: set[asyncio.Task[None]] = set()  # asynchronous registers still starting
+        # Every count of workers asked for (start-up, register, scale) is admitted here, once.
+        self.budget = WorkerBudget(Limits.from_config(cfg))
         self._workers = WorkerPool(
             cfg.torch_threads,
             socket_dir,
@@ -80,6 +90,7 @@ class ModelRegistry:
             worker_count=lambda: sum(len(v.instances) for v in self._every()),
             draining=lambda: self.draining,
             require_gpu=cfg.require_gpu,
+            budget=self.budget,
         )
         self._layers = server_layers(cfg, gpus=allocator().count)  # default: a worker per GPU, else core
         self._limits = ArchiveLimits()
@@ -125,13 +136,98 @@ class ModelRegistry:
             settings, signature = resolve_model(
                 archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
             )
+            origin = resolve_worker_origin(
+                archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
+            )
+            estimate = archive_estimate(archive.model_dir, spawned=self._workers.spawns(settings))
+            settings = self._admit(archive.name, archive.version, settings, origin, estimate, spec)
         except BaseException:
             shutil.rmtree(archive.model_dir, ignore_errors=True)
             raise
-        v = Version(archive, spec, settings, signature)
+        v = Version(archive, spec, settings, signature, worker_estimate=estimate)
         self._versions.setdefault(archive.name, {})[archive.version] = v
         self._defaults.setdefault(archive.name, archive.version)
         return v
+
+    # -- the worker budget ----------------------------------------------------------------------
+    def _uses(self) -> list[VersionUse]:
+        """Every version's worker slots as the budget counts them: the live ones, or its
+        minWorkers while they are still to be added (start-up adds them after every archive
+        is opened)."""
+        uses = []
+        for v in self._every():
+            live = v.live_instances()
+            ready = tuple(
+                i.process.pid
+                for i in live
+                if i.status == "READY" and i.process is not None and i.process.pid is not None
+            )
+            loading = tuple(
+                i.process.pid if i.process is not None else None for i in live if i.status != "READY"
+            )
+            missing = max(0, v.settings.min_workers - len(live))
+            uses.append(
+                VersionUse(
+                    (v.name, v.version),
+                    slots=len(live) + missing,
+                    ready=ready,
+                    loading=loading + (None,) * missing,
+                    estimate=v.worker_estimate or FORKED_WORKER_BASE,
+                )
+            )
+        return uses
+
+    def _admit(
+        self,
+        name: str,
+        version: str,
+        settings: ModelSettings,
+        origin: LayerSource | None,
+        estimate: int,
+        spec: ModelSpec,
+    ) -> ModelSettings:
+        """A new version's worker count, through the budget: a count someone set (the archive,
+        models=, default_workers_per_model, a flag, initial_workers) is refused when over it
+        (INVALID_ARGUMENT naming the cap and the numbers); the built-in default (one per GPU or
+        core) is lowered to what fits instead, with a warning, and refused only when not even one
+        worker fits."""
+        source = (
+            origin.source
+            if origin
+            else (BUILT_IN_WORKERS if spec.loaded_at_startup else REGISTER_DEFAULT_WORKERS)
+        )
+        ask = Ask(
+            name,
+            version,
+            settings.min_workers,
+            what=origin.worker_key if origin else "minWorkers",
+            source=source,
+            estimate=estimate,
+        )
+        uses = self._uses()
+        if origin is not None:
+            self.budget.check(ask, uses)
+            return settings
+        n, why = self.budget.fit(ask, uses)
+        if n < 1:
+            raise ServingError(Code.INVALID_ARGUMENT, why or f"no worker of model {name} fits")
+        if n < settings.min_workers:
+            log.warning("model %s version %s: starting %d workers instead of %d: %s", name, version, n,
+                        settings.min_workers, why)  # fmt: skip
+            max_workers = n if settings.max_workers == settings.min_workers else max(n, settings.max_workers)
+            settings = dataclasses.replace(settings, min_workers=n, max_workers=max_workers)
+        return settings
+
+    def _check_scale(self, v: Version, min_workers: int) -> None:
+        ask = Ask(
+            v.name,
+            v.version,
+            min_workers,
+            current=len(v.live_instances()),
+            what="min_worker",
+            estimate=v.worker_estimate or FORKED_WORKER_BASE,
+        )
+        self.budget.check(ask, self._uses())
 
     async def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
         """Check and unpack every archive; a bad one is logged in one line and kept as a FAILED
@@ -160,7 +256,9 @@ class ModelRegistry:
         """Start every version's minWorkers at once; they load in parallel."""
         for v in versions:
             v.t0 = time.perf_counter()
-            self._workers.add(v, v.settings.min_workers)
+            missing = v.settings.min_workers - len(v.live_instances())  # a scale may have come first
+            if missing > 0 and not v.removed:
+                self._workers.add(v, missing)
 
     async def close(self, grace: float) -> None:
         """Stop every worker (after the frontends have drained) and remove unpacked archives."""
@@ -168,7 +266,9 @@ class ModelRegistry:
         for task in list(self._background):
             task.cancel()
         every = self._every()
-        await self._workers.stop([i for v in every for i in v.instances.values()], grace)
+        await self._workers.stop(
+            [i for v in every for i in v.instances.values()], grace, why="the server is shutting down"
+        )
         for v in every:
             shutil.rmtree(v.archive.model_dir, ignore_errors=True)
 
@@ -266,12 +366,16 @@ class ModelRegistry:
         self, archive_name: str, *, synchronous: bool = True, **overrides: Any
     ) -> list[ModelInfo]:
         """Open, check and start one archive; all or nothing: when any step fails, nothing of it
-        is left (no version, no worker, no unpacked directory) and readiness is as before.
+        is left (no version, no worker, no unpacked directory) and readiness is as before. A
+        worker count over the budget is refused before any worker starts.
 
         With `synchronous=False` (TorchServe's `synchronous=false`) the archive is still opened
         and checked before this returns (a bad or duplicate archive is refused to the caller),
         but the workers' start is awaited in the background; a failure there removes the
-        version and is logged, as TorchServe unregisters a model whose workers failed."""
+        version and is logged, as TorchServe unregisters a model whose workers failed.
+
+        The version's lifecycle lock is held until its workers' first starts ended (a scale of
+        it waits); an unregister meanwhile stops them and this answers that it was unregistered."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         spec = ModelSpec(
@@ -280,51 +384,77 @@ class ModelRegistry:
         archive = await self._unpack(spec)
         await self._requirements(archive)
         v = self._install(archive, spec)
+        # A new version's lock is free: taken without a wait, so nothing runs in between.
+        await v.lifecycle.acquire()
         self._registering.add((v.name, v.version))
+        try:
+            added = self._workers.add(v, v.settings.min_workers)
+        except BaseException:
+            self._registering.discard((v.name, v.version))
+            v.lifecycle.release()
+            await self._remove(v)
+            raise
         if not synchronous:
-            task = asyncio.create_task(self._start_in_background(v))
+            task = asyncio.create_task(self._start_in_background(v, added))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return [self._info(v)]
-        await self._start_registered(v)
+        await self._start_registered(v, added)
         return [self._info(v)]
 
-    async def _start_registered(self, v: Version) -> None:
-        """Start a just-installed version's workers; on failure remove all of it and raise."""
+    async def _start_registered(self, v: Version, added: Sequence[Instance]) -> None:
+        """Wait for a just-installed version's first starts; on failure remove all of it and
+        raise. Releases the version's lifecycle lock `register` took."""
         try:
-            added = self._workers.add(v, v.settings.min_workers)
-            await self._changed()
-            await self._await_first(added)
-        except BaseException:
-            await self._remove(v)
-            raise
+            try:
+                await self._changed()
+                await self._await_first(added)
+            except BaseException:
+                await self._remove(v)
+                raise
         finally:
             self._registering.discard((v.name, v.version))
+            v.lifecycle.release()
         # A fixed archive registered under a name that failed at start-up supersedes that failure.
         if self._failed.clear(v.name):
             await self._changed()
 
-    async def _start_in_background(self, v: Version) -> None:
+    async def _start_in_background(self, v: Version, added: Sequence[Instance]) -> None:
         """An asynchronous register's second half: nobody waits for it, so a failure is logged."""
         try:
-            await self._start_registered(v)
+            await self._start_registered(v, added)
         except Exception as exc:
             why = exc.message if isinstance(exc, ServingError) else repr(exc)
             log.error("model %s version %s failed to start after registering: %s", v.name, v.version, why)
 
-    async def _remove(self, v: Version) -> None:
+    async def _remove(self, v: Version, why: str | None = None) -> None:
+        """Stop serving `v`: out of the table first (frontends stop sending it batches and
+        answer what they accepted), then its workers drain and stop, then its files go. Once
+        only: a second call (a register failing because of an unregister) returns at once."""
+        if v.removed:
+            return
+        v.removed = True
         versions = self._versions.get(v.name, {})
-        versions.pop(v.version, None)
-        if not versions:
-            self._versions.pop(v.name, None)
-            self._defaults.pop(v.name, None)
-        elif self._defaults.get(v.name) == v.version:
-            self._defaults[v.name] = next(iter(versions))
+        if versions.get(v.version) is v:
+            versions.pop(v.version)
+            if not versions:
+                self._versions.pop(v.name, None)
+                self._defaults.pop(v.name, None)
+            elif self._defaults.get(v.name) == v.version:
+                self._defaults[v.name] = next(iter(versions))
         await self._changed()  # frontends stop sending it batches before its workers stop
-        await self._workers.stop(list(v.instances.values()), v.settings.response_timeout_s)
+        await self._workers.stop(
+            list(v.instances.values()),
+            v.settings.response_timeout_s,
+            drain=True,
+            why=why or f"model {v.name} version {v.version} was unregistered",
+        )
+        self.budget.forget((v.name, v.version))
         shutil.rmtree(v.archive.model_dir, ignore_errors=True)
 
     async def unregister(self, model: str, version: str | None = None) -> None:
+        """Stop serving a version at once: it does not wait for a register or scale of it in
+        progress (their workers still starting are stopped and they answer so)."""
         self._require_management("model unregistration")
         served = self._versions.get(model, {})
         if self._failed.of_model(model, version) and (not served or (version and version not in served)):
@@ -355,32 +485,54 @@ class ModelRegistry:
         """Start or stop worker processes until the version has `min_workers` of them.
 
         Allowed without model management, as in TorchServe: it loads no new code, only more or
-        fewer processes of an archive already served."""
-        if not 1 <= min_workers <= MAX_SCALE_WORKERS:
-            raise ServingError(
-                Code.INVALID_ARGUMENT,
-                f"min_worker must be between 1 and {MAX_SCALE_WORKERS}, got {min_workers}",
-            )
+        fewer processes of an archive already served; the worker budget bounds how many (checked
+        before any wait, so an asynchronous scale's refusal is still its caller's answer, and
+        again once it is this version's turn). One change of a version at a time: a scale waits
+        for the register or scale before it. Scaling down drains each worker it stops: out of
+        the table first, then its frontends' batches there are answered, then it stops."""
+        if min_workers < 1:
+            raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
         v = self.resolve(model, version)
-        live = v.live_instances()
-        v.settings = dataclasses.replace(v.settings, min_workers=min_workers, max_workers=max_workers)
-        if min_workers > len(live):
-            added = self._workers.add(v, min_workers - len(live))
-            await self._changed()
-            try:
-                await self._await_first(added)
-            except BaseException:
-                await self._workers.stop(added, 1.0)
-                for inst in added:
+        self._check_scale(v, min_workers)
+        async with v.lifecycle:
+            if v.removed:
+                raise ServingError(
+                    Code.NOT_FOUND,
+                    f"model {v.name} version {v.version} was unregistered while this scale waited",
+                )
+            live = v.live_instances()
+            if min_workers > len(live):
+                self._check_scale(v, min_workers)  # what changed while it waited
+            before = v.settings
+            v.settings = dataclasses.replace(v.settings, min_workers=min_workers, max_workers=max_workers)
+            if min_workers > len(live):
+                added = self._workers.add(v, min_workers - len(live))
+                await self._changed()
+                try:
+                    await self._await_first(added)
+                except BaseException:
+                    if not v.removed:
+                        v.settings = before
+                    await self._workers.stop(
+                        added, 1.0, why=f"model {v.name} version {v.version}'s scale to {min_workers} failed"
+                    )
+                    for inst in added:
+                        v.instances.pop(inst.index, None)
+                    await self._changed()
+                    raise
+            elif min_workers < len(live):
+                # Workers not serving (loading, failed) go first, then the newest.
+                gone = sorted(live, key=lambda i: (i.status == "READY", -i.index))[: len(live) - min_workers]
+                for inst in gone:
+                    inst.retire()
+                await self._changed()  # frontends stop sending them batches first
+                await self._workers.stop(
+                    gone,
+                    v.settings.response_timeout_s,
+                    drain=True,
+                    why=f"model {v.name} version {v.version} was scaled down to {min_workers}",
+                )
+                for inst in gone:
                     v.instances.pop(inst.index, None)
                 await self._changed()
-                raise
-        elif min_workers < len(live):
-            gone = live[min_workers:]
-            for inst in gone:
-                inst.retired = True
-            await self._changed()  # frontends stop sending them batches first
-            await self._workers.stop(gone, v.settings.response_timeout_s)
-            for inst in gone:
-                v.instances.pop(inst.index, None)
         log.info("model %s version %s scaled to %d workers", v.name, v.version, min_workers)

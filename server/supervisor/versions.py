@@ -31,6 +31,13 @@ class Instance:
     retired: bool = False
     task: asyncio.Task[None] | None = None
     first: asyncio.Future[None] | None = None  # the first start's outcome
+    # Set when the slot is retired: its task stops waiting (a backoff, a start) at once.
+    retired_event: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    def retire(self) -> None:
+        """No new process for this slot, and none of its waits goes on (see WorkerPool)."""
+        self.retired = True
+        self.retired_event.set()
 
 
 @dataclass
@@ -45,6 +52,13 @@ class Version:
     ever_ready: bool = False
     load_seconds: float | None = None
     t0: float = field(default_factory=time.perf_counter)
+    # One lifecycle change at a time (register's start, scale): a change waits for the one
+    # before it. Unregister does not wait: it sets `removed` and stops every slot, which ends
+    # a change in progress (its slots' first starts fail) and refuses the ones waiting.
+    lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    removed: bool = False
+    # What one worker is expected to cost before one is measured (worker_budget.archive_estimate).
+    worker_estimate: int = 0
 
     @property
     def name(self) -> str:

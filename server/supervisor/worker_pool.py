@@ -1,10 +1,25 @@
 """The model worker processes: start each version's worker slots, restart a worker that exits
-(with backoff), stop them. Which slots exist is the registry's call; this keeps them running."""
+(with backoff), stop them. Which slots exist is the registry's call; this keeps them running.
+
+Nothing a slot meets may end the supervisor: a start that fails in any way (the worker's own
+refusal, a fork or thread the machine cannot create: OSError, RuntimeError("can't start new
+thread"), MemoryError...) fails that start (the slot is FAILED, its first start's future says
+why) and is retried with backoff; anything else a slot's task raises is logged and reflected
+the same way, never left to end the task silently.
+
+Stopping a slot never leaves its process behind, whatever the slot is doing: a slot's task is
+not cancelled while it creates a process (a fork the zygote made after the caller went away
+would be an orphan); `stop` retires the slot, kills the process as soon as it exists, and
+waits (bounded) until the slot's task has ended. A ready worker is drained first when asked
+(`drain`): once the frontends follow a table without it they close their connections to it
+after the batch they run, and only then is it sent SIGTERM.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import time
@@ -12,14 +27,68 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from mariner.server.control.metrics import Metrics
-from mariner.server.core.errors import ServingError
-from mariner.server.supervisor.children import Backoff, mark_dead
+from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.model_settings import ModelSettings
+from mariner.server.supervisor.children import MAX_BACKOFF_S, Backoff, mark_dead
 from mariner.server.supervisor.devices import allocator, device_ids_of
 from mariner.server.supervisor.versions import Instance, Version
+from mariner.server.supervisor.worker_budget import WorkerBudget
 from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import worker_spec
+from mariner.server.workers.process import START_ENV, worker_spec
 
 log = logging.getLogger("mariner.supervisor")
+
+DRAIN_POLL_S = 0.02  # how often a draining worker's connections are counted
+DRAIN_FALLBACK_S = 0.5  # the wait when they cannot be counted (no /proc/net/unix)
+MIN_STOP_GRACE_S = 1.0  # SIGTERM to SIGKILL, at least, after a drain that took the whole grace
+KILL_WAIT_S = 10.0  # for a SIGKILLed process to be reaped
+STOP_SLACK_S = 10.0  # past the grace, for a slot's task to end before it is cancelled
+_RESOURCE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+
+
+def unix_connections(socket_path: str, table: str = "/proc/net/unix") -> int | None:
+    """How many connections a worker's listening socket has accepted and still holds (the
+    frontends', the supervisor's describe): lines of /proc/net/unix on that path that are not
+    the listening socket itself. None when the table cannot be read."""
+    try:
+        with open(table, "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    count = 0
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 8 or parts[7] != socket_path:
+            continue
+        try:
+            listening = int(parts[3], 16) & 0x10000  # __SO_ACCEPTCON
+        except ValueError:
+            continue
+        if not listening:
+            count += 1
+    return count
+
+
+def _alive(proc: object) -> bool:
+    return proc is not None and proc.pid is not None and proc.returncode is None  # type: ignore[attr-defined]
+
+
+def start_error(v: Version, exc: BaseException) -> ServingError:
+    """A failed start as what a register or scale waiting on it answers: the worker's own
+    ServingError as it is; a resource the machine lacks (memory, a thread, a process) as
+    RESOURCE_EXHAUSTED; anything else as INTERNAL. Either names the exception."""
+    if isinstance(exc, ServingError):
+        return exc
+    resource = (
+        isinstance(exc, MemoryError)
+        or (isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS)
+        or (isinstance(exc, RuntimeError) and "thread" in str(exc))
+    )
+    return ServingError(
+        Code.RESOURCE_EXHAUSTED if resource else Code.INTERNAL,
+        f"model {v.name} version {v.version}: its worker process could not be started: "
+        f"{type(exc).__name__}: {exc}",
+    )
 
 
 class WorkerPool:
@@ -28,6 +97,7 @@ class WorkerPool:
     `on_change` is awaited whenever a worker became ready, failed or exited (what frontends must
     learn); `worker_count` is the number of slots server-wide, over which the cores are shared
     when `--torch-threads` is not given; `draining` says the server is shutting down (no restart).
+    `budget`, when given, measures every worker once it is ready (worker_budget).
     """
 
     def __init__(
@@ -39,6 +109,7 @@ class WorkerPool:
         worker_count: Callable[[], int],
         draining: Callable[[], bool],
         require_gpu: bool = False,
+        budget: WorkerBudget | None = None,
     ) -> None:
         self._torch_threads_flag = torch_threads
         self._socket_dir = socket_dir
@@ -47,6 +118,7 @@ class WorkerPool:
         self._worker_count = worker_count
         self._draining = draining
         self._require_gpu = require_gpu
+        self._budget = budget
 
     def _torch_threads(self) -> int:
         if self._torch_threads_flag:
@@ -70,6 +142,13 @@ class WorkerPool:
         model asked for the CPU)."""
         return v.settings.device_type == "gpu" or (self._require_gpu and v.settings.device_type != "cpu")
 
+    def spawns(self, settings: ModelSettings) -> bool:
+        """Whether a version's workers are fresh interpreters rather than forks of the zygote (a
+        GPU worker, one that requires a GPU, or MARINER_WORKER_START=spawn): they cost more."""
+        on_gpu = settings.device_type != "cpu" and allocator().count > 0
+        needs_gpu = settings.device_type == "gpu" or (self._require_gpu and settings.device_type != "cpu")
+        return on_gpu or needs_gpu or os.environ.get(START_ENV, "zygote") == "spawn"
+
     def _spec(self, v: Version, inst: Instance, gpu: int | None) -> WorkerSpec:
         return worker_spec(
             v.archive,
@@ -84,53 +163,114 @@ class WorkerPool:
 
     def add(self, v: Version, count: int) -> list[Instance]:
         """Add `count` worker slots to `v` and start them; each slot's `first` says how its
-        first start went."""
+        first start went (it is always resolved: ready, failed, or stopped before it was ready)."""
         added = []
+        loop = asyncio.get_running_loop()
         for _ in range(count):
             index = max(v.instances, default=-1) + 1
-            first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            first: asyncio.Future[None] = loop.create_future()
             # At start-up nobody awaits the first start (its failure is logged and retried).
             first.add_done_callback(_retrieve)
             inst = Instance(index, first=first)
             v.instances[index] = inst
             added.append(inst)
         for inst in added:
-            inst.task = asyncio.create_task(self._keep_running(v, inst), name=f"worker-{v.name}-{inst.index}")
+            try:
+                inst.task = asyncio.create_task(
+                    self._keep_running(v, inst), name=f"worker-{v.name}-{inst.index}"
+                )
+            except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: this slot fails, not the caller
+                err = start_error(v, exc)
+                log.error("worker slot %d of model %s version %s cannot run: %s", inst.index, v.name,
+                          v.version, err.message)  # fmt: skip
+                inst.status, inst.error = "FAILED", err.message
+                _fail_first(inst, err)
         return added
 
     async def _changed(self) -> None:
-        if not self._draining():
+        if self._draining():
+            return
+        try:
             await self._on_change()
+        except Exception:  # noqa: BLE001 - telling the frontends failed; the slot goes on
+            log.exception("publishing a worker change failed")
+
+    def _wanted(self, inst: Instance) -> bool:
+        return not inst.retired and not self._draining()
+
+    async def _pause(self, inst: Instance, backoff: Backoff) -> None:
+        """The backoff's delay, cut short when the slot is retired."""
+        delay = backoff.delay
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(inst.retired_event.wait(), delay)
+        backoff.delay = min(delay * 2, MAX_BACKOFF_S)
 
     async def _keep_running(self, v: Version, inst: Instance) -> None:
+        """Run the slot (`_run_slot`); whatever escapes it is logged and reflected (FAILED, its
+        first start's future), then the slot carries on after a backoff. The first start's
+        future is resolved however the task ends."""
+        backoff = Backoff()
+        try:
+            while self._wanted(inst):
+                try:
+                    await self._run_slot(v, inst)
+                    return
+                except Exception as exc:  # noqa: BLE001 - never end the slot, nor the supervisor, silently
+                    err = start_error(v, exc)
+                    log.exception("worker slot %d of model %s version %s failed: %s", inst.index, v.name,
+                                  v.version, err.message)  # fmt: skip
+                    inst.status, inst.error, inst.endpoint = "FAILED", err.message, None
+                    _fail_first(inst, err)
+                    await _kill(inst.process)
+                    await self._changed()
+                    await self._pause(inst, backoff)
+                    inst.generation += 1
+        finally:
+            why = "the server is shutting down" if self._draining() else None
+            _fail_first(inst, stopped_error(inst, why and f"model {v.name} version {v.version}: {why}"))
+
+    async def _run_slot(self, v: Version, inst: Instance) -> None:
         """Start the instance's worker; whenever it exits, restart it with exponential backoff."""
         from mariner.server.workers.process import WorkerProcess
 
         gpu = self._gpu_for(v)
         backoff = Backoff()
-        while not inst.retired and not self._draining():
-            spec = self._spec(v, inst, gpu)
-            proc = WorkerProcess(spec)
-            inst.process, inst.status, inst.endpoint = proc, "LOADING", None
+        while self._wanted(inst):
+            proc: WorkerProcess | None = None
             t0 = time.perf_counter()
             try:
-                inst.endpoint = await proc.start(v.settings.startup_timeout_s)
-            except (ServingError, OSError) as exc:
-                reason = exc.message if isinstance(exc, ServingError) else str(exc)
-                log.error("worker %s failed to start: %s; retrying in %.1f s", spec.id, reason, backoff.delay)
-                inst.status, inst.error = "FAILED", reason
-                if inst.first is not None and not inst.first.done():
-                    inst.first.set_exception(exc)
-                mark_dead(proc.pid)
+                spec = self._spec(v, inst, gpu)
+                proc = WorkerProcess(spec)
+                inst.process, inst.status, inst.endpoint = proc, "LOADING", None
+                endpoint = await proc.start(v.settings.startup_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - any failed start fails this start only
+                await _kill(proc)  # whatever it had started is gone before anything else
+                if not self._wanted(inst):
+                    return  # stopped while starting: not a failure
+                err = start_error(v, exc)
+                worker = proc.spec.id if proc is not None else f"{v.name}/{v.version}#{inst.index}"
+                log.error(
+                    "worker %s failed to start: %s; retrying in %.1f s", worker, err.message, backoff.delay
+                )
+                inst.status, inst.error = "FAILED", err.message
+                _fail_first(inst, err)
+                if proc is not None:
+                    mark_dead(proc.pid)
                 await self._changed()
-                await backoff.wait()
+                await self._pause(inst, backoff)
                 inst.generation += 1
                 continue
+            if not self._wanted(inst):  # retired while it loaded: it never serves
+                await _kill(proc)
+                return
+            inst.endpoint = endpoint
             inst.status, inst.started_at, inst.error = "READY", time.time(), None
             if not v.ever_ready:
                 v.ever_ready = True
                 v.load_seconds = time.perf_counter() - v.t0
                 self._metrics.model_load_seconds.labels(v.name, v.version).set(v.load_seconds)
+            if self._budget is not None:
+                self._budget.note_ready((v.name, v.version), proc.pid)
             log.info("worker %s (pid %d, %s) ready in %.2f s", spec.id, proc.pid, spec.device,
                      time.perf_counter() - t0)  # fmt: skip
             if inst.first is not None and not inst.first.done():
@@ -138,30 +278,106 @@ class WorkerPool:
             await self._changed()
             rc = await proc.wait()
             mark_dead(proc.pid)
-            if inst.retired or self._draining():
-                break
-            delay = backoff.after_run(time.time() - inst.started_at)
+            if not self._wanted(inst):
+                return
+            delay = backoff.after_run(time.time() - (inst.started_at or time.time()))
             log.error("worker %s (pid %d) exited with %s; restarting in %.1f s", spec.id, proc.pid, rc, delay)
             self._metrics.instance_restarts.labels(v.name, v.version, "exited").inc()
             inst.status, inst.endpoint = "LOADING", None
             await self._changed()
-            await backoff.wait()
+            await self._pause(inst, backoff)
             inst.generation += 1
 
-    async def stop(self, instances: Sequence[Instance], grace: float) -> None:
-        """Retire the instances and stop their workers (SIGKILL after `grace` seconds)."""
+    async def stop(
+        self, instances: Sequence[Instance], grace: float, *, drain: bool = False, why: str | None = None
+    ) -> None:
+        """Retire the instances and stop their workers, leaving no process behind.
+
+        A worker still loading is SIGKILLed at once (it has no batch to finish), and one whose
+        process is being created is killed as soon as it exists. A ready one gets SIGTERM (it
+        finishes the batch in hand), SIGKILL after `grace` seconds; with `drain`, first the
+        frontends' connections to it close (each frontend closes its connection to a worker
+        the table no longer lists once the batch it runs there is answered), within `grace`.
+        A first start still pending fails, saying `why` the worker was stopped."""
         for inst in instances:
-            inst.retired = True
-        procs = [i.process for i in instances if i.process is not None and i.process.returncode is None]
-        await asyncio.gather(*(p.stop(grace) for p in procs), return_exceptions=True)
-        for inst in instances:
-            if inst.task is not None:
-                inst.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await inst.task
-            if inst.process is not None:
-                mark_dead(inst.process.pid)
-            inst.status = "STOPPED"
+            inst.retire()
+        await asyncio.gather(
+            *(self._stop_slot(i, grace, drain, why) for i in instances), return_exceptions=True
+        )
+
+    async def _stop_slot(self, inst: Instance, grace: float, drain: bool, why: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        proc = inst.process
+        if drain and inst.status == "READY" and _alive(proc):
+            await _wait_drained(proc, deadline)
+        if inst.first is not None and not inst.first.done():
+            inst.first.set_exception(stopped_error(inst, why))
+        while True:
+            proc = inst.process
+            if _alive(proc):
+                if inst.status == "READY":
+                    await proc.stop(max(MIN_STOP_GRACE_S, deadline - loop.time()))
+                else:
+                    await _kill(proc)
+            task = inst.task
+            if task is None or task.done() or task is asyncio.current_task():
+                break
+            await asyncio.wait([task], timeout=DRAIN_POLL_S)
+            if loop.time() > deadline + STOP_SLACK_S and not task.done():
+                log.error("worker slot %d did not end %.0f s after it was stopped; cancelling it", inst.index,
+                          grace + STOP_SLACK_S)  # fmt: skip
+                task.cancel()
+                await asyncio.wait([task], timeout=KILL_WAIT_S)
+                await _kill(inst.process)
+                break
+        if inst.process is not None:
+            mark_dead(inst.process.pid)
+        inst.status = "STOPPED"
+
+
+async def _wait_drained(proc: object, deadline: float) -> None:
+    """Until no connection to the worker's socket is left (or its process is gone, or the
+    deadline passes)."""
+    loop = asyncio.get_running_loop()
+    path = proc.spec.socket_path  # type: ignore[attr-defined]
+    while _alive(proc):
+        left = deadline - loop.time()
+        held = unix_connections(path)
+        if held is None:
+            await asyncio.sleep(max(0.0, min(DRAIN_FALLBACK_S, left)))
+            return
+        if held == 0:
+            return
+        if left <= 0:
+            log.warning("worker %s still had %d connection(s) when its drain ended; stopping it",
+                        proc.spec.id, held)  # type: ignore[attr-defined]  # fmt: skip
+            return
+        await asyncio.sleep(min(DRAIN_POLL_S, left))
+
+
+async def _kill(proc: object) -> None:
+    """SIGKILL a worker process (and its group) if it runs, and reap it (bounded)."""
+    if not _alive(proc):
+        return
+    proc.kill()  # type: ignore[attr-defined]
+    with contextlib.suppress(TimeoutError, Exception):
+        await asyncio.wait_for(proc.wait(), KILL_WAIT_S)  # type: ignore[attr-defined]
+
+
+def stopped_error(inst: Instance, why: str | None = None) -> ServingError:
+    """What a register or scale waiting on a slot's first start hears when the slot is stopped
+    first: `why` (e.g. "model m version 1 was unregistered") and which slot."""
+    return ServingError(
+        Code.CANCELLED,
+        f"{why or 'the model was unregistered or scaled down'} while its worker was starting "
+        f"(worker slot {inst.index} was stopped before it was ready)",
+    )
+
+
+def _fail_first(inst: Instance, err: BaseException) -> None:
+    if inst.first is not None and not inst.first.done():
+        inst.first.set_exception(err)
 
 
 def _retrieve(first: asyncio.Future[None]) -> None:

@@ -355,3 +355,26 @@ def test_a_misspelt_model_config_key_is_refused_naming_the_key_meant(key: str, m
     )
     assert "toy.mar" in info.value.message
     assert archive_overrides({"handler": {"batch_size": 1}, "myKey": 2}, "toy.mar") == SettingsOverrides()
+
+
+def test_the_worker_count_origin_is_the_highest_layer_that_sets_it() -> None:
+    """What the worker budget's refusal names: the archive's minWorkers, models=, a flag, the
+    register call's initial_workers; None for the built-in count (lowered, never refused)."""
+    from mariner.server.core.model_settings import REGISTER_CALL, LayerSource, worker_count_origin
+
+    layers = ServerLayers(startup_workers=8)
+    archive = SettingsOverrides(min_workers=500)
+    named = layers.named_for_model("big", "1.0", "big.mar", archive)
+    assert [layer for _, layer in named] == list(layers.for_model("big", "1.0", "big.mar", archive))
+    assert worker_count_origin(named) == LayerSource("minWorkers", "the model-config of big.mar")
+    assert worker_count_origin(layers.named_for_model("big", "1.0", "big.mar")) is None
+    call = SettingsOverrides(min_workers=1000)
+    assert worker_count_origin((*named, (REGISTER_CALL, call))) == REGISTER_CALL
+    flagged = ServerLayers(
+        flags=SettingsOverrides(min_workers=3), per_model={"big": {"1.0": {"minWorkers": 2}}}
+    )
+    assert worker_count_origin(flagged.named_for_model("big", "1.0", "big.mar")).worker_key == "min_workers"
+    entry = ServerLayers(per_model={"big": {"1.0": {"minWorkers": 2}}}).named_for_model(
+        "big", "1.0", "big.mar"
+    )
+    assert worker_count_origin(entry) == LayerSource("minWorkers", "config.properties models['big']['1.0']")
