@@ -188,7 +188,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
         if unknown:
             raise ServingError(
                 Code.INVALID_ARGUMENT,
-                f"unsupported register parameter(s) {', '.join(unknown)}; "
+                f"unsupported register parameter(s) {', '.join(map(repr, unknown))}; "
                 f"supported: {', '.join(sorted(_REGISTER_PARAMS))}",
             )
         if not isinstance(url, str) or not url:

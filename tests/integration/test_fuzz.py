@@ -7,7 +7,10 @@ One MarinerServe serves digits_onnx.mar for the whole module, its request limit 
   (b) gRPC: well-formed ModelInferRequest / PredictionsRequest messages with hostile values;
   (c) HTTP: raw requests (methods, paths, headers, bodies) on the inference and management ports;
   (d) HTTP: multipart/form-data bodies for /predictions/{model} with hostile boundaries, part
-      headers (long, nested parens, odd encodings) and framing (fuzz_multipart).
+      headers (long, nested parens, odd encodings) and framing (fuzz_multipart);
+  (e) management on a second server with model management enabled: REST and gRPC registers
+      with control characters, path tricks, refused names and long strings in every parameter,
+      and the `/models/{name}/{version}` routes with the same (fuzz_register).
 Every answer must carry a status from DESIGN.md's error table, never gRPC UNKNOWN, never a
 traceback or an exception's repr in a message; a fuzzed request is the client's fault, so
 INTERNAL (500) is a finding too. The server's log must not carry a traceback either (the autouse
@@ -39,12 +42,21 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
+from mariner.server.core.names import control_problem
 from tests.integration.fuzz_multipart import MultipartCase, multipart_cases
+from tests.integration.fuzz_register import (
+    RegisterCase,
+    RouteCase,
+    grpc_register_fields,
+    register_cases,
+    route_cases,
+)
 from tests.integration.fuzzing import GOOD_PIXELS as PIXELS
 from tests.integration.fuzzing import (
     LEAK,
     MAX_REQUEST_BYTES,
     METHODS,
+    MGMT,
     MODEL,
     OIP,
     SC,
@@ -91,6 +103,7 @@ WEIGHTS = {
     "ts_predictions": 0.13,
     "http": 0.21,
     "multipart": 0.12,
+    "register": 0.05,  # on top: each example is three answers (REST register, gRPC, a route)
 }
 
 
@@ -318,6 +331,45 @@ def test_multipart_forms_get_documented_answers(server: MarinerServe, case: Mult
         STATUS_COUNTS[f"multipart:{answer.status}"] += 1
     problem = http_problem(b"POST", answer)
     assert problem is None, problem
+
+
+# -- (e) hostile registrations and management routes ---------------------------------------------
+@pytest.fixture(scope="module")
+def managed_channel(managed_server: MarinerServe) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(managed_server.grpc_management_target) as channel:
+        yield channel
+
+
+@fuzz_settings("register")
+@given(case=register_cases(), route=route_cases)
+def test_hostile_registrations_are_refused_with_documented_answers(
+    managed_server: MarinerServe, managed_channel: grpc.Channel, case: RegisterCase, route: RouteCase
+) -> None:
+    """Control characters, path tricks, names the archiver's rule refuses and over-long strings
+    in any register parameter or route: refused (400 where the checks owe it), never a 500."""
+    port = port_of(managed_server, "management")
+    answer = http_exchange(port, case.wire())
+    problem = http_problem(b"POST", answer)
+    assert problem is None, problem
+    assert answer is not None
+    assert answer.status != 200, f"registered: {case}"
+    if case.invalid_name or case.has_control:
+        assert answer.status == 400, (case, answer)
+    fields = grpc_register_fields(case)
+    request = stubs().mgmt.RegisterModelRequest(**fields)
+    reply = call_raw(managed_channel, Method(MGMT, "RegisterModel", UU, "management"),
+                     [request.SerializeToString()])  # fmt: skip
+    problem = grpc_problem(reply)
+    assert problem is None, problem
+    assert reply.code is not SC.OK, f"registered over gRPC: {fields}"
+    if case.invalid_name or any(isinstance(v, str) and control_problem(v) for v in fields.values()):
+        assert reply.code is SC.INVALID_ARGUMENT, (fields, reply)
+    answer = http_exchange(port, route.wire())
+    problem = http_problem(route.method.encode(), answer)
+    assert problem is None, problem
+    assert answer is not None
+    if route.routed and (control_problem(route.name) or control_problem(route.version or "")):
+        assert answer.status == 400, (route, answer)
 
 
 # -- findings the fuzzer made, fixed, and kept as regression tests ----------------------------------
