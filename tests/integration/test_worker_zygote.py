@@ -65,6 +65,7 @@ def initialize(context):
         "marker": os.environ.get("ZYGOTE_TEST_MARKER"),
         "signals": {n: repr(signal.getsignal(getattr(signal, n))) for n in names},
         "numpy_draw": int(numpy.random.randint(0, 2**31 - 1)),
+        "secrets": sorted(k for k in os.environ if k.endswith("_TOKEN") or "secret-value" in os.environ[k]),
     }
     path = os.path.join(os.environ["ZYGOTE_TEST_REPORTS"], str(os.getpid()))
     with open(path + ".tmp", "w") as f:
@@ -187,9 +188,14 @@ def test_workers_are_forked_from_a_zygote_that_never_initialised_cuda(model_dir:
 
 
 def test_a_forked_worker_looks_like_a_spawned_one(model_dir: Path, reports: Path) -> None:
+    """Neither gets a token from the environment it was started with."""
+    tokens = {"MARINER_INFERENCE_TOKEN": "secret-value-1", "MARINER_MANAGEMENT_TOKEN": "secret-value-2"}
+
     async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
-        forked = WorkerProcess(spec(model_dir, 0), env=env_for(reports))
-        spawned = WorkerProcess(spec(model_dir, 1), env=env_for(reports, MARINER_WORKER_START="spawn"))
+        forked = WorkerProcess(spec(model_dir, 0), env=env_for(reports, **tokens))
+        spawned = WorkerProcess(
+            spec(model_dir, 1), env=env_for(reports, MARINER_WORKER_START="spawn", **tokens)
+        )
         try:
             await asyncio.gather(forked.start(120), spawned.start(120))
             assert forked.forked
@@ -206,6 +212,7 @@ def test_a_forked_worker_looks_like_a_spawned_one(model_dir: Path, reports: Path
     assert forked["signals"] == spawned["signals"]
     assert len(forked["fds"]) <= len(spawned["fds"])
     assert forked["cuda_initialized"] is spawned["cuda_initialized"] is False
+    assert forked["secrets"] == spawned["secrets"] == []
 
 
 def test_a_forked_worker_that_segfaults_is_reported_as_sigsegv(model_dir: Path, reports: Path) -> None:
