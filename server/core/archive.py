@@ -3,9 +3,11 @@
 An archive is code the server will execute, so it is treated as hostile until checked: the
 three layouts `torch-model-archiver` writes (`archive_formats`) are unpacked with the same
 member checks (no absolute paths, no `..`, no symlinks out of it, member count and unpacked size
-capped while copying) into a private work dir, and an optional sha256 pin refuses an archive
-whose digest differs. Archives are only ever read from the model store directory; names that are
-URLs or escape the store are refused.
+capped on what the archive declares before anything is written, then on the bytes really written,
+`archive_budget`) into a private work dir, and an optional sha256 pin refuses an archive whose
+digest differs. Archives are only ever read from the model store directory; names that are URLs,
+escape the store or hold control characters are refused, and the name a model is served under
+(given, from its manifest or from its file name) must follow the archiver's rule (`names`).
 
 The manifest and the model-config are checked field by field (`archive_fields`), and every
 file the manifest names (handler, model file, serialized file, extra files, config file) must
