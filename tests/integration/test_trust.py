@@ -251,3 +251,25 @@ def test_serve_refuses_a_work_dir_owned_by_another_user(tmp_path: Path) -> None:
     done = _serve(["--work-dir", str(work), "--model-store", str(store)])
     assert done.returncode == 2, done.stderr
     assert f"work dir {work} is owned by uid 65534 with mode 0700" in done.stderr
+
+
+def test_the_zygote_refuses_a_control_socket_its_parent_did_not_make() -> None:
+    """The zygote forks workers for whoever holds its control socket: that must be its parent.
+    Here the socketpair is made by this process and handed to the zygote through a middleman,
+    so the zygote's parent (the middleman) is not its peer."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    middleman = (
+        "import subprocess, sys; fd = int(sys.argv[1]); sys.exit(subprocess.call("
+        "[sys.executable, '-m', 'mariner.server.workers.zygote', str(fd)], pass_fds=(fd,)))"
+    )
+    with ours, theirs:
+        done = subprocess.run(
+            [sys.executable, "-c", middleman, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"zygote control socket: the peer is pid {os.getpid()}" in done.stderr
