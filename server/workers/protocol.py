@@ -273,17 +273,24 @@ async def write_message(
     return refs
 
 
-async def ask_describe(socket_path: str, request: InferRequest, timeout_s: float) -> InferResult:
+async def ask_describe(
+    socket_path: str, request: InferRequest, timeout_s: float, *, expected_pid: int | None = None
+) -> InferResult:
     """Send one `Describe` on a connection of its own to the worker at `socket_path` and return
-    the handler's result; bounded by `timeout_s` (DEADLINE_EXCEEDED beyond it). A failure the
-    worker reports comes back as the ServingError it names."""
+    the handler's result; bounded by `timeout_s` (DEADLINE_EXCEEDED beyond it). The listener must
+    run as our uid (and be `expected_pid`, the worker's pid, when given). A failure the worker
+    reports comes back as the ServingError it names."""
     from mariner.server.core.errors import Code, ServingError
 
     try:
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_unix_connection(socket_path)
             try:
-                check_peer(writer.get_extra_info("socket"), what=f"worker socket {socket_path}")
+                check_peer(
+                    writer.get_extra_info("socket"),
+                    what=f"worker socket {socket_path}",
+                    expected_pid=expected_pid,
+                )
                 await write_message(writer, Describe(0, request))
                 answer = await read_message(reader)
             finally:
