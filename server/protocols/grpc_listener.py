@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,6 +33,7 @@ from mariner.server.core.types import ModelInfo
 from mariner.server.protocols.grpc_decoding import SafeDecoding
 from mariner.server.protocols.grpc_server import (
     REFLECTION_V1_SERVICE_NAME,
+    GrpcLimits,
     bind,
     bind_port,
     build_management_server,
@@ -73,6 +74,32 @@ class GrpcPlane(grpc_inference.InferencePlane, oip.OipPlane, Protocol):
     def is_ready(self) -> bool: ...
 
     def models(self) -> list[ModelInfo]: ...
+
+
+class StoppableHealth(GrpcHealth):
+    """grpc.health.v1 whose `Watch` streams end when the server stops.
+
+    A Watch never ends on its own, and grpc's `server.stop(grace)` waits for every call in
+    progress: one watcher would hold a draining server for its whole grace period after the
+    calls that matter (inference, accepted before the drain) were answered. Watchers have been
+    sent NOT_SERVING by then (set_not_serving)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watching: set[asyncio.Task[object]] = set()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:  # noqa: N802 - grpc's name
+        task = asyncio.current_task()
+        if task is not None:
+            self._watching.add(task)
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watching.discard(task)  # type: ignore[arg-type]
+
+    def end_watches(self) -> None:
+        for task in list(self._watching):
+            task.cancel()
 
 
 class GrpcServers:
@@ -143,6 +170,8 @@ class GrpcServers:
     async def stop(self, grace: float) -> None:
         """Stop both listeners; calls in flight get up to `grace` seconds to finish."""
         await self.set_not_serving()
+        if isinstance(self.health, StoppableHealth):
+            self.health.end_watches()
         servers = [s for s in (self.inference, self.management) if s is not None]
         await asyncio.gather(*(s.stop(grace) for s in servers))
 
@@ -174,6 +203,7 @@ def build_grpc_servers(
     management_interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     credentials: grpc.ServerCredentials | None = None,
     reuse_port: bool = False,
+    limits: GrpcLimits | None = None,
 ) -> GrpcServers:
     """Create and bind (not start) the inference and management servers.
 
@@ -182,16 +212,17 @@ def build_grpc_servers(
     `health_poll_s` None disables the background health refresh. `management_address` None
     builds the inference server only (a frontend); with an address, `management_plane` serves
     the management calls. `reuse_port` shares the inference port with the other frontends
-    (SO_REUSEPORT; the management server never shares its port).
+    (SO_REUSEPORT; the management server never shares its port). `limits` bound the inference
+    server's connections (grpc_server.GrpcLimits; its defaults when None).
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
     if management_address is not None and management_plane is None:
         raise ValueError("a management_address needs the management_plane that answers its calls")
-    health = GrpcHealth()
+    health = StoppableHealth()
 
     inference = grpc.aio.server(
-        options=server_options(max_message_bytes, reuse_port),
+        options=server_options(max_message_bytes, reuse_port, limits),
         interceptors=[SafeDecoding(), *inference_interceptors],
     )
     grpc_inference.add_to_server(dataplane, inference)

@@ -8,6 +8,7 @@ supervisor builds its management server without importing an inference adapter.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -20,12 +21,57 @@ from mariner.server.control import management_grpc as grpc_management
 from mariner.server.protocols.grpc_decoding import SafeDecoding
 from mariner.server.protocols.oip import grpc_ext as oip_ext
 
+# How long a connection may take to finish its handshake (TLS, HTTP/2 preface and SETTINGS):
+# grpc core's default is 120 s, which lets a client that connects and says nothing hold a
+# descriptor for two minutes. The same bound as an HTTP request head's.
+HANDSHAKE_TIMEOUT_S = 20.0
+# Server keepalive: a PING after this long without traffic, and the connection is closed when
+# no answer comes within KEEPALIVE_TIMEOUT_S, so peers that vanished (no FIN) give their
+# descriptors back instead of holding them until the idle timeout.
+KEEPALIVE_TIME_S = 60.0
+KEEPALIVE_TIMEOUT_S = 20.0
+# Clients may ping no more often than this; more pings are strikes, and after grpc's two strikes
+# the connection ends with GOAWAY ENHANCE_YOUR_CALM (a ping flood costs the server a write each).
+MIN_CLIENT_PING_INTERVAL_S = 10.0
 
-def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, Any]]:
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """Per-server connection limits, enforced by grpc core before any call reaches Python.
+
+    `max_connections` caps open connections (one more is closed at once, before its HTTP/2
+    preface is read); `max_concurrent_streams` is advertised in SETTINGS, so a client opens no
+    more calls than that on one connection and the server refuses those that do (RST_STREAM
+    REFUSED_STREAM): a connection cannot pile up half-open streams; `idle_timeout_s` ends a
+    connection with no call in progress (GOAWAY; a client reconnects when it next calls)."""
+
+    max_connections: int = 1000
+    max_concurrent_streams: int = 256
+    idle_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_concurrent_streams", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"grpc_{name} must be positive, got {getattr(self, name)!r}")
+
+
+def server_options(
+    max_message_bytes: int, reuse_port: bool = False, limits: GrpcLimits | None = None
+) -> list[tuple[str, Any]]:
+    """grpc core channel arguments for one of our servers (grpc ignores a name it does not
+    know, so each of these is checked against the server's behaviour by the listener tests)."""
+    limits = limits or GrpcLimits()
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ("grpc.max_allowed_incoming_connections", limits.max_connections),
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+        ("grpc.max_connection_idle_ms", int(limits.idle_timeout_s * 1000)),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_INTERVAL_S * 1000)),
     ]
 
 
