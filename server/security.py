@@ -100,28 +100,34 @@ def exposure_problems(listeners: Mapping[str, tuple[str, Tokens]]) -> list[str]:
 
 
 # -- gRPC ---------------------------------------------------------------------------------------
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
-    code = STATUS[Code.UNAUTHENTICATED].grpc
+def refusing_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler answering `code` for a call that `handler` would have served, without reading
+    the request.
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, UNAUTHENTICATED_MESSAGE)
+    The refusal takes the request-streaming shape of the same method (the wire does not tell a
+    unary request from a stream of one) and no deserializer: grpc.aio starts a request-streaming
+    behaviour as soon as the call's metadata is in, so a refused caller costs neither the read
+    nor the decoding of its message (a unary handler would first take in the whole message,
+    up to max_request_bytes), and what it still sends is dropped with the stream.
+    """
 
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, UNAUTHENTICATED_MESSAGE)
+    async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
+
+    async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, message)
         yield  # pragma: no cover - abort raises
 
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(unary, **kw)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.unary_unary or handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(streaming, response_serializer=handler.response_serializer)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same method as `handler` that answers UNAUTHENTICATED, unread."""
+    return refusing_handler(handler, STATUS[Code.UNAUTHENTICATED].grpc, UNAUTHENTICATED_MESSAGE)
 
 
 def _overall_health_only(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
