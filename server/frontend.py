@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -42,7 +43,11 @@ from mariner.server.core.token_cost import token_counter_or_none
 from mariner.server.core.types import InferRequest, InferResult, ModelState, WorkerInfo
 from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, split_address, uvicorn_config
 from mariner.server.logs import setup_logging
+from mariner.server.protocols.connection_budget import frontend_budget
+from mariner.server.protocols.grpc_admission import GrpcDrainGate
 from mariner.server.protocols.grpc_listener import build_grpc_servers
+from mariner.server.protocols.grpc_server import GrpcLimits
+from mariner.server.protocols.http_drain import DrainAware
 from mariner.server.protocols.http_listener import inference_app
 from mariner.server.security import (
     OPEN_HTTP_HEALTH_PATHS,
@@ -54,6 +59,10 @@ from mariner.server.security import (
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 
 log = logging.getLogger("mariner.frontend")
+
+# The least time grpc's server.stop gets to end the calls it still has once the grace period is
+# spent (their clients are then told CANCELLED).
+MIN_GRPC_STOP_S = 2.0
 
 
 class _Worker:
@@ -228,13 +237,17 @@ class Frontend:
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
         self.dataplane = DataPlane(self.metrics)
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
+        # One descriptor budget for both protocols, so a flood on one cannot starve the other.
+        budget = frontend_budget(cfg.http_max_connections, cfg.grpc_max_connections)
         grpc_host, _ = split_address(cfg.grpc_inference_address)
+        auth = [GrpcTokenAuth(tokens, open_health=cfg.open_health)] if tokens else []
         self.grpc = build_grpc_servers(
             self.dataplane,
             inference_address=f"{grpc_host}:{init.grpc_port}",
             management_address=None,
             max_message_bytes=cfg.max_request_bytes,
-            inference_interceptors=[GrpcTokenAuth(tokens, open_health=cfg.open_health)] if tokens else [],
+            inference_interceptors=[*auth, GrpcDrainGate(self.dataplane)],
+            limits=GrpcLimits(budget.grpc, cfg.grpc_max_concurrent_streams, cfg.grpc_idle_timeout_s),
             credentials=grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
             if cfg.tls_cert_file and cfg.tls_key_file
             else None,
@@ -242,12 +255,16 @@ class Frontend:
         )
         host, _ = split_address(cfg.inference_address)
         self._http_host, self._http_port = host, init.http_port
-        app = HttpTokenAuth(
-            inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
-            tokens,
-            open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
+        app = DrainAware(
+            HttpTokenAuth(
+                inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
+                tokens,
+                open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
+            ),
+            self.dataplane,
         )
-        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, cfg))
+        http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
+        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, http_cfg))
         self._applied = 0
         self._ready = False
         self._closing: set[asyncio.Task[None]] = set()
@@ -325,21 +342,39 @@ class Frontend:
         log.info("frontend %d (pid %d) listening", self.index, os.getpid())
         follower = asyncio.create_task(self._follow(reader, writer, stop))
         await stop.wait()
-        # The ordered drain: not ready, refuse new calls, answer every accepted one, close.
-        dp, cfg = self.dataplane, self.cfg
-        dp.start_draining()
-        await self.grpc.set_not_serving()
-        await dp.close(cfg.grace_seconds)
-        log.info("drained: accepted=%d answered=%d ok=%d", dp.accepted, dp.answered, dp.answered_ok)
-        with contextlib.suppress(OSError, ConnectionError):
-            await channel.send(writer, channel.Drained(dp.accepted, dp.answered, dp.answered_ok))
-        await asyncio.sleep(min(cfg.refuse_seconds, cfg.grace_seconds))
-        self.http.should_exit = True
-        await self.grpc.stop(grace=2.0)
-        await asyncio.gather(http_task, return_exceptions=True)
+        await self._drain(http_task, writer)
         follower.cancel()
         writer.close()
         return 0
+
+    async def _drain(self, http_task: asyncio.Task[None], writer: asyncio.StreamWriter) -> None:
+        """The ordered drain: not ready, refuse new calls, answer every accepted one, close.
+
+        A call is accepted when its head is in (HTTP) or its metadata (gRPC), before the drain:
+        one still receiving a large body is answered too. New calls are refused, unread, with
+        503 + `Connection: close` or UNAVAILABLE for `refuse_seconds`, so load balancers see
+        the frontend leave; then the listeners close, each waiting for the calls it accepted
+        (uvicorn for its requests, grpc's server.stop for its calls), and only then do the
+        batchers stop and the accounting go to the supervisor: it covers every accepted call.
+        """
+        dp, cfg = self.dataplane, self.cfg
+        deadline = time.monotonic() + cfg.grace_seconds
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        dp.start_draining()
+        await self.grpc.set_not_serving()
+        await dp.wait_idle(cfg.grace_seconds)
+        await asyncio.sleep(min(cfg.refuse_seconds, left()))
+        self.http.should_exit = True
+        await asyncio.gather(
+            self.grpc.stop(grace=max(left(), MIN_GRPC_STOP_S)), http_task, return_exceptions=True
+        )
+        await dp.close(left())
+        log.info("drained: accepted=%d answered=%d ok=%d", dp.accepted, dp.answered, dp.answered_ok)
+        with contextlib.suppress(OSError, ConnectionError):
+            await channel.send(writer, channel.Drained(dp.accepted, dp.answered, dp.answered_ok))
 
 
 async def _run(init: channel.FrontendInit, control: socket.socket) -> int:

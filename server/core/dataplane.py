@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 from mariner.server.core.endpoint import ModelEndpoint, ServingMetrics
@@ -24,6 +25,11 @@ log = logging.getLogger("mariner.dataplane")
 
 
 T = TypeVar("T")
+
+# Set in a call's task by the transport when the call starts (its head is in, its body may not
+# be): a call admitted before the drain began is one the server accepted, and it is answered
+# even if its body arrives after (see DataPlane.admit). Unset (False) means not admitted.
+_ADMITTED: ContextVar[bool] = ContextVar("mariner_admitted_before_drain", default=False)
 
 
 _LIMIT = 200  # characters of a client-supplied name quoted back in TorchServe's messages
@@ -119,6 +125,7 @@ class DataPlane:
         self.answered = 0
         self.answered_ok = 0
         self._inflight = 0
+        self._pending = 0  # calls admitted by a transport that tracks them, not yet finished
         self._idle: asyncio.Event | None = None
 
     # -- the table --------------------------------------------------------------------------
@@ -192,7 +199,7 @@ class DataPlane:
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, req: InferRequest) -> InferResult:
-        if self.draining:
+        if self.draining and not _ADMITTED.get():
             raise ServingError(Code.UNAVAILABLE, "server is shutting down; retry on another replica")
         ep = self.resolve(req.model, req.version)
         self.accepted += 1
@@ -202,28 +209,64 @@ class DataPlane:
         finally:
             self.answered += 1
             self._inflight -= 1
-            if self._inflight == 0 and self._idle is not None:
-                self._idle.set()
+            self._maybe_idle()
         if result.status == 200:
             self.answered_ok += 1
         return result
+
+    # -- admission (transports) -----------------------------------------------------------
+    def admit(self) -> bool:
+        """Called in a call's own task when the call starts, before its body is read: False
+        while draining (the transport refuses the call, unread), else the call is accepted and
+        its inference is served even if the drain begins while its body is still arriving (a
+        large tensor takes a while). A call never admitted is refused once draining."""
+        if self.draining:
+            return False
+        _ADMITTED.set(True)
+        return True
+
+    def begin_call(self) -> None:
+        """An admitted call that `wait_idle` waits for until `end_call` (HTTP, whose request
+        ends in the transport's own code; grpc's server.stop waits for its calls itself)."""
+        self._pending += 1
+
+    def end_call(self) -> None:
+        self._pending -= 1
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if self._inflight == 0 and self._pending == 0 and self._idle is not None:
+            self._idle.set()
 
     # -- shutdown -------------------------------------------------------------------------
     def start_draining(self) -> None:
         self.draining = True
 
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until no accepted inference and no tracked call is left."""
+        if self._inflight == 0 and self._pending == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            log.error(
+                "grace period over with %d requests in flight and %d calls still being received",
+                self._inflight,
+                self._pending,
+            )
+            return False
+        finally:
+            self._idle = None
+        return True
+
     async def close(self, grace: float) -> None:
         """Finish accepted requests within `grace` seconds, then stop every batcher."""
         self.draining = True
         deadline = time.monotonic() + grace
-        if self._inflight:
-            # Wait for every accepted request (queued, running, or between admission and the
-            # batcher) to be answered before the batchers close.
-            self._idle = asyncio.Event()
-            try:
-                await asyncio.wait_for(self._idle.wait(), grace)
-            except TimeoutError:
-                log.error("grace period over with %d requests still in flight", self._inflight)
+        # Every accepted request (queued, running, or between admission and the batcher) is
+        # answered before the batchers close.
+        await self.wait_idle(grace)
         eps = [ep for v in self._endpoints.values() for ep in v.values()]
         left = max(0.0, deadline - time.monotonic())
         await asyncio.gather(*(ep.close(left) for ep in eps))

@@ -1,0 +1,178 @@
+"""SIGTERM while clients keep calling: every call the server accepted is answered and counted,
+and a refused one is told so cleanly, on a real `mariner serve` subprocess.
+
+- HTTP keep-alive clients: no connection is reset; every response is 200, or 503 carrying
+  `Connection: close` (so the client reconnects elsewhere instead of reusing a closing
+  connection); a connection attempt after the listener closed is refused, never reset.
+- gRPC clients sending 4 MiB tensors: every call ends OK or UNAVAILABLE (refused before it was
+  accepted), none CANCELLED, and the frontends' drained accounting counts exactly the OKs.
+
+Verdicts are counts; the test waits on events (every client has been answered, the process
+exited), never on a fixed time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from mariner.server import protogen
+from tests.e2e.serve_process import drain_totals
+from tests.mariner_serve import MarinerServe
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "digits_onnx"
+CLIENTS = 16
+GRPC_CLIENTS = 6
+ROWS = (4 << 20) // (64 * 4)  # a 4 MiB FP32 tensor of 64-feature rows
+WAIT = 60.0
+
+
+def _serve(model_store: Path) -> MarinerServe:
+    # The default refusal window (1 s): clients are refused, with answers, before the listeners close.
+    # A batch takes a whole 4 MiB request (its rows are the batch); the queue holds every client's.
+    return MarinerServe(
+        model_store,
+        f"{MODEL}.mar",
+        refuse_seconds=1.0,
+        batch_size=ROWS,
+        job_queue_size=4 * GRPC_CLIENTS * ROWS,
+    ).start()
+
+
+def _terminate_when(srv: MarinerServe, ready: Callable[[], bool], threads: list[threading.Thread]) -> None:
+    """SIGTERM once `ready()` (every client has been answered a few times) or a client stopped."""
+    end = time.monotonic() + WAIT
+    while not ready() and all(t.is_alive() for t in threads) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert srv.proc is not None
+    os.kill(srv.proc.pid, signal.SIGTERM)
+
+
+def test_http_keep_alive_clients_through_sigterm_see_answers_never_resets(model_store: Path) -> None:
+    srv = _serve(model_store)
+    body = json.dumps(
+        {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [0.0] * 64}]}
+    ).encode()
+    assert srv.ports is not None
+    port = srv.ports.inference
+    outcomes: Counter[str] = Counter()
+    per_client = [0] * CLIENTS
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
+        end = time.monotonic() + WAIT
+        try:
+            while time.monotonic() < end:
+                fresh = conn.sock is None
+                try:
+                    conn.request(
+                        "POST", f"/v2/models/{MODEL}/infer", body, {"content-type": "application/json"}
+                    )
+                    response = conn.getresponse()
+                    response.read()
+                except ConnectionRefusedError:
+                    outcome = "refused on connect" if fresh else "reset"
+                except (ConnectionError, http.client.HTTPException, OSError) as exc:
+                    outcome = f"reset ({type(exc).__name__})"
+                else:
+                    close = (response.getheader("connection") or "").lower() == "close"
+                    outcome = f"{response.status}{' close' if close else ''}"
+                with lock:
+                    outcomes[outcome] += 1
+                    per_client[index] += 1
+                if not outcome.startswith("200"):
+                    return  # refused: a real client goes to another replica
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        _terminate_when(srv, lambda: min(per_client) >= 3, threads)
+        for t in threads:
+            t.join(WAIT)
+        assert srv.proc is not None
+        srv.proc.wait(WAIT)
+    finally:
+        srv.stop()
+    print(f"\nHTTP outcomes through SIGTERM: {dict(outcomes)}")
+    allowed = {"200", "200 close", "503 close", "refused on connect"}
+    assert set(outcomes) <= allowed, dict(outcomes)
+    assert outcomes["503 close"] > 0, "no client was refused while the frontend drained"
+    accepted, answered, ok, frontends = drain_totals(srv.log_text())
+    assert frontends == srv.frontends
+    assert accepted == answered
+    assert ok == outcomes["200"] + outcomes["200 close"], (ok, dict(outcomes))
+
+
+@pytest.fixture(scope="module")
+def pb() -> SimpleNamespace:
+    protogen.generate()
+    from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
+
+    return SimpleNamespace(m=grpc_service_pb2, stub=grpc_service_pb2_grpc.GRPCInferenceServiceStub)
+
+
+def test_grpc_large_tensors_through_sigterm_are_answered_and_counted(
+    model_store: Path, pb: SimpleNamespace
+) -> None:
+    srv = _serve(model_store)
+    pixels = np.zeros((ROWS, 64), np.float32)
+    tensor = pb.m.ModelInferRequest.InferInputTensor(name="pixels", datatype="FP32", shape=pixels.shape)
+    request = pb.m.ModelInferRequest(model_name=MODEL, inputs=[tensor], raw_input_contents=[pixels.tobytes()])
+    codes: Counter[str] = Counter()
+    details: list[str] = []
+    per_client = [0] * GRPC_CLIENTS
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            stub = pb.stub(channel)
+            end = time.monotonic() + WAIT
+            while time.monotonic() < end:
+                try:
+                    stub.ModelInfer(request, timeout=WAIT)
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    details.append(f"{code.name}: {exc.details()}")
+                with lock:
+                    codes[code.name] += 1
+                    per_client[index] += 1
+                if code is not grpc.StatusCode.OK:
+                    return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(GRPC_CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        _terminate_when(srv, lambda: min(per_client) >= 2, threads)
+        for t in threads:
+            t.join(WAIT)
+        assert srv.proc is not None
+        srv.proc.wait(WAIT)
+    finally:
+        srv.stop()
+    print(f"\ngRPC {len(request.SerializeToString()) / 2**20:.1f} MiB calls through SIGTERM: {dict(codes)}")
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, (dict(codes), details[:3])
+    assert codes["UNAVAILABLE"] > 0, "no call was refused while the frontend drained"
+    accepted, answered, ok, frontends = drain_totals(srv.log_text())
+    assert frontends == srv.frontends
+    assert accepted == answered
+    assert ok == codes["OK"], (ok, dict(codes))
