@@ -36,7 +36,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "digits_onnx"
 CLIENTS = 16
-GRPC_CLIENTS = 6
+GRPC_CLIENTS = 4
 ROWS = (4 << 20) // (64 * 4)  # a 4 MiB FP32 tensor of 64-feature rows
 WAIT = 60.0
 
@@ -133,6 +133,7 @@ def test_grpc_large_tensors_through_sigterm_are_answered_and_counted(
     model_store: Path, pb: SimpleNamespace
 ) -> None:
     srv = _serve(model_store)
+    started = time.monotonic()
     pixels = np.zeros((ROWS, 64), np.float32)
     tensor = pb.m.ModelInferRequest.InferInputTensor(name="pixels", datatype="FP32", shape=pixels.shape)
     request = pb.m.ModelInferRequest(model_name=MODEL, inputs=[tensor], raw_input_contents=[pixels.tobytes()])
@@ -162,14 +163,16 @@ def test_grpc_large_tensors_through_sigterm_are_answered_and_counted(
     try:
         for t in threads:
             t.start()
-        _terminate_when(srv, lambda: min(per_client) >= 2, threads)
+        _terminate_when(srv, lambda: min(per_client) >= 1, threads)
         for t in threads:
             t.join(WAIT)
         assert srv.proc is not None
         srv.proc.wait(WAIT)
     finally:
         srv.stop()
-    print(f"\ngRPC {len(request.SerializeToString()) / 2**20:.1f} MiB calls through SIGTERM: {dict(codes)}")
+    took = time.monotonic() - started
+    size = len(request.SerializeToString()) / 2**20
+    print(f"\ngRPC {size:.1f} MiB calls through SIGTERM: {dict(codes)} ({took:.1f} s)")
     assert set(codes) <= {"OK", "UNAVAILABLE"}, (dict(codes), details[:3])
     assert codes["UNAVAILABLE"] > 0, "no call was refused while the frontend drained"
     accepted, answered, ok, frontends = drain_totals(srv.log_text())
