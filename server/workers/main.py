@@ -159,12 +159,32 @@ class Worker:
     async def _watch_parent(self, parent: int) -> None:
         # A worker whose parent died (killed, crashed) would serve nobody and hold its device:
         # it ends itself. start_new_session keeps it out of the parent's process group, so no
-        # signal to that group reaches it.
-        while True:
+        # signal to that group reaches it. The kernel's PDEATHSIG (parent_death) ends it first;
+        # this is the backstop: the parent's pidfd turns readable when it exits (a poll of the
+        # parent pid where there is no pidfd).
+        loop = asyncio.get_running_loop()
+        try:
+            fd: int | None = os.pidfd_open(parent)
+        except (OSError, AttributeError):
+            fd = None
+        if fd is not None:
+            gone: asyncio.Future[None] = loop.create_future()
+
+            def exited() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(fd, exited)
+            try:
+                if os.getppid() == parent:  # not already gone (its pid reused) when opened
+                    await gone
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+        while os.getppid() == parent:
             await asyncio.sleep(_PARENT_POLL_S)
-            if os.getppid() != parent:
-                log.error("worker %s: parent %d is gone; exiting", self.spec.id, parent)
-                os._exit(1)
+        log.error("worker %s: parent %d is gone; exiting", self.spec.id, parent)
+        os._exit(1)
 
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         from mariner.server.workers import protocol

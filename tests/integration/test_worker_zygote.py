@@ -12,6 +12,7 @@ plain spawn start is still there when asked for or when no zygote can fork.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -326,3 +327,64 @@ def test_workers_and_zygote_end_when_the_supervisor_dies(model_dir: Path, report
     finally:
         proc.kill()
         proc.wait()
+
+
+BARE_PARENT = """
+import subprocess, sys
+from pathlib import Path
+from mariner.server.workers.main import spec_to_json
+from tests.integration.test_worker_zygote import spec
+
+# A parent that arms nothing (no PDEATHSIG): only the worker's own watch on its parent is left.
+proc = subprocess.Popen(
+    [sys.executable, "-m", "mariner.server.workers.main"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+)
+proc.stdin.write(spec_to_json(spec(Path(sys.argv[1]))).encode())
+proc.stdin.close()
+proc.stdout.readline()  # the ready line
+print(proc.pid, flush=True)
+proc.wait()
+"""
+
+
+def test_a_worker_whose_parent_dies_ends_itself_without_pdeathsig(model_dir: Path, reports: Path) -> None:
+    """The backstop behind PDEATHSIG: the worker watches its parent's pidfd and exits with it."""
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BARE_PARENT, str(model_dir)],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        env=env_for(reports),
+        start_new_session=True,
+    )
+    worker: psutil.Process | None = None
+    try:
+        assert proc.stdout is not None
+        worker = psutil.Process(int(proc.stdout.readline()))
+        assert worker.ppid() == proc.pid
+        t0 = time.monotonic()
+        proc.kill()
+        proc.wait()
+
+        def running() -> bool:
+            assert worker is not None
+            try:
+                return worker.status() != psutil.STATUS_ZOMBIE  # a zombie waits for init, not us
+            except psutil.NoSuchProcess:
+                return False
+
+        while running() and time.monotonic() - t0 < 60:  # a cap, not a verdict on speed
+            time.sleep(0.01)
+        print(f"\nworker gone {time.monotonic() - t0:.3f} s after its parent")
+        assert not running()
+    finally:
+        proc.kill()
+        proc.wait()
+        if worker is not None:
+            with contextlib.suppress(psutil.Error):
+                worker.kill()
