@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -43,7 +44,7 @@ def _bindable(port: int) -> bool:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> MarinerServe:
+def server(tmp_path: Path) -> Iterator[MarinerServe]:
     build_fault_archive(tmp_path / "store")
     # A long refusal window after the drain (the harness turns it off; operators behind a load
     # balancer set one): an orphaned frontend would hold the ports answering 503 for all of it.

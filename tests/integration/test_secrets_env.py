@@ -4,6 +4,7 @@ and the worker's /proc/<pid>/environ are read too."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -36,7 +37,7 @@ CONFIG = "minWorkers: 1\nmaxWorkers: 1\nbatchSize: 1\nmaxBatchDelay: 0\nresponse
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> MarinerServe:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
     store = tmp_path_factory.mktemp("store")
     write_handler_archive(
         store / "envdump.mar",
