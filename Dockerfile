@@ -89,7 +89,7 @@ RUN groupadd --system --gid 10001 mariner \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin mariner \
  && mkdir -p /models /var/lib/mariner/work /var/run/secrets/mariner \
- && chown 10001:10001 /var/lib/mariner/work \
+ && chown 10001:10001 /var/lib/mariner/work && chmod 700 /var/lib/mariner/work \
  && printf '%s\n' '# No token: mount the mariner-tokens Secret (one token per line) over this directory.' \
         | tee /var/run/secrets/mariner/inference /var/run/secrets/mariner/management > /dev/null
 COPY --from=build /opt/venv /opt/venv

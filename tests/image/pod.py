@@ -227,9 +227,12 @@ def mismatches(pod: Pod, image: ImageMeta, root: Path) -> list[str]:
             problems.append(f"volumeMount {m['mountPath']} is not a directory in the image")
     cfg = yaml.safe_load(pod.config_file(config_path)) or {}
     mounted = {m["mountPath"].rstrip("/") for m in c.get("volumeMounts", [])}
-    for key in ("model_store", "work_dir"):
-        if key in cfg and str(cfg[key]).rstrip("/") not in mounted:
-            problems.append(f"{key} {cfg[key]} is not a mounted volume")
+    if "model_store" in cfg and str(cfg["model_store"]).rstrip("/") not in mounted:
+        problems.append(f"model_store {cfg['model_store']} is not a mounted volume")
+    # The work dir is the server's own private directory inside a mounted volume (or the volume).
+    if "work_dir" in cfg and not any(Path(m) in (Path(cfg["work_dir"]), *Path(cfg["work_dir"]).parents)
+                                     for m in mounted):  # fmt: skip
+        problems.append(f"work_dir {cfg['work_dir']} is not in a mounted volume")
     for key in ("inference_token_file", "management_token_file"):
         if key in cfg and str(Path(cfg[key]).parent) not in mounted:
             problems.append(f"{key} {cfg[key]} is not in a mounted volume")
