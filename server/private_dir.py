@@ -6,7 +6,10 @@ to, lets that user swap a socket or a handler between our check and our use. So 
 atomically with mode 0700 (`os.mkdir(path, 0o700)`, never chmod afterwards) and then checked
 with `lstat`: not a symlink, a directory, owned by our effective uid, no group or other bits.
 A dir that already exists is accepted only if it passes the same check; otherwise the server
-refuses to start and says which dir, its owner and mode, and what it must be.
+refuses to start and says which dir, its owner and mode, and what it must be. One exception: a
+dir we own that nobody else can write to (say 0755, the mode earlier versions made) is narrowed
+to 0700 in place, through a descriptor opened without following links: nobody else can have
+put anything in it, so an upgrade needs no manual chmod.
 """
 
 from __future__ import annotations
@@ -72,7 +75,23 @@ def ensure_private_dir(path: Path, *, what: str = "work dir") -> Path:
         if made != path:
             # A parent we made ourselves; someone racing us to it is still refused.
             check_private(made, what=f"{what} parent")
+    _narrow_if_ours(path)
     return check_private(path, what=what)
+
+
+def _narrow_if_ours(path: Path) -> None:
+    """Take group/other read and search bits off a dir of ours that nobody else can write to."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return  # a link or not a dir: check_private says why
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid == os.geteuid() and mode & 0o077 and not mode & 0o022:
+            os.fchmod(fd, mode & 0o700)
+    finally:
+        os.close(fd)
 
 
 def make_private_subdir(parent: Path, name: str, *, what: str) -> Path:

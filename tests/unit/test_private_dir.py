@@ -47,6 +47,25 @@ def test_any_group_or_other_bit_is_refused(tmp_path: Path, mode: int) -> None:
     assert private_problem(work) is not None
 
 
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o711])
+def test_a_dir_of_ours_nobody_else_can_write_is_narrowed_to_0700(tmp_path: Path, mode: int) -> None:
+    work = tmp_path / "w"
+    work.mkdir(mode=0o700)
+    work.chmod(mode)  # what an earlier version (or a plain mkdir) left behind
+    assert ensure_private_dir(work) == work
+    assert stat.S_IMODE(os.lstat(work).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o1777])
+def test_a_dir_of_ours_others_could_write_is_refused_unchanged(tmp_path: Path, mode: int) -> None:
+    work = tmp_path / "w"
+    work.mkdir(mode=0o700)
+    work.chmod(mode)
+    with pytest.raises(ServingError, match="chmod 700"):
+        ensure_private_dir(work)
+    assert stat.S_IMODE(os.lstat(work).st_mode) == mode
+
+
 def test_a_symlinked_work_dir_is_refused(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
