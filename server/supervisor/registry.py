@@ -26,28 +26,19 @@ from mariner.server.core.endpoint import ModelSpec, resolve_model, resolve_worke
 from mariner.server.core.entry_point import with_envelope
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failed_models import FailedModel, FailedModels
-from mariner.server.core.model_settings import LayerSource, ModelSettings, SettingsOverrides
+from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import InferResult, ModelInfo, ModelState, WireProtocol
+from mariner.server.supervisor.admission import admit, check_scale
 from mariner.server.supervisor.devices import allocator
+from mariner.server.supervisor.machine import archive_estimate
 from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version, failed_entry, model_info, table_entry
-from mariner.server.supervisor.worker_budget import (
-    FORKED_WORKER_BASE,
-    Ask,
-    Limits,
-    VersionUse,
-    WorkerBudget,
-    archive_estimate,
-)
+from mariner.server.supervisor.worker_budget import Limits, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.protocol import ask_describe, describe_request
 
 log = logging.getLogger("mariner.supervisor")
-
-# Where a count nobody set comes from, as a refusal names it (see `_admit`).
-BUILT_IN_WORKERS = "the built-in default: one worker per GPU, else per CPU core"
-REGISTER_DEFAULT_WORKERS = "the register call's default of one worker"
 
 
 class ModelRegistry:
@@ -140,7 +131,9 @@ class ModelRegistry:
                 archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
             )
             estimate = archive_estimate(archive.model_dir, spawned=self._workers.spawns(settings))
-            settings = self._admit(archive.name, archive.version, settings, origin, estimate, spec)
+            settings = admit(
+                self.budget, self._every(), archive, settings, origin, estimate, spec.loaded_at_startup
+            )
         except BaseException:
             shutil.rmtree(archive.model_dir, ignore_errors=True)
             raise
@@ -148,86 +141,6 @@ class ModelRegistry:
         self._versions.setdefault(archive.name, {})[archive.version] = v
         self._defaults.setdefault(archive.name, archive.version)
         return v
-
-    # -- the worker budget ----------------------------------------------------------------------
-    def _uses(self) -> list[VersionUse]:
-        """Every version's worker slots as the budget counts them: the live ones, or its
-        minWorkers while they are still to be added (start-up adds them after every archive
-        is opened)."""
-        uses = []
-        for v in self._every():
-            live = v.live_instances()
-            ready = tuple(
-                i.process.pid
-                for i in live
-                if i.status == "READY" and i.process is not None and i.process.pid is not None
-            )
-            loading = tuple(
-                i.process.pid if i.process is not None else None for i in live if i.status != "READY"
-            )
-            missing = max(0, v.settings.min_workers - len(live))
-            uses.append(
-                VersionUse(
-                    (v.name, v.version),
-                    slots=len(live) + missing,
-                    ready=ready,
-                    loading=loading + (None,) * missing,
-                    estimate=v.worker_estimate or FORKED_WORKER_BASE,
-                )
-            )
-        return uses
-
-    def _admit(
-        self,
-        name: str,
-        version: str,
-        settings: ModelSettings,
-        origin: LayerSource | None,
-        estimate: int,
-        spec: ModelSpec,
-    ) -> ModelSettings:
-        """A new version's worker count, through the budget: a count someone set (the archive,
-        models=, default_workers_per_model, a flag, initial_workers) is refused when over it
-        (INVALID_ARGUMENT naming the cap and the numbers); the built-in default (one per GPU or
-        core) is lowered to what fits instead, with a warning, and refused only when not even one
-        worker fits."""
-        source = (
-            origin.source
-            if origin
-            else (BUILT_IN_WORKERS if spec.loaded_at_startup else REGISTER_DEFAULT_WORKERS)
-        )
-        ask = Ask(
-            name,
-            version,
-            settings.min_workers,
-            what=origin.worker_key if origin else "minWorkers",
-            source=source,
-            estimate=estimate,
-        )
-        uses = self._uses()
-        if origin is not None:
-            self.budget.check(ask, uses)
-            return settings
-        n, why = self.budget.fit(ask, uses)
-        if n < 1:
-            raise ServingError(Code.INVALID_ARGUMENT, why or f"no worker of model {name} fits")
-        if n < settings.min_workers:
-            log.warning("model %s version %s: starting %d workers instead of %d: %s", name, version, n,
-                        settings.min_workers, why)  # fmt: skip
-            max_workers = n if settings.max_workers == settings.min_workers else max(n, settings.max_workers)
-            settings = dataclasses.replace(settings, min_workers=n, max_workers=max_workers)
-        return settings
-
-    def _check_scale(self, v: Version, min_workers: int) -> None:
-        ask = Ask(
-            v.name,
-            v.version,
-            min_workers,
-            current=len(v.live_instances()),
-            what="min_worker",
-            estimate=v.worker_estimate or FORKED_WORKER_BASE,
-        )
-        self.budget.check(ask, self._uses())
 
     async def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
         """Check and unpack every archive; a bad one is logged in one line and kept as a FAILED
@@ -493,7 +406,7 @@ class ModelRegistry:
         if min_workers < 1:
             raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
         v = self.resolve(model, version)
-        self._check_scale(v, min_workers)
+        check_scale(self.budget, self._every(), v, min_workers)
         async with v.lifecycle:
             if v.removed:
                 raise ServingError(
@@ -502,7 +415,7 @@ class ModelRegistry:
                 )
             live = v.live_instances()
             if min_workers > len(live):
-                self._check_scale(v, min_workers)  # what changed while it waited
+                check_scale(self.budget, self._every(), v, min_workers)  # what changed while it waited
             before = v.settings
             v.settings = dataclasses.replace(v.settings, min_workers=min_workers, max_workers=max_workers)
             if min_workers > len(live):

@@ -14,17 +14,9 @@ from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.supervisor import worker_pool
+from mariner.server.supervisor.machine import MIB, Room, memory_room, task_room
 from mariner.server.supervisor.versions import Version
-from mariner.server.supervisor.worker_budget import (
-    MIB,
-    Ask,
-    Limits,
-    Room,
-    VersionUse,
-    WorkerBudget,
-    memory_room,
-    task_room,
-)
+from mariner.server.supervisor.worker_budget import Ask, Limits, VersionUse, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool, unix_connections
 
 GIB = 1 << 30
