@@ -95,7 +95,7 @@ class StoppableHealth(GrpcHealth):
         try:
             await super().Watch(request, context)
         finally:
-            self._watching.discard(task)  # type: ignore[arg-type]
+            self._watching.discard(task)
 
     def end_watches(self) -> None:
         for task in list(self._watching):
