@@ -283,7 +283,7 @@ class ServerLayers:
         workers = self.startup_workers if startup else 1
         return (
             (None, SettingsOverrides(min_workers=workers, max_workers=workers)),
-            (LayerSource("default_workers_per_model", "default_workers_per_model"), self.defaults),
+            (LayerSource("default_workers_per_model", "the server's config"), self.defaults),
             (
                 LayerSource("minWorkers", self._source(name, version)),
                 self.models_entry(name, version, archive_file),

@@ -217,9 +217,9 @@ class _Metrics:
         pass
 
 
-def _version(tmp_path: Path) -> Version:
+def _version(tmp_path: Path, name: str = "m") -> Version:
     archive = ModelArchive(
-        name="m", version="1", path=tmp_path / "m.mar", sha256="0" * 64, model_dir=tmp_path,
+        name=name, version="1", path=tmp_path / "m.mar", sha256="0" * 64, model_dir=tmp_path,
         manifest={}, model_config={},
     )  # fmt: skip
     return Version(archive, None, ModelSettings(device_type="cpu", startup_timeout_s=30), None)  # type: ignore[arg-type]
@@ -322,3 +322,70 @@ def test_a_slot_stopped_while_its_process_is_being_created_leaves_no_process(
 
     asyncio.run(scenario())
     assert worker_pool.KILL_WAIT_S > 0
+
+
+def test_a_start_up_count_someone_set_is_refused_and_the_built_in_one_lowered(tmp_path: Path) -> None:
+    """At start-up: an archive's minWorkers or default_workers_per_model over the cap refuses that
+    model (the registry keeps it FAILED with this reason); the built-in one-per-core count on a
+    large machine is lowered to the cap instead."""
+    from mariner.server.core.model_settings import (
+        LayerSource,
+        ServerLayers,
+        SettingsOverrides,
+        worker_count_origin,
+    )
+    from mariner.server.supervisor.admission import admit
+
+    v = _version(tmp_path)
+    b = budget()
+    settings = ModelSettings(min_workers=100, max_workers=100)
+    layers = ServerLayers(defaults=SettingsOverrides(min_workers=100, max_workers=100), startup_workers=100)
+    origin = worker_count_origin(layers.named_for_model("m", "1", "m.mar"))
+    assert origin == LayerSource("default_workers_per_model", "the server's config")
+    with pytest.raises(ServingError) as info:
+        admit(b, [], v.archive, settings, origin, 64 * MIB, True)
+    assert info.value.message == (
+        "default_workers_per_model 100 exceeds the per-model cap of 64 workers (from the server's config)"
+    )
+    lowered = admit(b, [], v.archive, settings, None, 64 * MIB, True)
+    assert (lowered.min_workers, lowered.max_workers) == (64, 64)
+    # Other versions' slots count, their minWorkers too before their workers are added.
+    other = _version(tmp_path, "other")
+    other.settings = ModelSettings(min_workers=250, max_workers=250)
+    with pytest.raises(ServingError, match="would bring the server to 260 workers"):
+        admit(b, [other], v.archive, ModelSettings(min_workers=10, max_workers=10), origin, 64 * MIB, True)
+
+
+def test_scaling_down_drains_a_ready_worker_before_its_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop(drain=True): SIGTERM only once no frontend holds a connection to the worker."""
+    events: list[str] = []
+    held = iter([2, 1, 1, 0])
+
+    def connections(path: str, table: str = "") -> int:
+        n = next(held, 0)
+        events.append(f"held {n}")
+        return n
+
+    class Ready:
+        pid, returncode = 4343, None
+
+        def __init__(self) -> None:
+            self.spec = type("Spec", (), {"socket_path": "/s/w.sock", "id": "m-1-0"})()
+
+        async def stop(self, grace: float) -> None:
+            events.append("sigterm")
+            self.returncode = 0
+
+    monkeypatch.setattr(worker_pool, "unix_connections", connections)
+
+    async def scenario() -> None:
+        from mariner.server.supervisor.versions import Instance
+
+        inst = Instance(0, status="READY", process=Ready())
+        await asyncio.wait_for(_pool(tmp_path).stop([inst], 5.0, drain=True), 5)
+        assert inst.status == "STOPPED"
+
+    asyncio.run(scenario())
+    assert events == ["held 2", "held 1", "held 1", "held 0", "sigterm"]
