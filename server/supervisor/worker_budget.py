@@ -60,7 +60,9 @@ ENV_MEMORY_CHECK = "MARINER_WORKER_MEMORY_CHECK"  # "0"/"false": no machine-awar
 GIB = 1 << 30
 # Memory left free whatever is asked: the supervisor, the frontends and the workers' own growth
 # (activations, allocator caches) live there too.
+# 10% of the limit, within 256 MiB and 1 GiB (on a large host a tenth could exceed what is free).
 MIN_MEMORY_HEADROOM = 256 * MIB
+MAX_MEMORY_HEADROOM = 1 << 30
 MEMORY_HEADROOM_FRACTION = 0.10
 # Tasks (threads) left free, and a worker's until one is measured (its handler thread, the
 # event loop, torch's intra-op pool once it runs).
@@ -264,7 +266,9 @@ class WorkerBudget:
                 for pid in u.loading:
                     now = (self.measure(pid) or 0) if pid is not None else 0
                     pending += max(0, expected - now)
-            headroom = max(MIN_MEMORY_HEADROOM, int(MEMORY_HEADROOM_FRACTION * room.limit))
+            headroom = min(
+                MAX_MEMORY_HEADROOM, max(MIN_MEMORY_HEADROOM, int(MEMORY_HEADROOM_FRACTION * room.limit))
+            )
             free = room.available - headroom - pending
             allowed = ask.current + max(0, free) // max(1, per)
             about = "" if measured else " (estimated: none of its workers has loaded yet)"

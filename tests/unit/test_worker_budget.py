@@ -111,6 +111,9 @@ def test_fit_lowers_a_default_count_to_what_every_cap_allows() -> None:
     assert n == 12
     assert why is not None
     assert why.startswith("minWorkers 32: 32 workers of ~100 MiB")
+    # On a large host the headroom stops at 1 GiB: 2 GiB free of 256 GiB still take ten of them.
+    large = budget(memory=Room(available=2 * GIB, limit=256 * GIB, source="MemAvailable"))
+    assert large.fit(Ask("m", "1", 32, estimate=100 * MIB), [])[0] == 10
     n, why = b.fit(Ask("m", "1", 64, estimate=2 * GIB), [])
     assert n == 0
     assert why is not None
