@@ -7,7 +7,7 @@ import resource
 import pytest
 
 from mariner.server.protocols.connection_budget import RESERVED_DESCRIPTORS, raise_descriptor_limit, share
-from mariner.server.protocols.grpc_server import GrpcLimits, server_options
+from mariner.server.protocols.grpc_server import STREAM_WINDOW_BYTES, GrpcLimits, server_options
 
 
 def test_caps_that_fit_are_kept() -> None:
@@ -46,6 +46,9 @@ def test_grpc_limits_become_grpc_core_arguments() -> None:
     assert options["grpc.max_allowed_incoming_connections"] == 7
     assert options["grpc.max_concurrent_streams"] == 9
     assert options["grpc.max_connection_idle_ms"] == 1500
+    # A fixed per-call window bounds what a call refused on its metadata can push in.
+    assert options["grpc.http2.bdp_probe"] == 0
+    assert options["grpc.http2.lookahead_bytes"] == STREAM_WINDOW_BYTES
 
 
 @pytest.mark.parametrize("field", ["max_connections", "max_concurrent_streams", "idle_timeout_s"])
