@@ -57,6 +57,7 @@ from mariner.server.security import (
     load_tokens,
 )
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
+from mariner.server.workers.peer import PeerRefused
 
 log = logging.getLogger("mariner.frontend")
 
@@ -234,6 +235,7 @@ class Frontend:
         cfg = self.cfg = init.cfg
         self.index = init.index
         self._control = control
+        self._orphaned = False  # the supervisor went away: close the listeners first
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
         self.dataplane = DataPlane(self.metrics)
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
@@ -310,7 +312,8 @@ class Frontend:
             if isinstance(msg, channel.ModelTable):
                 await self._apply_and_ack(msg, writer)
         if not stop.is_set():
-            log.error("frontend %d: the supervisor went away; draining", self.index)
+            log.error("frontend %d: the supervisor went away; closing the listeners", self.index)
+            self._orphaned = True
             stop.set()
 
     async def run(self) -> int:
@@ -365,8 +368,9 @@ class Frontend:
 
         dp.start_draining()
         await self.grpc.set_not_serving()
-        await dp.wait_idle(cfg.grace_seconds)
-        await asyncio.sleep(min(cfg.refuse_seconds, left()))
+        if not self._orphaned:  # an orphan's ports must go at once: a new server may take them
+            await dp.wait_idle(cfg.grace_seconds)
+            await asyncio.sleep(min(cfg.refuse_seconds, left()))
         self.http.should_exit = True
         await asyncio.gather(
             self.grpc.stop(grace=max(left(), MIN_GRPC_STOP_S)), http_task, return_exceptions=True
@@ -387,7 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     args = parser.parse_args(argv)
     control = socket.socket(fileno=args.control_fd)
-    init = channel.receive_blocking(control)
+    try:
+        init = channel.receive_blocking(control)
+    except PeerRefused as exc:
+        print(f"frontend: {exc}", file=sys.stderr)
+        return 2
     if not isinstance(init, channel.FrontendInit):
         print("frontend: no start message from the supervisor", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.types import ModelState
 from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
 from mariner.server.private_dir import ensure_private_dir
+from mariner.server.protocols.connection_budget import raise_descriptor_limit
 from mariner.server.protocols.grpc_server import bind_port, build_management_server
 from mariner.server.protocols.http_common import json_response
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, GrpcTokenAuth, HttpTokenAuth, grpc_credentials
@@ -62,6 +63,9 @@ class Supervisor:
         self.frontend_count = frontend_count(cfg)
         # The tokens are in `cfg` now: no child may find them in its environment.
         forget_secrets((cfg.inference_token, cfg.management_token))
+        # The management listeners hold connections too: the soft descriptor limit (often 1,024)
+        # would run out long before their connection cap.
+        raise_descriptor_limit()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if cfg.work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="mariner-")
