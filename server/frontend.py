@@ -34,7 +34,7 @@ from typing import Any
 from mariner.server import event_loop
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
-from mariner.server.core.batching import BatchRunner
+from mariner.server.core.batching import BatchRunner, RunnerRetired
 from mariner.server.core.dataplane import DataPlane
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError
@@ -88,6 +88,8 @@ class _Worker:
         return "STOPPED" if self.retired else "READY"
 
     async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        if self.retired:  # retired while the batcher held it: the batch goes to another worker
+            raise RunnerRetired(f"worker {self.id} was retired before it took the batch")
         self.busy = True
         try:
             results = await self.conn.run(requests)

@@ -38,6 +38,7 @@ from mariner.server.core.batching import (
     InstanceFailed,
     NullObserver,
     ReplaceRunner,
+    RunnerRetired,
     TokenBudget,
 )
 from mariner.server.core.errors import Code, ServingError, internal
@@ -312,6 +313,7 @@ class Batcher:
     async def _run(self, runner: BatchRunner, batch: list[_Pending]) -> None:
         started = self._clock()
         broken: str | None = None  # why the runner must not be reused
+        retried = False  # the runner was retired before it took the batch: queued again
         try:
             self._observer.batch_started(
                 sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
@@ -326,6 +328,9 @@ class Batcher:
                     "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
                 )
                 raise internal("matching results to requests")
+        except RunnerRetired:
+            retried = True
+            self._requeue(batch)
         except ServingError as exc:
             self._fail(batch, exc)
         except TimeoutError:
@@ -366,13 +371,27 @@ class Batcher:
             # Busy count and idle queue change together, so the dispatcher never mistakes a
             # finished batch for another instance still computing.
             self._busy -= 1
-            if broken is None or self._replace_runner is None:
+            if retried:
+                self._retired.discard(runner)
+                if runner in self._runners:
+                    self._runners.remove(runner)
+            elif broken is None or self._replace_runner is None:
                 self._idle.put_nowait(runner)
             else:
                 task = asyncio.get_running_loop().create_task(self._replace(runner, broken))
                 self._replacing.add(task)
                 task.add_done_callback(self._replacing.discard)
             self._arrival.set()
+
+    def _requeue(self, batch: list[_Pending]) -> None:
+        """Put a batch that never ran back at the head of the queue, in its order."""
+        live = [p for p in batch if not p.future.done()]
+        self._queue.extendleft(reversed(live))
+        for p in live:
+            self._queued_items += p.req.items
+            if self._tokens is not None:
+                self._queued_tokens += _own_tokens(p.req)
+        self._observer.queue_depth(self._queued_items)
 
     async def _replace(self, runner: BatchRunner, reason: str) -> None:
         assert self._replace_runner is not None

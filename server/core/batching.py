@@ -81,3 +81,9 @@ class InstanceFailed(Exception):
 # Called with a failed or hung runner and the reason; returns its replacement (or None to
 # retire it). The batcher keeps serving with the remaining runners meanwhile.
 ReplaceRunner = Callable[[BatchRunner, str], Awaitable[BatchRunner | None]]
+
+
+class RunnerRetired(Exception):
+    """Raised by a runner retired before it took a batch (its worker was scaled down or
+    replaced while the dispatcher held it): nothing of the batch ran, so the batcher queues it
+    again, at the head, for another runner of the version."""

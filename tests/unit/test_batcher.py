@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy
+from mariner.server.core.batching import BatchPolicy, RunnerRetired
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 
@@ -635,6 +635,42 @@ def test_two_runners_run_two_batches_at_once() -> None:
         other.release()
         await settle()
         assert result(a) == echo("a")
+        await b.close()
+
+    run(body)
+
+
+def test_a_batch_given_to_a_runner_retired_meanwhile_runs_on_another_and_fails_nothing() -> None:
+    """Scale-down: the dispatcher held a runner whose worker was retired before it took the batch.
+    Nothing of the batch ran, so it goes back to the head of the queue, in order, for another
+    runner; the retired runner is never given a batch again."""
+
+    def retired(_: list[str]) -> list[InferResult]:
+        raise RunnerRetired("worker r2 was retired before it took the batch")
+
+    async def body(clock: FakeClock) -> None:
+        r1, r2 = FakeRunner("r1"), FakeRunner("r2")
+        r1.hold()
+        b = make([r1, r2], clock, max_batch_size=8)
+        a = submit(b, "a")
+        await settle()
+        assert r1.batches == [["a"]], "the held runner took the first request"
+        other = r2
+        other.script[1] = retired
+        bb, c = submit(b, "b"), submit(b, "c")
+        await settle()
+        assert other.batches == [["b", "c"]]  # offered once, refused unrun
+        assert not bb.done(), "a retired runner's batch must not fail"
+        assert not c.done()
+        assert b.queued_items == 2
+        r1.release()
+        await settle()
+        assert r1.batches == [["a"], ["b", "c"]]
+        assert [result(t) for t in (a, bb, c)] == [echo("a"), echo("b"), echo("c")]
+        d = submit(b, "d")
+        await settle()
+        assert result(d) == echo("d")
+        assert other.batches == [["b", "c"]], "the retired runner is out of the rotation"
         await b.close()
 
     run(body)
