@@ -107,6 +107,10 @@ class ServerConfig:
     grpc_max_connections: int = 1000
     grpc_max_concurrent_streams: int = 256
     grpc_idle_timeout_s: float = 60.0
+    # The worker budget (see supervisor.worker_budget): every path that starts workers passes it.
+    max_workers_per_model: int = 64
+    max_total_workers: int = 256
+    worker_memory_check: bool = True
 
 
 _HELP = {
@@ -177,6 +181,11 @@ _HELP = {
     "clients; more are refused",
     "grpc_idle_timeout_s": "seconds a gRPC connection without calls stays open (then GOAWAY; clients "
     "reconnect when they next call)",
+    "max_workers_per_model": "most worker processes one model version may have (archive minWorkers, "
+    "models=, register, scale); more is refused with 400",
+    "max_total_workers": "most worker processes of all models together",
+    "worker_memory_check": "refuse worker counts that the host's or cgroup's free memory and threads "
+    "cannot hold (each worker's cost is measured once it is ready)",
 }
 
 
@@ -300,8 +309,15 @@ def load_config(
         # The parser checks flags; env and file values are checked here, naming the setting.
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}")
-    for f in fields(cfg):  # the HTTP connection limits: a zero would refuse or drop every request
-        if f.name.startswith("http_") and not getattr(cfg, f.name) > 0:
+    # Connection limits and worker caps: a zero would refuse or drop every request, or every worker.
+    positive = {
+        "max_workers_per_model",
+        "max_total_workers",
+        "grpc_max_connections",
+        "grpc_max_concurrent_streams",
+    }
+    for f in fields(cfg):
+        if (f.name.startswith("http_") or f.name in positive) and not getattr(cfg, f.name) > 0:
             raise ValueError(f"{f.name} must be positive, got {getattr(cfg, f.name)!r}")
     return cfg
 

@@ -31,11 +31,10 @@ slots (`VersionUse`).
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.supervisor.machine import (
     FORKED_WORKER_BASE,
@@ -51,12 +50,6 @@ log = logging.getLogger("mariner.supervisor")
 
 DEFAULT_MAX_WORKERS_PER_MODEL = 64  # per model version: each worker holds a copy of the model
 DEFAULT_MAX_TOTAL_WORKERS = 256  # every version together
-# Until the server has config fields for them (ServerConfig.max_workers_per_model,
-# .max_total_workers, .worker_memory_check), these environment variables set them.
-ENV_PER_MODEL = "MARINER_MAX_WORKERS_PER_MODEL"
-ENV_TOTAL = "MARINER_MAX_TOTAL_WORKERS"
-ENV_MEMORY_CHECK = "MARINER_WORKER_MEMORY_CHECK"  # "0"/"false": no machine-aware check
-
 GIB = 1 << 30
 # Memory left free whatever is asked: the supervisor, the frontends and the workers' own growth
 # (activations, allocator caches) live there too.
@@ -69,21 +62,6 @@ MEMORY_HEADROOM_FRACTION = 0.10
 MIN_TASK_HEADROOM = 64
 TASK_HEADROOM_FRACTION = 0.10
 MIN_WORKER_TASKS = 8
-
-
-def _env_int(env: Mapping[str, str], key: str) -> int | None:
-    value = env.get(key)
-    if value is None or not value.strip():
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise ServingError(
-            Code.INVALID_ARGUMENT, f"{key} must be a positive integer, got {value!r}"
-        ) from None
-    if number < 1:
-        raise ServingError(Code.INVALID_ARGUMENT, f"{key} must be a positive integer, got {value!r}")
-    return number
 
 
 @dataclass(frozen=True)
@@ -99,19 +77,13 @@ class Limits:
             raise ValueError(f"worker caps must be positive, got {self}")
 
     @classmethod
-    def from_config(cls, cfg: Any, env: Mapping[str, str] | None = None) -> Limits:
-        """The caps from the server's config (`max_workers_per_model`, `max_total_workers`,
-        `worker_memory_check`, where it has those fields), else the environment, else defaults."""
-        env = os.environ if env is None else env
-        per_model = getattr(cfg, "max_workers_per_model", None) or _env_int(env, ENV_PER_MODEL)
-        total = getattr(cfg, "max_total_workers", None) or _env_int(env, ENV_TOTAL)
-        check = getattr(cfg, "worker_memory_check", None)
-        if check is None:
-            check = env.get(ENV_MEMORY_CHECK, "1").strip().lower() not in ("0", "false", "no", "off")
+    def from_config(cls, cfg: ServerConfig) -> Limits:
+        """The caps the server was configured with (`--max-workers-per-model`,
+        `--max-total-workers`, `--worker-memory-check`, or their MARINER_* variables)."""
         return cls(
-            per_model=per_model or DEFAULT_MAX_WORKERS_PER_MODEL,
-            total=total or DEFAULT_MAX_TOTAL_WORKERS,
-            machine_checks=bool(check),
+            per_model=cfg.max_workers_per_model,
+            total=cfg.max_total_workers,
+            machine_checks=cfg.worker_memory_check,
         )
 
 

@@ -169,8 +169,13 @@ def test_a_count_the_memory_cannot_hold_is_refused_naming_the_numbers(tmp_path: 
     memory than any machine has), before one process starts."""
     slow_archive(tmp_path, "slow")
     build_fault_archive(tmp_path, name="steady")
-    env = {"MARINER_MAX_WORKERS_PER_MODEL": "1000000", "MARINER_MAX_TOTAL_WORKERS": "1000000"}
-    srv = MarinerServe(tmp_path, "steady.mar", enable_model_management=True, env=env).start()
+    srv = MarinerServe(
+        tmp_path,
+        "steady.mar",
+        enable_model_management=True,
+        max_workers_per_model=1_000_000,
+        max_total_workers=1_000_000,
+    ).start()
     try:
         before = workers(srv)
         t0 = time.monotonic()

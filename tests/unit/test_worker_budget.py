@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mariner.server.config import load_config
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings
@@ -131,18 +132,15 @@ def test_threads_are_a_budget_too_where_something_bounds_them() -> None:
     )
 
 
-def test_the_caps_come_from_the_config_then_the_environment() -> None:
-    class Cfg:
-        max_workers_per_model = 8
-        max_total_workers = None
-
-    assert Limits.from_config(object(), env={}) == Limits(64, 256, True)
-    limits = Limits.from_config(
-        Cfg(), env={"MARINER_MAX_TOTAL_WORKERS": "32", "MARINER_WORKER_MEMORY_CHECK": "0"}
+def test_the_caps_come_from_the_flags_and_the_environment() -> None:
+    assert Limits.from_config(load_config([], env={})) == Limits(64, 256, True)
+    cfg = load_config(
+        ["--max-workers-per-model", "8"],
+        env={"MARINER_MAX_TOTAL_WORKERS": "32", "MARINER_WORKER_MEMORY_CHECK": "false"},
     )
-    assert limits == Limits(8, 32, False)
-    with pytest.raises(ServingError, match="MARINER_MAX_WORKERS_PER_MODEL must be a positive integer"):
-        Limits.from_config(object(), env={"MARINER_MAX_WORKERS_PER_MODEL": "0"})
+    assert Limits.from_config(cfg) == Limits(8, 32, False)
+    with pytest.raises(ValueError, match="max_workers_per_model must be positive, got 0"):
+        load_config([], env={"MARINER_MAX_WORKERS_PER_MODEL": "0"})
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
