@@ -386,7 +386,9 @@ class ModelRegistry:
         if not ready:
             raise ServingError(Code.UNAVAILABLE, f'Model "{v.name}" has no worker to serve inference request')
         request = describe_request(v.name, v.version, headers, protocol)
-        return await ask_describe(ready[0].socket_path, request, v.settings.response_timeout_s)
+        return await ask_describe(
+            ready[0].socket_path, request, v.settings.response_timeout_s, expected_pid=ready[0].pid
+        )
 
     async def set_default(self, model: str, version: str) -> None:
         """Allowed without model management, as in TorchServe: it loads no code."""
