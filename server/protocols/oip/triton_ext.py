@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from mariner.server.core.dataplane import require_management
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.names import check_model_name
 from mariner.server.core.types import ModelInfo, ModelState
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.oip.stats import book_of
@@ -174,9 +175,8 @@ def repository_index(plane: RepositoryPlane, ready_only: bool = False) -> list[d
 
 
 def _check_name(model: str) -> str:
-    if not model or "/" in model or "\\" in model or model.startswith("."):
-        raise ServingError(Code.INVALID_ARGUMENT, f"model name {model!r} is not a model store name")
-    return model
+    """The archive `<model>.mar` is looked up by this name: the rule every model name follows."""
+    return check_model_name(model, "model name")
 
 
 async def load(plane: RepositoryPlane, model: str) -> None:
