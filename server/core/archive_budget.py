@@ -21,7 +21,7 @@ import gzip
 import hashlib
 import zipfile
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, cast
 
 __all__ = ["ArchiveLimits", "Budget", "GzipGuard", "check_zip_declared"]
 
@@ -141,7 +141,7 @@ class GzipGuard:
 
     def __init__(self, f: IO[bytes], limits: ArchiveLimits) -> None:
         self._raw = _Counted(f)
-        self._gz = gzip.GzipFile(fileobj=self._raw, mode="rb")  # type: ignore[arg-type]
+        self._gz = gzip.GzipFile(fileobj=cast(IO[bytes], self._raw), mode="rb")
         self._limits = limits
         overhead = _TAR_OVERHEAD_PER_MEMBER * (limits.max_members + 1) + _TAR_OVERHEAD_END
         self.cap = limits.max_unpacked_bytes + overhead
