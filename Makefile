@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
+.PHONY: attacks bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -92,6 +92,17 @@ quickbench: models protos java
 MARINER_FUZZ_EXAMPLES ?= 10000
 fuzz: venv protos models
 	MARINER_FUZZ_EXAMPLES=$(MARINER_FUZZ_EXAMPLES) $(PY) -m tests.fuzz_main $(PYTEST_ARGS)
+
+# The attacks the process model was hardened against, replayed against real servers on 127.0.0.1
+# (bounded in count and time; about 3 minutes here), with the victims' latency under each flood
+# printed: worker budget and lifecycle races, gRPC connection/stream limits, rapid reset and an
+# unauthenticated flood, drain, trust (work dir, peers, frames), secrets, parent death, register
+# input and archive bombs. They are part of `make test` too.
+ATTACK_TESTS := tests/integration/test_lifecycle_races.py tests/integration/test_listener_limits.py \
+	tests/e2e/test_drain.py tests/integration/test_trust.py tests/integration/test_secrets_env.py \
+	tests/e2e/test_parent_death.py tests/integration/test_register_input.py tests/unit/test_archive_bombs.py
+attacks: venv protos models
+	$(PY) -m pytest -s -q $(ATTACK_TESTS) $(PYTEST_ARGS)
 
 # The GPU checklist (on a machine with an NVIDIA GPU; under 8 minutes): every archive on CUDA vs
 # CPU eager, no recompiles after warm-up, the out-of-memory split, `mariner serve --require-gpu`,
