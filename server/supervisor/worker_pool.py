@@ -241,7 +241,10 @@ class WorkerPool:
             try:
                 spec = self._spec(v, inst, gpu)
                 proc = WorkerProcess(spec)
-                inst.process, inst.status, inst.endpoint = proc, "LOADING", None
+                # A slot whose last start failed stays FAILED (with its reason) while it retries:
+                # the version does not flicker FAILED/LOADING with each backoff.
+                inst.process, inst.endpoint = proc, None
+                inst.status = "FAILED" if inst.status == "FAILED" and inst.error else "LOADING"
                 endpoint = await proc.start(v.settings.startup_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failed start fails this start only
                 await _kill(proc)  # whatever it had started is gone before anything else
