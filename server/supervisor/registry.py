@@ -237,6 +237,9 @@ class ModelRegistry(ModelViews):
             try:
                 await self._changed()
                 await self._await_first(added)
+                # The ready workers reach every frontend before the caller hears "registered": a
+                # predict sent right after the answer must not meet a table still saying LOADING.
+                await self._changed()
             except BaseException:
                 await self._remove(v)
                 raise
@@ -340,6 +343,7 @@ class ModelRegistry(ModelViews):
                 await self._changed()
                 try:
                     await self._await_first(added)
+                    await self._changed()  # the new workers are in every frontend's table first
                 except BaseException:
                     if not v.removed:
                         v.settings = before
