@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import enum
+import io
 import os
 import pickle
 import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +17,16 @@ import pytest
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.workers import protocol, safe_pickle
 from mariner.server.workers.peer import PeerRefused, check_peer, peer_credentials
+
+
+class _Reduce:
+    """Pickles as `fn(*args)`."""
+
+    def __init__(self, fn: Any, args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
 
 
 class _Payload:
@@ -64,7 +77,7 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(tmp_path: Path) -> 
     ("module", "name"),
     [
         ("builtins", "eval"),
-        ("builtins", "getattr"),
+        ("builtins", "setattr"),  # getattr resolves to an enum-member lookup only: tested below
         ("subprocess", "Popen"),
         ("mariner.server.workers.connection", "kill_worker"),  # ours, but a function
         ("mariner.server.workers.process", "os"),  # a module reached through one of ours
@@ -98,3 +111,29 @@ def test_the_check_reads_so_peercred_of_the_peer() -> None:
     assert peer_credentials(FakeSock()).uid == 1001
     with pytest.raises(PeerRefused, match="uid 1001"):
         check_peer(FakeSock(), what="worker socket /x")
+
+
+def test_an_enum_pickled_by_name_loads_and_getattr_on_anything_else_is_refused() -> None:
+    """Debian's Python 3.11.2 (the images') pickles an enum member as getattr(cls, name); the
+    pyenv 3.11.7 here pickles it as cls(value). Both must load; getattr may name nothing else."""
+
+    def by_name(member: enum.Enum) -> bytes:
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, enum.Enum):
+                    return getattr, (type(obj), obj.name)
+                return NotImplemented
+
+        buf = io.BytesIO()
+        Pickler(buf, protocol=5).dump(member)
+        return buf.getvalue()
+
+    assert safe_pickle.loads(by_name(WireProtocol.OIP_GRPC)) is WireProtocol.OIP_GRPC
+    assert safe_pickle.loads(pickle.dumps(WireProtocol.OIP_GRPC, protocol=5)) is WireProtocol.OIP_GRPC
+    for evil in (
+        pickle.dumps(_Reduce(getattr, (InferRequest, "__init__"))),  # ours, not an enum
+        pickle.dumps(_Reduce(getattr, (WireProtocol, "__class__"))),  # not a member
+        pickle.dumps(_Reduce(getattr, (WireProtocol, "_missing_"))),
+    ):
+        with pytest.raises(safe_pickle.UnsafePickle):
+            safe_pickle.loads(evil)
