@@ -105,20 +105,18 @@ def memory_room(root: Path = Path("/")) -> Room | None:
     the tree) and the host's MemAvailable; None when nothing can be read."""
     rooms: list[Room] = []
     dirs = _cgroup_dirs(root)
-    for d in dirs.get("v2", []):
-        limit = _read_int(d / "memory.max")
-        current = _read_int(d / "memory.current")
-        if limit is None or limit >= _UNLIMITED or current is None:
-            continue
-        used = max(0, current - _stat_value(d / "memory.stat", "inactive_file"))
-        rooms.append(Room(limit - used, limit, "cgroup memory.max"))
-    for d in dirs.get("memory", []):
-        limit = _read_int(d / "memory.limit_in_bytes")
-        usage = _read_int(d / "memory.usage_in_bytes")
-        if limit is None or limit >= _UNLIMITED or usage is None:
-            continue
-        used = max(0, usage - _stat_value(d / "memory.stat", "total_inactive_file"))
-        rooms.append(Room(limit - used, limit, "cgroup memory.limit_in_bytes"))
+    # (hierarchy, limit file, usage file, reclaimable page cache in memory.stat): v2, then v1.
+    for hierarchy, limit_file, usage_file, inactive in (
+        ("v2", "memory.max", "memory.current", "inactive_file"),
+        ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        for d in dirs.get(hierarchy, []):
+            limit = _read_int(d / limit_file)
+            usage = _read_int(d / usage_file)
+            if limit is None or limit >= _UNLIMITED or usage is None:
+                continue
+            used = max(0, usage - _stat_value(d / "memory.stat", inactive))
+            rooms.append(Room(limit - used, limit, f"cgroup {limit_file}"))
     meminfo = _read(root / "proc/meminfo")
     if meminfo:
         values = {}
