@@ -357,24 +357,45 @@ def test_stream_predictions_error_aborts_the_stream(pb: SimpleNamespace) -> None
     assert run_with(pb, plane, body).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_stream_predictions2_is_unimplemented(pb: SimpleNamespace) -> None:
+def test_stream_predictions2_answers_every_request_in_stream(pb: SimpleNamespace) -> None:
+    """Good requests are answered with their prediction and sequence id; a request without a
+    sequence id, an unknown model and a handler's own error are answered in-stream and the
+    stream goes on to the next request."""
     plane = FakePlane()
 
-    async def body(h: Harness) -> grpc.aio.AioRpcError:
+    async def body(h: Harness) -> list[Any]:
+        def req(model: str, seq: str | None, data: bytes) -> Any:
+            r = pb.inference.PredictionsRequest(model_name=model, input={"data": data})
+            if seq is not None:
+                r.sequence_id = seq
+            return r
+
         async def requests() -> AsyncIterator[Any]:
-            yield pb.inference.PredictionsRequest(model_name="echo", sequence_id="s1")
+            yield req("echo", "s1", b"a")
+            yield req("echo", None, b"b")
+            yield req("nope", "s2", b"c")
+            yield req("reject", "s3", b"d")
+            yield req("echo", "s1", b"e")
 
-        call = h.infer_stub.StreamPredictions2(requests())
+        return [m async for m in h.infer_stub.StreamPredictions2(requests())]
 
-        async def drain() -> None:
-            async for _ in call:
-                pass
-
-        return await rpc_error(drain())
-
-    err = run_with(pb, plane, body)
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "StreamPredictions2" in err.details()
+    answers = run_with(pb, plane, body)
+    by_seq: dict[str, list[Any]] = {}
+    for a in answers:
+        by_seq.setdefault(a.sequence_id, []).append(a)
+    assert len(answers) == 5
+    assert [a.prediction for a in by_seq["s1"]] == [b"echo:a", b"echo:e"]  # one sequence: in order
+    assert all(not a.HasField("status") for a in by_seq["s1"])
+    (missing,) = by_seq[""]
+    assert (missing.status.code, missing.status.message) == (13, "Parameter sequenceId is required.")
+    (unknown,) = by_seq["s2"]
+    assert unknown.status.code == grpc.StatusCode.NOT_FOUND.value[0]  # ours: no TorchServe answer in the fake
+    (rejected,) = by_seq["s3"]
+    assert rejected.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "image must be 28x28" in rejected.status.message
+    headers = [r.headers for r in plane.seen if r.model == "echo"]
+    assert [hd["ts_request_sequence_id"] for hd in headers] == ["s1", "s1"]
+    assert all(hd["ts_request_sequence_end"] == "true" for hd in headers)
 
 
 def test_oversized_request_is_resource_exhausted(pb: SimpleNamespace) -> None:

@@ -378,7 +378,7 @@ def test_grpc_bytes_and_integer_contents_are_decoded(pb: SimpleNamespace) -> Non
     run_grpc(pb, plane, body)
 
 
-def test_grpc_stream_answers_each_request_in_order_with_errors_in_stream(pb: SimpleNamespace) -> None:
+def test_grpc_stream_answers_each_request_by_id_with_errors_in_stream(pb: SimpleNamespace) -> None:
     plane = FakePlane()
 
     async def body(stub: Any, channel: grpc.aio.Channel) -> None:
@@ -388,15 +388,22 @@ def test_grpc_stream_answers_each_request_in_order_with_errors_in_stream(pb: Sim
             infer_request(pb, model_name="nope", id="c"),
             infer_request(pb, PIXELS[1:].copy(), id="d", model_version="2"),
         ]
-        answers = [r async for r in stub.ModelStreamInfer(iter(requests_in))]
-        assert [a.infer_response.id for a in answers] == ["a", "b", "c", "d"]
-        assert [bool(a.error_message) for a in answers] == [False, True, True, False]
-        assert "expected shape [-1, 64], received [3, 63]" in answers[1].error_message
-        assert "'nope'" in answers[2].error_message
+        answered = [r async for r in stub.ModelStreamInfer(iter(requests_in))]
+        answers = {a.infer_response.id: a for a in answered}  # completion order: matched by id
+        assert sorted(a.infer_response.id for a in answered) == ["a", "b", "c", "d"]
+        assert {i: bool(a.error_message) for i, a in answers.items()} == {
+            "a": False,
+            "b": True,
+            "c": True,
+            "d": False,
+        }
+        assert "expected shape [-1, 64], received [3, 63]" in answers["b"].error_message
+        assert "'nope'" in answers["c"].error_message
+        assert answers["c"].infer_response.model_name == "nope"
         np.testing.assert_array_equal(
-            outputs_of(answers[3].infer_response)["label"], digits_outputs(PIXELS[1:])["label"]
+            outputs_of(answers["d"].infer_response)["label"], digits_outputs(PIXELS[1:])["label"]
         )
-        assert answers[3].infer_response.model_version == "2"
+        assert answers["d"].infer_response.model_version == "2"
 
     run_grpc(pb, plane, body)
 

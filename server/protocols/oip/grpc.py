@@ -31,14 +31,16 @@ from typing import Any
 import grpc
 import numpy as np
 
-from mariner.server.core.errors import Code, abort, as_serving_error
+from mariner.server.core.errors import Code, abort, as_serving_error, internal
 from mariner.server.core.tensors import CONTENTS_FIELD, ModelSignature, bad, decode_raw, encode_raw
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import Failed, Infer, Ok, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
+from mariner.server.protocols.grpc_stream import end_stream
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.oip import grpc_ext as ext
 from mariner.server.protocols.oip.contents import decode_contents
+from mariner.server.protocols.stream_pipeline import WINDOW, StreamPipeline, StreamStats
 from mariner.server.protocols.torchserve.grpc import request_headers
 from mariner.server.protogen import stubs_missing
 
@@ -52,10 +54,10 @@ log = logging.getLogger("mariner.grpc.oip")
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 PROTOCOL = WireProtocol.OIP_GRPC
-# Requests of one ModelStreamInfer call in flight at once. They run concurrently (so a client
-# streaming many requests gets them batched together) and are answered in request order; the
-# window bounds what one stream can hold in memory.
-STREAM_WINDOW = 64
+# Requests of one ModelStreamInfer call in flight at once (read and not yet answered). They run
+# concurrently (so a client streaming many requests gets them batched together) and are
+# answered as each finishes; the window bounds what one stream can hold in memory.
+STREAM_WINDOW = WINDOW
 # Inputs carrying at least this many bytes are decoded on a worker thread, not the event loop.
 OFFLOAD_DECODE_BYTES = 256 * 1024
 # ModelInferRequest as parsed off the wire: each input's `contents` stays serialized bytes until
@@ -148,6 +150,7 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, dataplane: oip.OipPlane, *, max_message_bytes: int) -> None:
         self._plane = dataplane
         self._max_elements = oip.element_cap(max_message_bytes)
+        self.stream_stats = StreamStats()
 
     # -- health and metadata ------------------------------------------------------------
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -215,39 +218,42 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        """One response per request, in request order; a failed request is answered in-stream
-        with `error_message` (and its id) and the stream goes on, as Triton's does."""
+        """Pipelined: up to `STREAM_WINDOW` requests in flight, each answered as soon as it is
+        done (completion order; the client matches answers by the echoed `id`). A failed
+        request is answered in-stream with `error_message` (and its id) and the stream goes on,
+        as Triton's does. A drain stops the reading: what was read is answered, then UNAVAILABLE."""
         metadata = context.invocation_metadata()
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue(maxsize=STREAM_WINDOW)
 
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(self._stream_one(request, metadata, context.time_remaining()))
-                    await pending.put(task)
-            finally:
-                await pending.put(None)
+        async def answer(request: Any) -> Any:
+            return await self._stream_one(request, metadata, context.time_remaining())
 
-        reader = asyncio.create_task(read())
-        try:
-            while (task := await pending.get()) is not None:
-                yield await task
-            await reader  # surfaces a broken request stream
-        finally:
-            reader.cancel()
-            while not pending.empty():
-                left = pending.get_nowait()
-                if left is not None:
-                    left.cancel()
+        def on_crash(request: Any) -> Any:
+            return self._stream_error(request, internal("running the inference").message)
+
+        pipe = StreamPipeline(
+            request_iterator,
+            answer,
+            on_crash=on_crash,
+            admission=self._plane,
+            window=STREAM_WINDOW,
+            stats=self.stream_stats,
+        )
+        async for response in pipe.responses():
+            yield response
+        await end_stream(context, pipe)
 
     async def _stream_one(self, request: Any, metadata: Any, time_remaining: float | None) -> Any:
         outcome = await self._call(request, metadata, time_remaining)
         if isinstance(outcome, Ok):
             return pb.ModelStreamInferResponse(infer_response=outcome.value)
+        return self._stream_error(request, outcome.error.message)
+
+    @staticmethod
+    def _stream_error(request: Any, message: str) -> Any:
         echo = pb.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
-        return pb.ModelStreamInferResponse(error_message=outcome.error.message, infer_response=echo)
+        return pb.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
     async def _call(
         self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None

@@ -12,6 +12,7 @@ building a 650,000-entry map took 4 s of event loop. Its size is checked against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -23,15 +24,18 @@ import grpc
 
 from mariner.server.core.errors import (
     HANDLER_EXCEPTION,
-    STATUS,
     Code,
     ServingError,
     abort,
+    internal,
     torchserve_grpc,
 )
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
+from mariner.server.protocols.grpc_stream import end_stream
+from mariner.server.protocols.stream_pipeline import StreamPipeline, StreamStats
+from mariner.server.protocols.torchserve import stream2
 from mariner.server.protogen import stubs_missing
 from mariner.server.security import HIDDEN_FROM_HANDLERS
 
@@ -145,10 +149,11 @@ def to_infer_request(
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
-    """Ping, Predictions and StreamPredictions over the DataPlane; StreamPredictions2 is refused."""
+    """Ping, Predictions, StreamPredictions and (pipelined) StreamPredictions2 over the DataPlane."""
 
     def __init__(self, dataplane: InferencePlane) -> None:
         self._plane = dataplane
+        self.stream_stats = StreamStats()
 
     async def Ping(self, request: empty_pb2.Empty, context: grpc.aio.ServicerContext) -> Any:
         """Health as TorchServe reports it: always status OK, the verdict is in the JSON body."""
@@ -181,13 +186,64 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         self,
         request_iterator: AsyncIterator[inference_pb2.PredictionsRequest],
         context: grpc.aio.ServicerContext,
-    ) -> None:
-        """Sequence (stateful) streaming needs sequence-aware handlers, which Mariner lacks."""
-        await context.abort(
-            STATUS[Code.UNIMPLEMENTED].grpc,
-            "StreamPredictions2 (bidirectional sequence streaming) is not supported by this server; "
-            "use Predictions or StreamPredictions",
+    ) -> AsyncIterator[inference_pb2.PredictionResponse]:
+        """Bidirectional sequence streaming, pipelined: up to `WINDOW` requests in flight, each
+        answered as soon as it is done, failures in-stream (TorchServe's rules: `stream2`).
+
+        Steps of one sequence id run one after another in arrival order; different ids run
+        concurrently. A drain stops the reading: what was read is answered, then UNAVAILABLE.
+        """
+        metadata = context.invocation_metadata()
+
+        async def answer(request: Any) -> inference_pb2.PredictionResponse:
+            return await self._stream2_one(request, metadata, context.time_remaining())
+
+        def key(request: Any) -> str | None:
+            return request.sequence_id or None  # a generated id is new each time: no order to keep
+
+        def on_crash(request: Any) -> inference_pb2.PredictionResponse:
+            return self._stream2_failure(request.sequence_id, internal("running the prediction"))
+
+        pipe = StreamPipeline(
+            request_iterator,
+            answer,
+            on_crash=on_crash,
+            key=key,
+            admission=self._plane,
+            stats=self.stream_stats,
         )
+        async for response in pipe.responses():
+            yield response
+        await end_stream(context, pipe)
+
+    async def _stream2_one(
+        self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None
+    ) -> inference_pb2.PredictionResponse:
+        """One StreamPredictions2 request through the call path (counted as a Predictions call)."""
+        echo = request.sequence_id
+
+        async def work(infer: Infer) -> tuple[str, InferResult]:
+            inputs = input_map(request)
+            seq = stream2.sequence_of(request.sequence_id, request.model_name, inputs)
+            req = to_infer_request(request, metadata=metadata, time_remaining=time_remaining)
+            kept = {k: v for k, v in req.headers.items() if k not in stream2.SEQUENCE_HEADERS}
+            return seq.sequence_id, await infer(dataclasses.replace(req, headers={**kept, **seq.headers}))
+
+        model, version = request.model_name, request.model_version or None
+        outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
+        if isinstance(outcome, Failed):
+            return self._stream2_failure(echo, outcome.error, outcome.answer)
+        sequence_id, result = outcome.value
+        return inference_pb2.PredictionResponse(prediction=result.body, sequence_id=sequence_id)
+
+    @staticmethod
+    def _stream2_failure(
+        sequence_id: str, error: ServingError, answer: InferResult | None = None
+    ) -> inference_pb2.PredictionResponse:
+        response = inference_pb2.PredictionResponse(status=stream2.in_stream_status(error, answer))
+        if sequence_id:
+            response.sequence_id = sequence_id
+        return response
 
     async def _predict(
         self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext
