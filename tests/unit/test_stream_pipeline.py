@@ -1,0 +1,314 @@
+"""The pipelining helper behind ModelStreamInfer and StreamPredictions2, driven in pure asyncio
+(event-gated, no sleeps that decide a verdict), then over a real grpc.aio server on port 0 for
+flow control against a client that never reads, and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from mariner.server import protogen
+from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.protocols.stream_pipeline import WINDOW, Ending, StreamPipeline, StreamStats
+from tests.unit.test_grpc_adapters import FakePlane
+
+pytestmark = pytest.mark.unit
+
+CAP_S = 60.0  # only so a broken test cannot hang the run; verdicts never depend on it
+
+
+async def until(condition: Any, what: str) -> None:
+    """Wait for `condition()` by yielding to the loop (event-driven, capped)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + CAP_S
+    while not condition():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+@dataclass
+class Source:
+    """A request iterator that counts what was read; optionally blocks or breaks."""
+
+    items: list[str]
+    read: int = 0
+    hold: asyncio.Event | None = None  # after the items: wait on this (never set: an idle client)
+    broken: bool = False
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        for item in self.items:
+            self.read += 1
+            yield item
+        if self.broken:
+            raise ConnectionError("the request stream broke")
+        if self.hold is not None:
+            await self.hold.wait()
+
+
+@dataclass
+class Gates:
+    """`answer` waits on the gate of its request's name (if any) and records start order."""
+
+    gates: dict[str, asyncio.Event] = field(default_factory=dict)
+    started: list[str] = field(default_factory=list)
+    cancelled: int = 0
+
+    async def answer(self, request: str) -> str:
+        self.started.append(request)
+        gate = self.gates.get(request)
+        try:
+            if gate is not None:
+                await gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if request.startswith("crash"):
+            raise RuntimeError("unexpected")
+        return f"answer:{request}"
+
+
+def pipe_of(source: Any, gates: Gates, **kw: Any) -> StreamPipeline[str, str]:
+    return StreamPipeline(source.__aiter__(), gates.answer, on_crash=lambda r: f"crashed:{r}", **kw)
+
+
+def test_answers_come_in_completion_order_and_a_crash_is_answered_in_stream() -> None:
+    async def main() -> None:
+        gates = Gates(gates={"slow": asyncio.Event()})
+        pipe = pipe_of(Source(["slow", "fast", "crash-1", "after"]), gates)
+        got: list[str] = []
+        async for resp in pipe.responses():
+            got.append(resp)
+            if len(got) == 3:
+                gates.gates["slow"].set()  # released only once the later requests were answered
+        assert got[:3] == ["answer:fast", "crashed:crash-1", "answer:after"]
+        assert got[3] == "answer:slow"
+        assert pipe.ending is Ending.DONE
+
+    asyncio.run(main())
+
+
+def test_steps_of_one_sequence_run_in_arrival_order_others_concurrently() -> None:
+    async def main() -> None:
+        gates = Gates(gates={"a1": asyncio.Event()})
+        stats = StreamStats()
+        pipe = StreamPipeline(
+            Source(["a1", "b1", "a2", "b2", "a3"]).__aiter__(),
+            gates.answer,
+            on_crash=str,
+            key=lambda r: r[0],
+            stats=stats,
+        )
+        got: list[str] = []
+        async for resp in pipe.responses():
+            got.append(resp)
+            if len(got) == 2:  # b1, b2 done while a1 holds sequence a: a2, a3 have not started
+                assert "a2" not in gates.started
+                assert "a3" not in gates.started
+                gates.gates["a1"].set()
+        assert got == ["answer:b1", "answer:b2", "answer:a1", "answer:a2", "answer:a3"]
+        assert [s for s in gates.started if s[0] == "a"] == ["a1", "a2", "a3"]
+        assert stats.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_full_window_stops_the_reading_until_answers_are_taken() -> None:
+    async def main() -> None:
+        source = Source([f"r{i}" for i in range(1000)])
+        gates = Gates()
+        stats = StreamStats()
+        pipe = pipe_of(source, gates, window=8, stats=stats)
+        answers = pipe.responses()
+        first = await anext(answers)  # then the consumer stops taking answers
+        await until(lambda: source.read == 9, "the window to fill")
+        for _ in range(50):  # let every task and the reader run as far as they can
+            await asyncio.sleep(0)
+        assert source.read == 9  # 1 answered + 8 in flight: reading stopped
+        assert stats.peak == 8
+        rest = [r async for r in answers]
+        assert [first, *rest] == [f"answer:r{i}" for i in range(1000)]
+        assert stats.peak == 8
+        assert stats.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_a_broken_request_stream_ends_after_the_answers_in_flight() -> None:
+    async def main() -> None:
+        pipe = pipe_of(Source(["x", "y"], broken=True), Gates())
+        got = [r async for r in pipe.responses()]
+        assert sorted(got) == ["answer:x", "answer:y"]
+        assert pipe.ending is Ending.BROKEN
+        assert isinstance(pipe.failure, ConnectionError)
+
+    asyncio.run(main())
+
+
+@dataclass
+class Plane:
+    draining: bool = False
+    admitted: int = 0
+
+    def admit(self) -> bool:
+        self.admitted += 1
+        return not self.draining
+
+
+def test_a_drain_stops_an_idle_stream_after_answering_what_was_read() -> None:
+    async def main() -> None:
+        plane = Plane()
+        gates = Gates(gates={"held": asyncio.Event()})
+        source = Source(["held", "quick"], hold=asyncio.Event())  # then idle forever
+        pipe = pipe_of(source, gates, admission=plane)
+        answers = pipe.responses()
+        assert await anext(answers) == "answer:quick"
+        plane.draining = True
+        gates.gates["held"].set()
+        assert [r async for r in answers] == ["answer:held"]
+        assert pipe.ending is Ending.DRAINED
+        assert plane.admitted == 2  # each request read was admitted before the drain
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_stream_cancels_every_task_in_flight() -> None:
+    async def main() -> None:
+        gates = Gates(gates={f"r{i}": asyncio.Event() for i in range(10)})
+        stats = StreamStats()
+        pipe = pipe_of(Source([f"r{i}" for i in range(10)], hold=asyncio.Event()), gates, stats=stats)
+
+        async def consume() -> None:
+            async for _ in pipe.responses():
+                pass
+
+        before = asyncio.all_tasks()
+        consumer = asyncio.create_task(consume())
+        await until(lambda: len(gates.started) == 10, "every request to start")
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        assert gates.cancelled == 10
+        assert asyncio.all_tasks() == before  # no reader, no request task left
+        assert stats.in_flight == 0
+        assert stats.streams == 0
+
+    asyncio.run(main())
+
+
+# -- over grpc.aio --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ts() -> Any:
+    protogen.generate()
+    pb = importlib.import_module("mariner.server._proto.torchserve.inference_pb2")
+    pb_grpc = importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc")
+    servicer_module = importlib.import_module("mariner.server.protocols.torchserve.grpc")
+    return pb, pb_grpc, servicer_module
+
+
+@dataclass
+class BlockingPlane(FakePlane):
+    """Echo model whose inferences wait for `release` (counting the ones running, and cancelled)."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    running: int = 0
+    cancelled: int = 0
+
+    async def infer(self, req: InferRequest) -> InferResult:
+        self.running += 1
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+        return await super().infer(req)
+
+
+async def _serve(ts: Any, plane: Any) -> tuple[grpc.aio.Server, Any, int]:
+    _, _, module = ts
+    server = grpc.aio.server()
+    servicer = module.add_to_server(plane, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, servicer, port
+
+
+def test_a_client_that_never_reads_holds_at_most_a_window_in_flight(ts: Any) -> None:
+    """1,000 requests of 64 KiB answers written by a client that reads nothing: the server stops
+    reading at WINDOW requests in flight; once the client reads, every answer comes."""
+    pb, pb_grpc, _ = ts
+    payload = b"x" * 65536
+
+    async def main() -> None:
+        plane = BlockingPlane()
+        plane.release.set()
+        server, servicer, port = await _serve(ts, plane)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.InferenceAPIsServiceStub(channel).StreamPredictions2()
+
+                async def write() -> None:
+                    for i in range(1000):
+                        await call.write(
+                            pb.PredictionsRequest(
+                                model_name="echo", sequence_id=f"s{i}", input={"data": payload}
+                            )
+                        )
+                    await call.done_writing()
+
+                writer = asyncio.create_task(write())
+                stats = servicer.stream_stats
+                await until(lambda: stats.in_flight == WINDOW, "the window to fill")
+                seen = len(plane.seen)
+                for _ in range(20):  # the server gets every chance to read more
+                    await asyncio.sleep(0.01)
+                assert stats.in_flight == WINDOW
+                assert len(plane.seen) == seen <= 1000 - 1  # it stopped reading the stream
+                answers = [r async for r in call]  # now the client reads: everything drains
+                await writer
+                assert sorted(a.sequence_id for a in answers) == sorted(f"s{i}" for i in range(1000))
+                assert all(a.prediction == b"echo:" + payload for a in answers)
+                assert stats.peak == WINDOW
+                assert stats.in_flight == 0
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_stream_leaves_no_request_running(ts: Any) -> None:
+    pb, pb_grpc, _ = ts
+
+    async def main() -> None:
+        plane = BlockingPlane()
+        server, servicer, port = await _serve(ts, plane)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.InferenceAPIsServiceStub(channel).StreamPredictions2()
+                for i in range(10):
+                    await call.write(pb.PredictionsRequest(model_name="echo", sequence_id=f"s{i}"))
+                await until(lambda: plane.running == 10, "every request to reach the plane")
+                call.cancel()
+                stats = servicer.stream_stats
+                await until(lambda: stats.streams == 0 and stats.in_flight == 0, "the stream to end")
+                await until(lambda: plane.running == 0, "the inferences to end")
+                assert plane.cancelled == 10
+                cancelled = sum(
+                    sample.value
+                    for metric in plane.metrics.registry.collect()
+                    for sample in metric.samples
+                    if sample.name == "mariner_requests_total" and sample.labels.get("code") == "499"
+                )
+                assert cancelled == 10  # each counted once, as a cancelled unary call is
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
