@@ -14,9 +14,14 @@ From TorchServe's `InferenceImpl.streamPredictions2`/`prediction`/`sendErrorResp
   `org.pytorch.serve.http.InternalServerException`.
 - Otherwise the request runs with the headers TorchServe adds: `ts_request_sequence_id` (the
   client's id, or a generated `ts-seq-<uuid>` with `ts_request_sequence_start`="true" when the
-  id is empty and the input says start), and `ts_request_sequence_end`="true" unless the input
-  `ts_request_sequence_end` is "true" (TorchServe 0.12 sets it that way round; kept as is so a
-  handler sees what it sees there).
+  id is empty and the input says start), and `ts_request_sequence_end`="true".
+
+TorchServe 0.12 reads the start and end flags with `ByteString.toString()` (a description
+such as `<ByteString@1b2c size=4 contents="true">`, never the text), so there an empty id is
+refused even with start "true", and the end header is "true" on every request. Mariner sets
+the end header the same way (a handler sees what it sees there), and deliberately honours
+start "true" with an empty id as TorchServe's code intends: a server-made sequence id instead
+of a refusal. A client written for TorchServe, which always sends an id, sees no difference.
 
 Our own refusals that TorchServe has no counterpart for (overload, draining, a deadline, an
 input map over its limit) keep our code table's status, as unary Predictions does. The
@@ -99,8 +104,7 @@ def sequence_of(sequence_id: str, model_name: str, inputs: Mapping[str, bytes]) 
         sequence_id, key = f"ts-seq-{uuid.uuid4()}", None
         headers[SEQUENCE_START] = "true"
     headers[SEQUENCE_ID] = sequence_id
-    if not _is_true(inputs, SEQUENCE_END):
-        headers[SEQUENCE_END] = "true"
+    headers[SEQUENCE_END] = "true"  # TorchServe's `!parseBoolean(ByteString.toString())`: always
     return Sequence(sequence_id, headers, key)
 
 
