@@ -21,6 +21,7 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import tempfile
 import time
 import zipfile
@@ -348,3 +349,62 @@ def test_a_stream_without_the_token_is_refused_like_a_unary_call(server: Mariner
             stream(server.grpc_target, [request(DIGITS, pixels(1)[0], "s")], metadata=metadata)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert info.value.details() == "missing or invalid bearer token"
+
+
+def test_a_drain_answers_what_streams_read_and_ends_them_unavailable(
+    model_store: Path, tmp_path: Path
+) -> None:
+    """SIGTERM: an idle stream ends at once with UNAVAILABLE (it does not hold the drain for
+    the grace period); a stream with a request in flight gets its answer, then UNAVAILABLE."""
+    from mariner.server.protocols.grpc_admission import DRAINING_MESSAGE
+
+    store = tmp_path / "store"
+    write_handler_archive(
+        store / "probe.mar", "probe", "probe.py", {"probe.py": PROBE, "model-config.yaml": PROBE_CONFIG}
+    )
+    build_fault_archive(store, response_timeout_s=60)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    srv = MarinerServe(store, "probe.mar,faulty.mar").start()
+    response_cls = msg("org.pytorch.serve.grpc.inference.PredictionResponse")
+
+    async def end_of(call: Any) -> tuple[list[Any], grpc.StatusCode, str]:
+        answers = []
+        while (a := await read_or_end(call)) is not None:
+            answers.append(a)
+        return answers, await call.code(), await call.details()
+
+    async def read_or_end(call: Any) -> Any:
+        try:
+            a = await call.read()
+        except grpc.aio.AioRpcError:
+            return None
+        return None if a is grpc.aio.EOF else a
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(srv.grpc_target) as channel:
+            method = channel.stream_stream(
+                METHOD,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=response_cls.FromString,
+            )
+            idle, held = method(timeout=CAP_S), method(timeout=CAP_S)
+            await idle.write(request("faulty", {"op": "ok", "value": 1}, "idle"))
+            assert (await idle.read()).sequence_id == "idle"  # accepted, now idle in its next read
+            await held.write(request("probe", {"gate": str(gate), "value": "held"}, "held"))
+            await asyncio.to_thread(wait_for, (gate / "started").exists, "the held request to start")
+            assert srv.proc is not None
+            srv.proc.send_signal(signal.SIGTERM)
+            assert await end_of(idle) == ([], grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+            (gate / "release").touch()  # only now: the idle stream did not wait for this one
+            answers, code, details = await end_of(held)
+            assert [a.sequence_id for a in answers] == ["held"]
+            assert json.loads(answers[0].prediction)["value"] == "held"
+            assert (code, details) == (grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+
+    try:
+        asyncio.run(main())
+        assert srv.proc is not None
+        assert srv.proc.wait(CAP_S) == 0
+    finally:
+        srv.stop()
