@@ -25,13 +25,13 @@ request: that is answered in-stream), and yield what `StreamPipeline.responses()
   already read are answered (each was admitted when read, so the DataPlane serves it while
   draining) and the stream ends with `Ending.DRAINED`, which the servicers answer UNAVAILABLE
   (the client's unread requests were not run; it retries them elsewhere). A stream idle in a
-  read notices the drain within `DRAIN_POLL_S`, so it cannot hold the drain for the grace period.
+  read is stopped by its watcher within `DRAIN_POLL_S`, so it cannot hold the drain for the
+  grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import functools
 import logging
@@ -113,6 +113,7 @@ class StreamPipeline(Generic[Req, Resp]):
         self._tasks: set[asyncio.Task[None]] = set()
         self._tails: dict[str, asyncio.Task[None]] = {}
         self._state = _State()
+        self._drain_seen = False
         self.ending: Ending | None = None
         self.failure: BaseException | None = None
 
@@ -120,13 +121,16 @@ class StreamPipeline(Generic[Req, Resp]):
         """Answers in completion order; the one place they are written from."""
         self._stats.streams += 1
         reader = asyncio.create_task(self._read(), name="stream-reader")
+        tasks = [reader]
+        if self._admission is not None:
+            tasks.append(asyncio.create_task(self._watch(reader), name="stream-drain-watch"))
         try:
             while (resp := await self._done.get()) is not None:
                 self._release(1)
                 yield resp
         finally:
             self._stats.streams -= 1
-            await self._shutdown(reader)
+            await self._shutdown(tasks)
 
     # -- reading --------------------------------------------------------------------------------
     async def _read(self) -> None:
@@ -140,16 +144,18 @@ class StreamPipeline(Generic[Req, Resp]):
                     self.ending = Ending.DRAINED
                     return
                 try:
-                    request = await self._next()
+                    request = await anext(self._requests)
                 except StopAsyncIteration:
                     self.ending = Ending.DONE
                     return
-                if request is None:  # the drain began while waiting for the request
-                    self.ending = Ending.DRAINED
-                    return
                 self._start(request)
         except asyncio.CancelledError:
-            raise
+            if not self._drain_seen:  # the call itself was cancelled
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self.ending = Ending.DRAINED  # the watcher stopped a read: the server drains
         except Exception as exc:  # a broken request stream: answer what was read, then fail
             self.failure = exc
             self.ending = Ending.BROKEN
@@ -157,24 +163,15 @@ class StreamPipeline(Generic[Req, Resp]):
             state.reading = False
             self._maybe_end()
 
-    async def _next(self) -> Req | None:
-        """The next request; None when the server began draining before it came."""
-        if self._admission is None:
-            return await anext(self._requests)
-        read = asyncio.ensure_future(anext(self._requests))
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=DRAIN_POLL_S)
-                if done:
-                    return read.result()
-                if self._draining():
-                    read.cancel()
-                    with contextlib.suppress(BaseException):
-                        await read
-                    return None
-        except asyncio.CancelledError:
-            read.cancel()
-            raise
+    async def _watch(self, reader: asyncio.Task[None]) -> None:
+        """Stop a reader waiting for a request once the server drains. A separate task, so a
+        read costs nothing extra; it looks every DRAIN_POLL_S seconds while the reader runs."""
+        while not reader.done():
+            await asyncio.sleep(DRAIN_POLL_S)
+            if self._draining() and not reader.done():
+                self._drain_seen = True
+                reader.cancel()
+                return
 
     def _draining(self) -> bool:
         return self._admission is not None and self._admission.draining
@@ -225,10 +222,10 @@ class StreamPipeline(Generic[Req, Resp]):
         if not state.reading and state.in_flight == 0:
             self._done.put_nowait(None)
 
-    async def _shutdown(self, reader: asyncio.Task[None]) -> None:
-        """Cancel and await the reader and every task still running (cancellation, or a writer
-        that stopped early): none is left pending when the call ends."""
-        left = [reader, *self._tasks]
+    async def _shutdown(self, own: list[asyncio.Task[None]]) -> None:
+        """Cancel and await the reader, the watcher and every task still running (cancellation,
+        or a writer that stopped early): none is left pending when the call ends."""
+        left = [*own, *self._tasks]
         for task in left:
             task.cancel()
         await asyncio.gather(*left, return_exceptions=True)

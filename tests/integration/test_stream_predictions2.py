@@ -408,3 +408,70 @@ def test_a_drain_answers_what_streams_read_and_ends_them_unavailable(
         assert srv.proc.wait(CAP_S) == 0
     finally:
         srv.stop()
+
+
+def test_one_stream_with_64_in_flight_against_64_concurrent_unary_calls(server: MarinerServe) -> None:
+    """Prints requests/s of one StreamPredictions2 stream holding 64 requests in flight and of
+    64 concurrent unary Predictions calls on one channel, on digits: 3 interleaved rounds of
+    `N` requests each (A, B, A, B...), medians and their ratio. Asserts only that all answered."""
+    n, rounds = 640, 3
+    rows = pixels(64, seed=11)
+    body = [request(DIGITS, row, f"s{i}") for i, row in enumerate(rows)]
+    response_cls = msg("org.pytorch.serve.grpc.inference.PredictionResponse")
+    ser = {
+        "request_serializer": lambda m: m.SerializeToString(),
+        "response_deserializer": response_cls.FromString,
+    }
+
+    async def one_stream(channel: grpc.aio.Channel) -> float:
+        call = channel.stream_stream(METHOD, **ser)(metadata=AUTH, timeout=CAP_S)
+        room = asyncio.Semaphore(64)
+        start = time.perf_counter()
+
+        async def write() -> None:
+            for i in range(n):
+                await room.acquire()
+                await call.write(body[i % 64])
+            await call.done_writing()
+
+        writer = asyncio.create_task(write())
+        got = 0
+        async for answer in call:
+            assert not answer.HasField("status")
+            got += 1
+            room.release()
+        await writer
+        assert got == n
+        return n / (time.perf_counter() - start)
+
+    async def unary_calls(channel: grpc.aio.Channel) -> float:
+        predict = channel.unary_unary(UNARY, **ser)
+        left = list(range(n))
+        start = time.perf_counter()
+
+        async def caller() -> None:
+            while left:
+                i = left.pop()
+                answer = await predict(body[i % 64], metadata=AUTH, timeout=CAP_S)
+                assert answer.prediction
+
+        await asyncio.gather(*(caller() for _ in range(64)))
+        return n / (time.perf_counter() - start)
+
+    async def main() -> tuple[list[float], list[float]]:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            await one_stream(channel)  # warm up both paths
+            await unary_calls(channel)
+            streamed, unary_ = [], []
+            for _ in range(rounds):
+                streamed.append(await one_stream(channel))
+                unary_.append(await unary_calls(channel))
+            return streamed, unary_
+
+    streamed, unary_ = asyncio.run(main())
+    s, u = float(np.median(streamed)), float(np.median(unary_))
+    print(
+        f"\ndigits, {n} requests x {rounds} interleaved rounds: one stream (64 in flight) {s:.0f} req/s, "
+        f"64 unary calls {u:.0f} req/s, ratio {s / u:.2f} (rounds: stream {[round(x) for x in streamed]}, "
+        f"unary {[round(x) for x in unary_]})"
+    )
