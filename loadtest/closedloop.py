@@ -37,9 +37,11 @@ import psutil
 
 from mariner.loadtest.http_connection import HttpConnection
 from mariner.loadtest.servers import process_tree_cpu_seconds
+from mariner.loadtest.stream_clients import STREAM_PROTOCOLS, stream_callers
 from mariner.loadtest.workloads import check_answer
 
 REQUEST_TIMEOUT_S = 30.0
+WIRE_PROTOCOLS = ("grpc", "http", *STREAM_PROTOCOLS)
 BARRIER_TIMEOUT_S = 180.0
 
 
@@ -102,6 +104,8 @@ class ClientJob:
     channels: int = 1  # gRPC channels this process opens (coroutines are spread over them)
     family: str = "digits"  # which answers are valid (mariner.loadtest.workloads)
     content_type: str = "application/json"  # of the HTTP bodies
+    http_path: str = ""  # the HTTP route; "" means TorchServe's /predictions/{model}
+    tag: str = ""  # this process's part of stream sequence ids (distinct per process)
 
 
 @dataclass(frozen=True)
@@ -120,8 +124,9 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
     first_error = ""
     latencies: array[float] = array("d")
     channels: list[Any] = []
+    close_streams: Any = None
 
-    if job.protocol == "grpc":
+    if job.protocol in ("grpc", *STREAM_PROTOCOLS):
         import grpc
 
         from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
@@ -134,6 +139,11 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
             grpc.aio.insecure_channel(f"{job.host}:{job.port}", options=options)
             for _ in range(max(1, job.channels))
         ]
+    if job.protocol in STREAM_PROTOCOLS:
+        callers, close_streams = stream_callers(
+            job.protocol, channels, job.model, bodies, job.coroutines, REQUEST_TIMEOUT_S, tag=job.tag
+        )
+    elif job.protocol == "grpc":
         stubs = [inference_pb2_grpc.InferenceAPIsServiceStub(ch) for ch in channels]
         requests = [inference_pb2.PredictionsRequest(model_name=job.model, input={"data": b}) for b in bodies]
 
@@ -149,7 +159,8 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
         conns: list[HttpConnection] = []
 
         def make_caller(k: int) -> Any:
-            conn = HttpConnection(job.host, job.port, f"/predictions/{job.model}", job.content_type)
+            path = job.http_path or f"/predictions/{job.model}"
+            conn = HttpConnection(job.host, job.port, path, job.content_type)
             conns.append(conn)
 
             async def call(i: int) -> bytes:
@@ -164,7 +175,8 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
 
             return call
 
-    callers = [make_caller(k) for k in range(job.coroutines)]
+    if job.protocol not in STREAM_PROTOCOLS:
+        callers = [make_caller(k) for k in range(job.coroutines)]
     state = {"left": 0, "next": job.offset, "deadline": math.inf, "record": False}
 
     async def worker(call: Any) -> None:
@@ -197,6 +209,8 @@ async def _client(job: ClientJob, barrier: Any) -> ClientResult:
     cpu0, t0 = time.process_time(), time.monotonic()
     await phase(job.requests, job.duration_s)
     t1, cpu1 = time.monotonic(), time.process_time()
+    if close_streams is not None:
+        close_streams()
     for channel in channels:
         await channel.close()
     if job.protocol == "http":
@@ -251,15 +265,18 @@ def run_level(
     repeat: int = 0,
     family: str = "digits",
     content_type: str = "application/json",
+    http_path: str = "",
 ) -> LevelResult:
     """One closed-loop level against a running server, in fresh client processes.
 
-    `protocol` is the wire protocol ("grpc" or "http"); `label` names the cell in the result
-    (e.g. "grpc-1ch"), default the protocol. `family` says which answers are valid and
-    `content_type` goes with the HTTP bodies (`mariner.loadtest.workloads`).
+    `protocol` is the wire protocol ("grpc", "http", or a stream: "grpc-stream", "oip-stream",
+    `mariner.loadtest.stream_clients`); `label` names the cell in the result (e.g. "grpc-1ch"),
+    default the protocol. `family` says which answers are valid and `content_type` goes with the
+    HTTP bodies (`mariner.loadtest.workloads`); `http_path` is the HTTP route when the server
+    is not TorchServe-shaped (default `/predictions/{model}`).
     """
-    if protocol not in ("grpc", "http"):
-        raise ValueError(f"protocol must be grpc or http, not {protocol!r}")
+    if protocol not in WIRE_PROTOCOLS:
+        raise ValueError(f"protocol must be one of {WIRE_PROTOCOLS}, not {protocol!r}")
     procs, channels = client_layout(protocol, concurrency, load.client_procs, load.grpc_channels)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(procs + 1)
@@ -271,7 +288,7 @@ def run_level(
         job = ClientJob(
             protocol, host, port, model, coroutines[k], warmups[k], counts[k], load.duration_s,
             bodies, offset=k * len(bodies) // procs, channels=channels[k], family=family,
-            content_type=content_type,
+            content_type=content_type, http_path=http_path, tag=f"p{k}-",
         )  # fmt: skip
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_client_main, args=(job, barrier, child_end), daemon=True)
@@ -320,7 +337,7 @@ def run_level(
         server_cores=(server1 - server0) / sampled if sampled > 0 else 0.0,
         machine_cores=(machine1 - machine0) / sampled if sampled > 0 else 0.0,
         first_error=next((r.first_error for r in results if r.first_error), ""),
-        connections=sum(channels) if protocol == "grpc" else concurrency,
+        connections=concurrency if protocol == "http" else sum(channels),
         repeat=repeat,
     )
 
@@ -335,7 +352,7 @@ def client_layout(
     shared between processes), so one channel means one process carrying every call.
     """
     procs = max(1, min(client_procs, concurrency))
-    if protocol != "grpc":
+    if protocol == "http":
         return procs, [1] * procs
     total = procs if grpc_channels is None else max(1, min(grpc_channels, concurrency))
     procs = min(procs, total)
