@@ -414,7 +414,7 @@ def test_one_stream_with_64_in_flight_against_64_concurrent_unary_calls(server: 
     """Prints requests/s of one StreamPredictions2 stream holding 64 requests in flight and of
     64 concurrent unary Predictions calls on one channel, on digits: 3 interleaved rounds of
     `N` requests each (A, B, A, B...), medians and their ratio. Asserts only that all answered."""
-    n, rounds = 640, 3
+    n, rounds = 640, 5
     rows = pixels(64, seed=11)
     body = [request(DIGITS, row, f"s{i}") for i, row in enumerate(rows)]
     response_cls = msg("org.pytorch.serve.grpc.inference.PredictionResponse")
@@ -473,5 +473,6 @@ def test_one_stream_with_64_in_flight_against_64_concurrent_unary_calls(server: 
     print(
         f"\ndigits, {n} requests x {rounds} interleaved rounds: one stream (64 in flight) {s:.0f} req/s, "
         f"64 unary calls {u:.0f} req/s, ratio {s / u:.2f} (rounds: stream {[round(x) for x in streamed]}, "
-        f"unary {[round(x) for x in unary_]})"
+        f"unary {[round(x) for x in unary_]}, paired ratio median "
+        f"{float(np.median([a / b for a, b in zip(streamed, unary_, strict=True)])):.2f})"
     )

@@ -312,3 +312,55 @@ def test_a_cancelled_stream_leaves_no_request_running(ts: Any) -> None:
             await server.stop(0)
 
     asyncio.run(main())
+
+
+# -- StreamPredictions2's in-stream statuses (the one mapping) -------------------------------------
+def test_in_stream_statuses_follow_torchserve() -> None:
+    protogen.generate()
+    from mariner.server.core.dataplane import resolve_version
+    from mariner.server.core.errors import Code, ServingError
+    from mariner.server.core.handler_errors import handler_failed, prediction_exception
+    from mariner.server.protocols.torchserve import stream2
+
+    def seen(error: ServingError, answer: InferResult | None = None) -> tuple[int, str, bytes]:
+        status = stream2.in_stream_status(error, answer)
+        (detail,) = status.details
+        assert detail.type_url == "type.googleapis.com/google.rpc.ErrorInfo"
+        return status.code, status.message, detail.value
+
+    def reason(text: str) -> bytes:  # ErrorInfo{reason}: field 1, length-delimited
+        return b"\x0a" + bytes([len(text)]) + text.encode()
+
+    handler = reason("org.pytorch.serve.http.InternalServerException")
+    with pytest.raises(stream2.BadStreamRequest) as refused:
+        stream2.sequence_of("", "digits", {})
+    assert seen(refused.value) == (13, "Parameter sequenceId is required.", reason("BadRequestException.()"))
+    with pytest.raises(ServingError) as unknown:
+        resolve_version({}, {}, "nope", None)
+    assert seen(unknown.value) == (
+        13,
+        "Model not found: nope",
+        reason("org.pytorch.serve.archive.model.ModelNotFoundException"),
+    )
+    assert seen(handler_failed("ValueError")) == (14, "Prediction failed", handler)
+
+    class PredictionException(Exception):
+        def __init__(self, message: str, error_code: int) -> None:
+            super().__init__(message)
+            self.message, self.error_code = message, error_code
+
+    raised = prediction_exception(PredictionException("too dark", 404))
+    assert raised is not None
+    assert seen(raised) == (5, "too dark", handler)
+    own = InferResult(body=b'{"error": "bad pixels"}', status=400)
+    assert seen(ServingError(Code.INVALID_ARGUMENT, "x"), own) == (3, '{"error": "bad pixels"}', handler)
+    overload = ServingError(Code.RESOURCE_EXHAUSTED, "queue full")  # ours: TorchServe has no such answer
+    assert seen(overload) == (8, "queue full", reason("org.pytorch.serve.http.ServiceUnavailableException"))
+    started = stream2.sequence_of("", "digits", {stream2.SEQUENCE_START: b"TRUE"})
+    assert started.key is None
+    assert started.sequence_id.startswith("ts-seq-")
+    assert dict(started.headers) == {
+        stream2.SEQUENCE_START: "true",
+        stream2.SEQUENCE_ID: started.sequence_id,
+        stream2.SEQUENCE_END: "true",
+    }

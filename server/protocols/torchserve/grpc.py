@@ -223,7 +223,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         echo = request.sequence_id
 
         async def work(infer: Infer) -> tuple[str, InferResult]:
-            inputs = input_map(request)
+            # the input map is read for the start flag only when there is no id (parsed once more below)
+            inputs = input_map(request) if not request.sequence_id else {}
             seq = stream2.sequence_of(request.sequence_id, request.model_name, inputs)
             req = to_infer_request(request, metadata=metadata, time_remaining=time_remaining)
             kept = {k: v for k, v in req.headers.items() if k not in stream2.SEQUENCE_HEADERS}

@@ -93,7 +93,8 @@ def _is_true(inputs: Mapping[str, bytes], key: str) -> bool:
 
 
 def sequence_of(sequence_id: str, model_name: str, inputs: Mapping[str, bytes]) -> Sequence:
-    """TorchServe's checks and headers for one request, in its order; raises BadStreamRequest."""
+    """TorchServe's checks and headers for one request, in its order; raises BadStreamRequest.
+    `inputs` is read only when `sequence_id` is empty (for the start flag)."""
     if not sequence_id and not _is_true(inputs, SEQUENCE_START):
         raise BadStreamRequest("Parameter sequenceId is required.")
     if not model_name:
