@@ -68,18 +68,21 @@ from mariner.loadtest.bench_servers import (
     measure_startup,
     run_cell,
     start_mariner,
+    start_mosec,
     start_torchserve,
     warm_up,
 )
 from mariner.loadtest.bench_values import (
     PADDING_MAX,
     REPO,
+    STREAMS,
     Cell,
     RawResult,
     Report,
     Running,
     ServerFacts,
     Settings,
+    unserved,
 )
 from mariner.loadtest.ceiling import CeilingSpec, measure_raw, median_raw
 
@@ -114,9 +117,11 @@ def plan_cells(settings: Settings, servers: Sequence[str]) -> list[Cell]:
     """Every measurement, in order. Lower levels run once; the highest `settings.repeats` times,
     each repeat every server in turn (reversed on odd repeats, so neither always goes first after
     the other's load), raw first. grpc-1ch is skipped at one client (the same as grpc there). The
-    length-blind MiniLM copy runs at the highest level only: the comparison it answers is about
-    full batches."""
-    hi = max(settings.levels)
+    streams run at the lowest and highest level only (the targets compare those; it keeps the
+    default run near ten minutes). A server is skipped over a protocol it does not serve
+    (`bench_values.UNSERVED`: TorchServe's streams, mosec's gRPC). The length-blind MiniLM copy
+    runs at the highest level only: the comparison it answers is about full batches."""
+    hi, lo = max(settings.levels), min(settings.levels)
     served = [s for s in servers if s != "raw"]
     out: list[Cell] = []
     for level in settings.levels:
@@ -128,8 +133,10 @@ def plan_cells(settings: Settings, servers: Sequence[str]) -> list[Cell]:
             for proto in settings.protocols:
                 if proto == "grpc-1ch" and level == 1:
                     continue
+                if proto in STREAMS and level not in (lo, hi):
+                    continue
                 for server in order:
-                    if server == PADDING_MAX and level != hi:
+                    if (server == PADDING_MAX and level != hi) or unserved(server, proto):
                         continue
                     out.append(Cell(level, rep, server, proto))
     return out
@@ -157,6 +164,9 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
             elif name == "torchserve":
                 running, facts = start_torchserve(stack, settings)
                 cap = settings.torchserve_warmup_cap_s
+            elif name == "mosec":
+                running, facts = start_mosec(stack, settings)
+                cap = min(20.0, settings.torchserve_warmup_cap_s)
             else:
                 running, facts = start_mariner(stack, settings, name)
                 cap = min(20.0, settings.torchserve_warmup_cap_s)
@@ -167,6 +177,8 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
             )
             up[name] = running
             report.servers[name] = replace(facts, warmup=warm_up(running, settings, bodies, cap, hi))
+        for server, proto in sorted({(s, p) for s in up for p in settings.protocols if unserved(s, p)}):
+            report.notes.append(f"Not measured: {server} over `{proto}` ({unserved(server, proto)}).")
         for cell in plan_cells(settings, servers):
             if cell.server == "raw":
                 report.raw_runs.append(measure_raw(ceiling_spec(settings), bodies))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mariner.loadtest.bench_report import DEFAULT_MODEL
-from mariner.loadtest.bench_values import PADDING_MAX, PROTOCOLS, REPO, SERVERS, Settings
+from mariner.loadtest.bench_values import PADDING_MAX, PROTOCOLS, REPO, SERVERS, Settings, default_servers
 from mariner.loadtest.workloads import FAMILIES, family_of
 
 # ==================================================================================================
@@ -67,13 +67,18 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         help=f"archive stem in the store; its name says its family ({', '.join(FAMILIES)}_*)",
     )
     p.add_argument(
-        "--servers", type=lambda t: _csv(t, SERVERS), default=SERVERS, help="raw,mariner,torchserve"
+        "--servers",
+        type=lambda t: _csv(t, SERVERS),
+        default=None,
+        help="raw,mariner,torchserve,mosec (default: all four, mosec only when it is installed)",
     )
     p.add_argument(
         "--protocols",
         type=lambda t: _csv(t, PROTOCOLS),
         default=None,
-        help="grpc (--grpc-channels channels), grpc-1ch (one channel), http (default: all three for "
+        help="grpc (--grpc-channels channels), grpc-1ch (one channel), http, grpc-stream "
+        "(StreamPredictions2) and oip-stream (ModelStreamInfer), one stream per client over "
+        "--grpc-channels channels, run at the lowest and highest level only (default: all five for "
         "digits, http for MiniLM and ResNet, whose batches take about a second)",
     )
     p.add_argument(
@@ -186,11 +191,15 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--levels, --client-procs and --torch-threads must be positive")
     if a.repeats < 1 or a.grpc_channels < 1:
         p.error("--repeats and --grpc-channels must be positive")
+    # mosec runs the digits handler's work only (`mariner.loadtest.servers.mosec`)
+    servers = (default_servers() if family == "digits" else SERVERS[:3]) if a.servers is None else a.servers
+    if "mosec" in servers and family != "digits":
+        p.error("--servers mosec serves the digits archives only")
     duration = a.duration if a.duration is not None or a.requests is not None else d.duration_s
     return Settings(
         store=a.store.resolve(),
         model=model,
-        servers=a.servers,
+        servers=servers,
         protocols=d.protocols if a.protocols is None else a.protocols,
         levels=tuple(sorted(set(a.levels))),
         requests=a.requests or 10000,

@@ -20,13 +20,13 @@ from mariner.loadtest.bench_summary import (
     median_ratio,
     other_cores,
     p50,
-    paired_ratios,
     ratio,
     rps,
     runs,
     summarize,
     throughput,
 )
+from mariner.loadtest.bench_targets import cross_section, latency_targets, throughput_targets
 from mariner.loadtest.closedloop import LevelResult
 
 if TYPE_CHECKING:
@@ -62,9 +62,8 @@ def _ran_on(report: Report, server: str) -> str:
 def targets(report: Report) -> list[Target]:
     """The targets of the process model, from the measured cells:
 
-    - highest level: median throughput Mariner / TorchServe >= 1.5 on grpc (many channels) and
-      http; Mariner's server CPU per request <= TorchServe's (ratio <= 1) on both;
-    - lowest level: p50 TorchServe / Mariner >= 5 on grpc and http;
+    - throughput, CPU per request and p50, across servers and client set-ups (unary gRPC, HTTP,
+      the streams, mosec): `mariner.loadtest.bench_targets`;
     - start-up to ready for the whole store <= 3 s;
     - on a GPU only: Mariner >= 90% of the raw batched handler (n/a when it ran on a CPU).
 
@@ -76,39 +75,9 @@ def targets(report: Report) -> list[Target]:
         from mariner.loadtest.family_report import family_targets
 
         return family_targets(report)
-    lo, hi = min(s.levels), max(s.levels)
+    hi = max(s.levels)
     lv = report.levels
-    out: list[Target] = []
-    for proto in ("grpc", "http"):
-        if proto not in s.protocols:
-            continue
-        n = len(paired_ratios(lv, MARINER, TS, proto, hi, throughput))
-        out.append(
-            Target(
-                f"{proto} c={hi}: throughput Mariner / TorchServe (median of {n})",
-                median_ratio(lv, MARINER, TS, proto, hi, throughput),
-                1.5,
-                True,
-            )
-        )
-        out.append(
-            Target(
-                f"{proto} c={hi}: server CPU per request Mariner / TorchServe (median of {n})",
-                median_ratio(lv, MARINER, TS, proto, hi, cpu_per_request),
-                1.0,
-                False,
-            )
-        )
-    for proto in ("grpc", "http"):
-        if proto in s.protocols:
-            out.append(
-                Target(
-                    f"{proto} c={lo}: p50 TorchServe / Mariner",
-                    median_ratio(lv, TS, MARINER, proto, lo, p50),
-                    5,
-                    True,
-                )
-            )
+    out = [*throughput_targets(report), *latency_targets(report)]
     out.append(
         Target(
             "start-up to ready, whole store (`--models all`), median",
@@ -331,6 +300,7 @@ def render_markdown(report: Report) -> str:
                 f"| {proto} | {c} | {fmt(q50, 1)}x | {fmt(q99, 1)}x | {fmt(thr, 2)}x | {fmt(cpu, 2)}x | "
                 f"{'n/a' if math.isnan(frac) else f'{frac:.0%}'} |"
             )
+    lines += cross_section(report)
     if not digits:
         from mariner.loadtest.family_report import inside_section, padding_section
 

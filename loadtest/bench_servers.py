@@ -31,6 +31,7 @@ from mariner.loadtest.bench_values import (
     ServerFacts,
     Settings,
     WarmUp,
+    unserved,
 )
 from mariner.loadtest.closedloop import LevelResult, run_level
 from mariner.loadtest.server_stats import difference, scrape
@@ -125,6 +126,30 @@ def start_torchserve(stack: contextlib.ExitStack, settings: Settings) -> tuple[R
     return start(stack, settings, "torchserve", ts, args)
 
 
+def start_mosec(stack: contextlib.ExitStack, settings: Settings) -> tuple[Running, ServerFacts]:
+    """The archive's handler under mosec (`mariner.loadtest.servers.mosec`), HTTP only."""
+    from mariner.loadtest.servers.mosec import MosecPeer
+
+    peer = MosecPeer(
+        settings.store / f"{settings.model}.mar",
+        batch_size=settings.batch_size,
+        max_wait_ms=max(settings.max_batch_delay_ms, 0),
+        torch_threads=settings.torch_threads,
+    )
+    stack.enter_context(peer)
+    facts = ServerFacts(
+        name="mosec",
+        args=f"1 worker, max_batch_size={settings.batch_size}, "
+        f"max_wait_time={settings.max_batch_delay_ms} ms, torch threads {settings.torch_threads}, "
+        f"POST {peer.inference_path}",
+        device="cpu",
+        processes=_tree_size(peer.pid),
+        cpus_allowed=_cpus_allowed(peer.pid),
+        ready_s=peer.ready_seconds or math.nan,
+    )
+    return Running("mosec", peer, http_path=peer.inference_path), facts
+
+
 def warm_up(
     server: Running, settings: Settings, bodies: tuple[bytes, ...], cap_s: float, level: int
 ) -> WarmUp:
@@ -134,10 +159,10 @@ def warm_up(
     A JVM keeps getting faster for tens of seconds (JIT); a fixed warm-up of a few hundred
     requests measured TorchServe anywhere between 1,100 and 5,000 req/s on the same machine.
     """
-    windows: dict[str, list[float]] = {p: [] for p in settings.protocols}
+    windows: dict[str, list[float]] = {p: [] for p in settings.protocols if not unserved(server.name, p)}
     t0 = time.monotonic()
     while True:
-        for proto in settings.protocols:
+        for proto in windows:
             if stopped_rising(windows[proto], WARMUP_TOLERANCE):
                 continue
             host, port = server.endpoint(proto)
@@ -150,7 +175,7 @@ def warm_up(
                     warmup=level * min(2, settings.warmup_per_client),
                 ),
                 bodies=bodies, server_pid=server.pid, label=proto, family=settings.family,
-                content_type=content_type(settings.family),
+                content_type=content_type(settings.family), http_path=server.http_path,
             )  # fmt: skip
             windows[proto].append(round(r.throughput_rps, 1))
         stable = all(stopped_rising(w, WARMUP_TOLERANCE) for w in windows.values())
@@ -175,7 +200,7 @@ def run_cell(
         server=server.name, protocol=WIRE[cell.protocol], host=host, port=port, model=settings.model,
         concurrency=cell.level, load=settings.load_for(cell.protocol), bodies=bodies,
         server_pid=server.pid, label=cell.protocol, repeat=cell.repeat, family=settings.family,
-        content_type=content_type(settings.family),
+        content_type=content_type(settings.family), http_path=server.http_path,
     )  # fmt: skip
     report.levels.append(r)
     if server.metrics_url:

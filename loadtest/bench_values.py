@@ -25,6 +25,8 @@ __all__ = [
     "PROTOCOLS",
     "REPO",
     "SERVERS",
+    "STREAMS",
+    "UNSERVED",
     "WIRE",
     "Cell",
     "RawResult",
@@ -33,12 +35,41 @@ __all__ = [
     "ServerFacts",
     "Settings",
     "WarmUp",
+    "default_servers",
+    "unserved",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
-SERVERS = ("raw", "mariner", "torchserve")
-PROTOCOLS = ("grpc", "grpc-1ch", "http")  # client set-ups; grpc-1ch: every call on one channel
-WIRE = {"grpc": "grpc", "grpc-1ch": "grpc", "http": "http"}
+SERVERS = ("raw", "mariner", "torchserve", "mosec")
+# client set-ups; grpc-1ch: every call on one channel; the streams: one bidirectional stream per
+# client (`mariner.loadtest.stream_clients`)
+PROTOCOLS = ("grpc", "grpc-1ch", "http", "grpc-stream", "oip-stream")
+STREAMS = ("grpc-stream", "oip-stream")
+WIRE = {"grpc": "grpc", "grpc-1ch": "grpc", "http": "http", **{s: s for s in STREAMS}}
+# What a peer does not serve, and why (its cells are skipped and the report says so).
+UNSERVED = {
+    ("torchserve", "oip-stream"): "stock TorchServe 0.12 has no Open Inference Protocol ModelStreamInfer",
+    ("torchserve", "grpc-stream"): (
+        "stock TorchServe 0.12 fails StreamPredictions2 for a model without sequence batching "
+        "(NullPointerException on its null jobGroups, the stream ends UNKNOWN)"
+    ),
+    **{("mosec", p): "mosec serves HTTP only" for p in ("grpc", "grpc-1ch", "grpc-stream", "oip-stream")},
+}
+
+
+def default_servers() -> tuple[str, ...]:
+    """raw, Mariner, TorchServe, and mosec when it is installed (the `bench` extra)."""
+    import importlib.util
+
+    peers = ("mosec",) if importlib.util.find_spec("mosec") is not None else ()
+    return ("raw", "mariner", "torchserve", *peers)
+
+
+def unserved(server: str, protocol: str) -> str:
+    """Why `server` is not measured over `protocol` ("" when it is)."""
+    return UNSERVED.get((server, protocol), "")
+
+
 WARMUP_WINDOW_S = 2.0
 WARMUP_TOLERANCE = 0.05
 
@@ -90,7 +121,8 @@ class Settings:
 
     def load_for(self, protocol: str) -> LoadSpec:
         """The load of one client set-up: how many gRPC channels it opens."""
-        channels = {"grpc": self.grpc_channels, "grpc-1ch": 1}.get(protocol)
+        many = self.grpc_channels
+        channels = {"grpc": many, "grpc-1ch": 1, "grpc-stream": many, "oip-stream": many}.get(protocol)
         return replace(self.load, grpc_channels=channels)
 
 
@@ -157,6 +189,7 @@ class Running:
     name: str
     server: ServerProcess
     batch_stats: bool = False
+    http_path: str = ""  # the HTTP inference route when it is not TorchServe's (mosec's /inference)
 
     @property
     def pid(self) -> int | None:
