@@ -66,8 +66,9 @@ LOADTEST_P99_MS ?= 50
 loadtest: models protos
 	$(PY) -m mariner.loadtest.gate --store $(STORE) --users $(LOADTEST_USERS) --run-time $(LOADTEST_SECONDS) --p99-ms $(LOADTEST_P99_MS)
 
-# Raw model vs Mariner vs stock TorchServe side by side, the busiest level 3 times interleaved
-# (about 10 min here): bench/results.md + PNGs. BENCH_ARGS adds options, e.g.
+# Raw model vs Mariner vs stock TorchServe (and mosec, an HTTP peer, when the bench extra installed
+# it) side by side over unary gRPC, HTTP and the two gRPC streams, the busiest level 3 times
+# interleaved (about 10 min here): bench/results.md + PNGs. BENCH_ARGS adds options, e.g.
 # BENCH_ARGS='--mariner-args "--frontends 2"'. MODEL=minilm_onnx (any archive stem in the store)
 # benchmarks that archive instead -> bench/results-<model>.md.
 MODEL ?= digits_torchscript
