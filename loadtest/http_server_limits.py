@@ -79,6 +79,16 @@ async def big_head(port: int) -> str:
     return await _outcome(reader, t0)
 
 
+async def big_body(port: int) -> str:
+    """A 1 MiB body under the 32 KiB head cap: granian's cap is its read buffer, which must not
+    bound bodies."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    t0 = time.perf_counter()
+    body = b"1" * (1 << 20)
+    writer.write(REQUEST + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return await _outcome(reader, t0)
+
+
 async def head_trickle(port: int) -> str:
     """Slowloris: the request line, then one header byte every 0.5 s."""
     reader, writer = await asyncio.open_connection(HOST, port)
@@ -158,6 +168,7 @@ async def connection_close(port: int) -> str:
 
 PROBES: dict[str, Callable[[int], Coroutine[Any, Any, str]]] = {
     "100 KiB head (cap 32 KiB)": big_head,
+    "1 MiB body (head cap 32 KiB)": big_body,
     "header trickle (timeout 2 s)": head_trickle,
     "connection sending nothing (header timeout 2 s)": silent,
     "idle keep-alive (keep-alive 2 s)": idle_keep_alive,
@@ -214,6 +225,9 @@ def probe(server: str) -> dict[str, str]:
     for name, fn in PROBES.items():
         with Server(server, LIMITS) as srv:
             found[name] = asyncio.run(fn(srv.port))
+    # granian has one timer for a head and for an idle keep-alive connection: set them apart.
+    with Server(server, LIMITS | {"http_keep_alive_s": 1.0, "http_header_timeout_s": 4.0}) as srv:
+        found["idle keep-alive (keep-alive 1 s, header timeout 4 s)"] = asyncio.run(idle_keep_alive(srv.port))
     with Server(server, LIMITS) as srv:
         found["request in flight at SIGTERM (1 s)"] = asyncio.run(_graceful_stop(srv))
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,8 +13,10 @@ Servers:
 - `granian-rsgi`: the same embedded server with granian's native RSGI interface.
 
 Apps:
-- `floor`: a Starlette app answering POST /predictions/{model} with a fixed 30-byte JSON body
-  (the transport floor); under `granian-rsgi` a bare RSGI handler with the same answer;
+- `raw`: a bare ASGI callable that reads the body and answers a fixed 30-byte JSON body (the
+  server's own floor); under `granian-rsgi` a bare RSGI handler with the same answer;
+- `floor`: a Starlette app answering POST /predictions/{model} with the same body (the
+  transport floor of a Starlette app, as TRAPS.md measures it);
 - `mariner`: the frontend's real inference app (`DrainAware(HttpTokenAuth(inference_app(...)))`)
   over a real DataPlane, ModelEndpoint and Batcher whose runner answers in-process, so only the
   HTTP layer differs from a frontend (no worker hop). RSGI has no such app: Mariner's app is ASGI.
@@ -44,7 +46,7 @@ from mariner.server.config import ServerConfig
 from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, uvicorn_config
 
 SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi")
-APPS = ("floor", "mariner")
+APPS = ("raw", "floor", "mariner")
 ANSWER = b'{"label": 3, "probability": 1}'  # the fixed 30-byte JSON answer
 MODEL = "digits"
 HOST = "127.0.0.1"
@@ -78,6 +80,20 @@ def floor_app() -> Starlette:
             Route("/slow", _floor_slow, methods=["POST"]),
         ]
     )
+
+
+async def raw_asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The bare ASGI floor: no framework, the body read, the fixed answer (the server's own cost)."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": RAW_HEADERS})
+    await send({"type": "http.response.body", "body": ANSWER})
+
+
+RAW_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(ANSWER)).encode())]
 
 
 class FloorRsgi:
@@ -250,11 +266,11 @@ async def serve(server: str, app_name: str, cfg: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     sock = reuseport_listener(HOST, 0)
     if server == "granian-rsgi":
-        if app_name != "floor":
-            raise SystemExit("granian-rsgi serves only the floor app: Mariner's app is ASGI")
+        if app_name != "raw":
+            raise SystemExit("granian-rsgi serves only the raw app: Starlette and Mariner's app are ASGI")
         await _serve_granian(FloorRsgi(), "rsgi", sock, stop, cfg)
         return 0
-    app = floor_app() if app_name == "floor" else mariner_app()
+    app = {"raw": lambda: raw_asgi, "floor": floor_app, "mariner": mariner_app}[app_name]()
     if server == "uvicorn":
         await _serve_uvicorn(app, sock, stop, cfg)
     else:

@@ -33,13 +33,15 @@ import psutil
 
 from mariner.loadtest.closedloop import Percentiles
 from mariner.loadtest.http_connection import HttpConnection
-from mariner.loadtest.http_servers import ANSWER, HOST, MODEL, PORT_LINE
+from mariner.loadtest.http_servers import ANSWER, APPS, HOST, MODEL, PORT_LINE, SERVERS
 
 BODY = b'{"data": [0, 1, 2, 3, 4, 5, 6, 7]}'
 PAIRS: tuple[tuple[str, str], ...] = (
+    ("uvicorn", "raw"),
+    ("granian-asgi", "raw"),
+    ("granian-rsgi", "raw"),
     ("uvicorn", "floor"),
     ("granian-asgi", "floor"),
-    ("granian-rsgi", "floor"),
     ("uvicorn", "mariner"),
     ("granian-asgi", "mariner"),
 )
@@ -228,7 +230,10 @@ def run(
 def summary(samples: Sequence[Sample]) -> list[dict[str, Any]]:
     """Medians per server x app x connections, and the median per-repeat ratio to uvicorn."""
     rows: list[dict[str, Any]] = []
-    keys = sorted({(s.app, s.connections, s.server) for s in samples}, key=lambda k: (k[0], -k[1], k[2]))
+    keys = sorted(
+        {(s.app, s.connections, s.server) for s in samples},
+        key=lambda k: (APPS.index(k[0]), -k[1], SERVERS.index(k[2])),
+    )
     for app, conns, server in keys:
         mine = [s for s in samples if (s.app, s.connections, s.server) == (app, conns, server)]
         base = [s for s in samples if (s.app, s.connections, s.server) == (app, conns, "uvicorn")]
@@ -288,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="timed phase at --connections")
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--latency-seconds", type=float, default=3.0, help="timed phase at 1 connection")
-    parser.add_argument("--apps", default="floor,mariner")
+    parser.add_argument("--apps", default="raw,floor,mariner")
     parser.add_argument("--json", help="write every sample and the summary here")
     args = parser.parse_args(argv)
     apps = set(args.apps.split(","))
