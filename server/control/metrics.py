@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
 
 from mariner.server.control import ts_exposition, ts_metrics
+from mariner.server.control.deferred import DeferredCounter, DeferredGauge, DeferredHistogram, FlushOnCollect
 
 # prometheus_client's multiprocess mode: every process writes its samples to files in this dir,
 # and the supervisor's /metrics merges them. It must be set before prometheus_client is imported.
@@ -48,6 +49,7 @@ class Metrics:
     def __init__(self, cfg: MetricsConfig | None = None) -> None:
         cfg = cfg or MetricsConfig()
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(FlushOnCollect())  # first: pending writes land before any read
         lat = latency_buckets(cfg.slo_seconds)
         labels = ("model", "version")
         self.request_duration = Histogram(
@@ -139,11 +141,23 @@ class Metrics:
         children = self._call_children.get(key)
         if children is None:
             children = (
-                self.requests.labels(model, version, protocol, code),
-                self.request_duration.labels(model, version, protocol),
+                DeferredCounter(self.requests.labels(model, version, protocol, code)),
+                DeferredHistogram(self.request_duration.labels(model, version, protocol)),
             )
             self._call_children[key] = children
         return children
+
+    @staticmethod
+    def defer(child: Any) -> Any:
+        """`child` (a labelled counter, gauge or histogram) with its writes made once per
+        event-loop turn (see `control.deferred`): for the children the hot path feeds."""
+        if isinstance(child, Histogram):
+            return DeferredHistogram(child)
+        if isinstance(child, Gauge):
+            return DeferredGauge(child)
+        if isinstance(child, Counter):
+            return DeferredCounter(child)
+        raise TypeError(f"cannot defer the writes of {type(child).__name__}")
 
     def render(self) -> bytes:
         """This process's samples (the single-process server; a frontend's own view)."""
@@ -153,7 +167,7 @@ class Metrics:
         """This process's samples, handler metrics and host metrics included, in the format
         `accept` asks for (OpenMetrics or Prometheus text), restricted to `names` if any."""
         self._sample_gpu()
-        self.ts.flush()
+        self.ts.flush()  # (our own pending writes flush when the registry is collected)
         from mariner.server.core.handler_metrics import handler_registry
 
         spec = self.ts.spec
@@ -240,6 +254,18 @@ def exposition_multiprocess(accept: str | None = None, names: Sequence[str] = ()
 
 class MultiprocessMetrics:
     """What the /metrics app needs (`render`, `exposition`) over every process's samples."""
+
+    @staticmethod
+    def defer(child: Any) -> Any:
+        """`child` (a labelled counter, gauge or histogram) with its writes made once per
+        event-loop turn (see `control.deferred`): for the children the hot path feeds."""
+        if isinstance(child, Histogram):
+            return DeferredHistogram(child)
+        if isinstance(child, Gauge):
+            return DeferredGauge(child)
+        if isinstance(child, Counter):
+            return DeferredCounter(child)
+        raise TypeError(f"cannot defer the writes of {type(child).__name__}")
 
     def render(self) -> bytes:
         return render_multiprocess()
