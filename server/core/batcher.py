@@ -41,6 +41,7 @@ from mariner.server.core.batching import (
     RunnerRetired,
     TokenBudget,
 )
+from mariner.server.core.deadlines import DeadlineWatch
 from mariner.server.core.errors import Code, ServingError, internal
 from mariner.server.core.token_groups import group_by_length, padded_tokens
 from mariner.server.core.types import InferRequest, InferResult, TokenCost
@@ -90,6 +91,8 @@ class Batcher:
         self._busy = 0  # batches running now; changes together with the idle-runner queue
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._running: list[list[_Pending]] = []  # the batches runners hold now
+        self._deadlines = DeadlineWatch(clock, self._expire)
         self._replace_runner = replace_runner
         self._replacing: set[asyncio.Task[None]] = set()
         self._retired: set[BatchRunner] = set()
@@ -146,6 +149,8 @@ class Batcher:
         self._queue.append(_Pending(req, fut, self._clock()))
         self._queued_items += req.items
         self._observer.queue_depth(self._queued_items)
+        if req.deadline is not None:
+            self._deadlines.watch(req.deadline)
         self._arrival.set()
         return await fut  # a cancelled caller cancels `fut`; the dispatcher then skips it
 
@@ -168,10 +173,42 @@ class Batcher:
         self._queue.clear()
         for t in list(self._replacing):
             t.cancel()
+        self._deadlines.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    # -- deadlines ------------------------------------------------------------------------
+    def _expire(self, now: float) -> float | None:
+        """Answer DEADLINE_EXCEEDED to every held request whose deadline passed (queued ones
+        leave the queue; a running batch goes on for its other requests); return the earliest
+        deadline still held."""
+        earliest: float | None = None
+        kept: deque[_Pending] = deque()
+        for p in self._queue:
+            d = p.req.deadline
+            if p.future.done() or (d is not None and d <= now):
+                self._forget(p)
+                if not p.future.done():
+                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s))
+                continue
+            kept.append(p)
+            if d is not None and (earliest is None or d < earliest):
+                earliest = d
+        if len(kept) != len(self._queue):
+            self._queue = kept
+            self._observer.queue_depth(self._queued_items)
+        for batch in self._running:
+            for p in batch:
+                d = p.req.deadline
+                if d is None or p.future.done():
+                    continue
+                if d <= now:
+                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s))
+                elif earliest is None or d < earliest:
+                    earliest = d
+        return earliest
 
     # -- dispatcher -----------------------------------------------------------------------
     def _dead(self, p: _Pending, now: float) -> bool:
@@ -301,6 +338,7 @@ class Batcher:
                 self._idle.put_nowait(runner)
                 continue
             self._busy += 1
+            self._running.append(batch)  # from now on the deadline watch sees it as running
             task = asyncio.get_running_loop().create_task(self._run(runner, batch))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -367,6 +405,7 @@ class Batcher:
                 if not p.future.done():
                     p.future.set_result(r)
         finally:
+            self._running.remove(batch)
             self._observer.batch_finished(self._clock() - started)
             # Busy count and idle queue change together, so the dispatcher never mistakes a
             # finished batch for another instance still computing.
@@ -403,6 +442,15 @@ class Batcher:
         if new is not None and not self._closed:
             self._idle.put_nowait(new)
             self._arrival.set()
+
+
+def _expired(req: InferRequest, response_timeout_s: float | None) -> ServingError:
+    limit = (
+        f"responseTimeout {response_timeout_s:g} s or the client's" if response_timeout_s else "the client's"
+    )
+    return ServingError(
+        Code.DEADLINE_EXCEEDED, f"model {req.model} did not answer within the deadline ({limit})"
+    )
 
 
 def _cost(req: InferRequest) -> TokenCost:
