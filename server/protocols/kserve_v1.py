@@ -30,7 +30,6 @@ import asyncio
 import base64
 import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -38,6 +37,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.protocols.http_common import (
@@ -137,7 +137,7 @@ def routes(
 
         async def endpoint(request: Request) -> Response:
             model: str = request.path_params["model"]
-            request_id = uuid.uuid4().hex
+            request_id = new_request_id()
 
             async def work(infer: Infer) -> Response:
                 body = await read_body(request, max_body_bytes)

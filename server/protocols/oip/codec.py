@@ -20,7 +20,6 @@ import functools
 import importlib.metadata
 import logging
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.tensors import (
     DTYPES,
     ModelSignature,
@@ -191,7 +191,7 @@ def deadline_from(params: Mapping[str, Any], time_remaining: float | None) -> fl
 def request_id_of(client_id: str) -> str:
     if len(client_id) > MAX_ID_CHARS:
         raise bad(f"request id is {len(client_id)} characters; at most {MAX_ID_CHARS} are accepted")
-    return client_id or uuid.uuid4().hex
+    return client_id or new_request_id()
 
 
 def signature_of(handle: ModelHandle) -> ModelSignature:

@@ -36,7 +36,6 @@ them. `/models/{model}/invoke` is the same with the model in the path.
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -44,6 +43,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mariner.server.core.errors import STATUS, Code, ServingError
+from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.protocols.http_common import (
@@ -147,7 +147,7 @@ def routes(
         params = request.path_params
         model: str = params.get("model", "")
         version: str | None = params.get("version")
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
 
         async def work(infer: Infer) -> Response:
             body = await read_body(request, max_body_bytes)
