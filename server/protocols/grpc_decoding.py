@@ -24,7 +24,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 
-from mariner.server.core.errors import STATUS, Code
+from mariner.server.core.errors import STATUS, Code, ServingError
 
 _INVALID = STATUS[Code.INVALID_ARGUMENT].grpc
 
@@ -36,8 +36,8 @@ class _Undecodable:
 _BAD = _Undecodable()
 
 
-def _message(details: grpc.HandlerCallDetails) -> str:
-    return f"the request is not a valid protobuf message for {details.method}"
+def _message(method: str) -> str:
+    return f"the request is not a valid protobuf message for {method}"
 
 
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -50,7 +50,12 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
         except Exception:  # DecodeError and whatever a generated parser raises on garbage
             return _BAD
 
+    deserialize.safe_decoding = True  # type: ignore[attr-defined]
     return deserialize
+
+
+def _is_wrapped(handler: grpc.RpcMethodHandler) -> bool:
+    return getattr(handler.request_deserializer, "safe_decoding", False) is True
 
 
 async def _drain(result: Any) -> AsyncIterator[Any]:
@@ -62,8 +67,12 @@ async def _drain(result: Any) -> AsyncIterator[Any]:
         await result
 
 
-def _wrap(handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-    message = _message(details)
+def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with its undecodable requests answered INVALID_ARGUMENT naming `method`.
+
+    Done once per method when the service is registered (`register`), not per call: building
+    the wrapper per call cost more than the rest of the interceptor chain together."""
+    message = _message(method)
     kw = {
         "request_deserializer": _safe(handler.request_deserializer),
         "response_serializer": handler.response_serializer,
@@ -73,6 +82,15 @@ def _wrap(handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> g
         async for request in requests:
             if request is _BAD:
                 await context.abort(_INVALID, message)
+            yield request
+
+    async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A bidirectional stream's requests: an undecodable one ends the request side with
+        INVALID_ARGUMENT raised to the servicer, which answers what it has in flight first
+        (an abort here would end the call at once and lose those answers)."""
+        async for request in requests:
+            if request is _BAD:
+                raise ServingError(Code.INVALID_ARGUMENT, message)
             yield request
 
     if handler.unary_unary:
@@ -108,14 +126,18 @@ def _wrap(handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails) -> g
     async def stream_stream(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        async for item in _drain(inner_ss(checked(requests, context), context)):
+        async for item in _drain(inner_ss(checked_stream(requests), context)):
             yield item
 
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
 
 
 class SafeDecoding(grpc.aio.ServerInterceptor):
-    """Must be the first interceptor, so it wraps the handler every other one returns."""
+    """Must be the first interceptor, so it wraps the handler every other one returns.
+
+    Our own services are wrapped when registered (`register`) and pass through untouched; this
+    covers the handlers grpc's own services (health, reflection) bring.
+    """
 
     async def intercept_service(
         self,
@@ -123,9 +145,9 @@ class SafeDecoding(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None or _is_wrapped(handler):
             return handler
-        return _wrap(handler, details)
+        return _wrap(handler, details.method)
 
 
 def _add_with_dependencies(
@@ -191,11 +213,15 @@ def register(
     servicer: Any,
     deserializers: Mapping[str, Callable[[bytes], Any]],
 ) -> None:
-    """`add_to_server(servicer, server)` with the named methods' request deserializers replaced."""
+    """`add_to_server(servicer, server)` with the named methods' request deserializers replaced,
+    and every method's undecodable requests answered INVALID_ARGUMENT (see `SafeDecoding`)."""
     capture = _Capture()
     add_to_server(servicer, capture)
     handlers = dict(capture.handlers)
     for method, deserializer in deserializers.items():
         handlers[method] = handlers[method]._replace(request_deserializer=deserializer)
+    for method, handler in handlers.items():
+        if handler.request_deserializer is not None:
+            handlers[method] = _wrap(handler, f"/{capture.service}/{method}")
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)

@@ -343,6 +343,39 @@ def test_failures_are_answered_in_stream_and_the_stream_goes_on(server: MarinerS
     assert reason_of(raised) == "org.pytorch.serve.http.InternalServerException"
 
 
+def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before(
+    server: MarinerServe,
+) -> None:
+    """Bytes that are not a PredictionsRequest end the request side INVALID_ARGUMENT, but the
+    requests read before them are answered first (an abort at the bad message lost them)."""
+    response_cls = msg("org.pytorch.serve.grpc.inference.PredictionResponse")
+    good = request(DIGITS, pixels(1, seed=5)[0], "before").SerializeToString()
+
+    async def main() -> tuple[list[Any], grpc.aio.AioRpcError]:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            call = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=None)(
+                metadata=AUTH, timeout=CAP_S
+            )
+            for raw in (good, b"\xff\xff\xff\xff", good):
+                await call.write(raw)
+            await call.done_writing()
+            got: list[Any] = []
+
+            async def read_all() -> None:
+                async for a in call:
+                    got.append(response_cls.FromString(a))
+
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await read_all()
+            return got, ended.value
+
+    answers, ended = asyncio.run(main())
+    assert [a.sequence_id for a in answers] == ["before"]
+    assert not answers[0].HasField("status")
+    assert ended.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid protobuf message" in (ended.details() or "")
+
+
 def test_a_stream_without_the_token_is_refused_like_a_unary_call(server: MarinerServe) -> None:
     for metadata in ((), (("authorization", "Bearer nope"),)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
