@@ -1,0 +1,231 @@
+"""Mariner's own work per call, piece by piece, with the transport and the model taken away.
+
+The live benchmark gives a frontend's CPU per request and the bare transport's under the same
+load; their difference is what Mariner adds, but on a shared 2-core machine both figures move
+by tens of percent between runs. This tool measures the pieces themselves in one process, on the
+real code: the TorchServe gRPC servicer's `Predictions` (request parsing, headers, the call path
+and its metrics, the DataPlane, the endpoint's deadline, the batcher) driven by 64 concurrent
+coroutines with a runner that answers at once, and the frame codec between a frontend and a
+worker (a batch of 32 requests out, 32 results back, both pickled and checked against the
+allowlist). CPU time (`time.process_time`) over many calls, best of several rounds: a lower
+bound that noise can only raise.
+
+    python -m mariner.loadtest.percall            # prints the per-piece table in microseconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CONCURRENCY = 64
+BATCH = 32
+BODY = json.dumps(list(range(64))).encode()
+ANSWER = json.dumps({"label": 3, "topk": [{"label": 3, "probability": 0.99}]}, indent=2).encode()
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    us_per_request: float
+    note: str
+
+
+class _Context:
+    """What the servicer reads of a grpc.aio ServicerContext on the success path."""
+
+    def __init__(self) -> None:
+        self._metadata = (("user-agent", "grpc-python/1.85"),)
+
+    def invocation_metadata(self) -> Any:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: Any, details: str) -> None:  # pragma: no cover - success path only
+        raise RuntimeError(f"aborted: {code} {details}")
+
+
+def _best(rounds: int, fn: Callable[[], float]) -> float:
+    return min(fn() for _ in range(rounds))
+
+
+def _cpu_per_call(calls: int, run: Callable[[], object]) -> float:
+    t0 = time.process_time()
+    run()
+    return (time.process_time() - t0) / calls * 1e6
+
+
+def _plane() -> Any:
+    """A DataPlane with one ready digits endpoint whose runner answers at once."""
+    from mariner.server.control.metrics import Metrics
+    from mariner.server.core.dataplane import DataPlane
+    from mariner.server.core.endpoint import ModelEndpoint, ModelSource
+    from mariner.server.core.model_settings import ModelSettings
+    from mariner.server.core.types import InferRequest, InferResult, ModelState
+
+    class Instant:
+        id = "digits-1"
+
+        async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+            await asyncio.sleep(0)  # one loop turn, as an answer from a worker would take
+            return [InferResult(body=ANSWER, model_version="1") for _ in requests]
+
+    class Endpoint(ModelEndpoint):
+        def start(self) -> None:
+            self._start_batcher([Instant()])
+            self.state = ModelState.READY
+
+    metrics = Metrics()
+    plane = DataPlane(metrics)
+    source = ModelSource(archive_file="digits.mar", sha256="00" * 32, handler="handler.py")
+    settings = ModelSettings(batch_size=BATCH, max_batch_delay_ms=5.0)
+    ep = Endpoint("digits", "1", source, settings, None, metrics)
+    ep.start()
+    plane.install_endpoint(ep)
+    return plane
+
+
+async def _drive(call: Callable[[int], Any], calls: int) -> None:
+    per = calls // CONCURRENCY
+
+    async def one(k: int) -> None:
+        for i in range(per):
+            await call(k * per + i)
+
+    await asyncio.gather(*(one(k) for k in range(CONCURRENCY)))
+
+
+def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
+    from mariner.server.protocols.torchserve import grpc as ts_grpc
+
+    pb = ts_grpc.inference_pb2
+    wire = pb.PredictionsRequest(model_name="digits", input={"data": BODY}).SerializeToString()
+    parse = ts_grpc.ShallowPredictionsRequest.FromString
+    context = _Context()
+
+    def parse_only() -> float:
+        return _cpu_per_call(calls, lambda: [parse(wire) for _ in range(calls)] and None)
+
+    def to_request() -> float:
+        req = parse(wire)
+
+        def run() -> None:
+            for _ in range(calls):
+                ts_grpc.to_infer_request(req, metadata=context.invocation_metadata(), time_remaining=None)
+
+        return _cpu_per_call(calls, run)
+
+    async def plane_and_batcher() -> float:
+        plane = _plane()
+        req = ts_grpc.to_infer_request(parse(wire), metadata=(), time_remaining=None)
+
+        async def call(i: int) -> None:
+            await plane.infer(req)
+
+        await _drive(call, CONCURRENCY * 20)
+        t0 = time.process_time()
+        await _drive(call, calls)
+        return (time.process_time() - t0) / calls * 1e6
+
+    async def servicer() -> float:
+        plane = _plane()
+        svc = ts_grpc.InferenceServicer(plane)
+
+        async def call(i: int) -> None:
+            await svc.Predictions(parse(wire), context)
+
+        await _drive(call, CONCURRENCY * 20)
+        t0 = time.process_time()
+        await _drive(call, calls)
+        return (time.process_time() - t0) / calls * 1e6
+
+    def run_async(fn: Callable[[], Any]) -> float:
+        from mariner.server import event_loop
+
+        return event_loop.run(fn())
+
+    whole = _best(rounds, lambda: run_async(servicer))
+    inner = _best(rounds, lambda: run_async(plane_and_batcher))
+    return [
+        Piece("parse the PredictionsRequest (shallow)", _best(rounds, parse_only), "protobuf FromString"),
+        Piece("to_infer_request (input map, headers, id)", _best(rounds, to_request), "per call"),
+        Piece("DataPlane + endpoint deadline + batcher", inner, f"{CONCURRENCY} in flight, batch {BATCH}"),
+        Piece("whole servicer Predictions (all of the above + run_call, metrics)", whole, "per call"),
+    ]
+
+
+def codec_pieces(calls: int, rounds: int) -> list[Piece]:
+    from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+    from mariner.server.workers import protocol
+
+    requests = tuple(
+        InferRequest(
+            model="digits",
+            version=None,
+            data={"data": BODY},
+            protocol=WireProtocol.TS_GRPC,
+            request_id=f"{i:032x}",
+            headers={"user-agent": "grpc-python/1.85"},
+            deadline=time.monotonic() + 60,
+        )  # fmt: skip
+        for i in range(BATCH)
+    )
+    results = tuple(InferResult(body=ANSWER, model_version="1") for _ in range(BATCH))
+    batches = max(1, calls // BATCH)
+
+    def frame(msg: Any) -> tuple[bytes, bytes]:
+        data, _ = protocol.encode(msg)
+        size, header = protocol._LEN.unpack(data[: protocol._LEN.size])
+        body = data[protocol._LEN.size :]
+        return body[:header], body[header:]
+
+    def enc(msg: Any) -> float:
+        return _cpu_per_call(batches * BATCH, lambda: [protocol.encode(msg) for _ in range(batches)] and None)
+
+    def dec(msg: Any) -> float:
+        header, body = frame(msg)
+        return _cpu_per_call(
+            batches * BATCH, lambda: [protocol.decode(header, body) for _ in range(batches)] and None
+        )
+
+    batch = protocol.Batch(1, requests)
+    result = protocol.Result(1, results)
+    return [
+        Piece("encode a Batch (frontend)", _best(rounds, lambda: enc(batch)), f"per request, batch {BATCH}"),
+        Piece("decode a Batch (worker)", _best(rounds, lambda: dec(batch)), "allowlisted unpickling"),
+        Piece("encode a Result (worker)", _best(rounds, lambda: enc(result)), "per request"),
+        Piece("decode a Result (frontend)", _best(rounds, lambda: dec(result)), "allowlisted unpickling"),
+    ]
+
+
+def table(pieces: Sequence[Piece]) -> str:
+    lines = ["| piece | µs per request | |", "|---|---:|---|"]
+    lines += [f"| {p.name} | {p.us_per_request:.1f} | {p.note} |" for p in pieces]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m mariner.loadtest.percall", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--calls", type=int, default=CONCURRENCY * 200, help="calls per round (%(default)s)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; the best is kept (default %(default)s)")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="mariner-percall-") as tmp:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tmp)  # metrics as a frontend writes them
+        pieces = [*servicer_pieces(a.calls, a.rounds), *codec_pieces(a.calls, a.rounds)]
+    print(table(pieces))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
