@@ -23,8 +23,13 @@ What it measures (method and reasons: docs/benchmark.md):
   (stock TorchServe 0.12), both started through `mariner.loadtest.servers`, both with the same
   batchSize / maxBatchDelay (the archive's unless given), one worker and torch threads, over
   the client set-ups: `grpc` (TorchServe `Predictions` over `--grpc-channels` channels, each its
-  own HTTP/2 connection), `grpc-1ch` (every call multiplexed on one channel) and `http`
-  (`POST /predictions/{model}`, one keep-alive connection per client).
+  own HTTP/2 connection), `grpc-1ch` (every call multiplexed on one channel), `http`
+  (`POST /predictions/{model}`, one keep-alive connection per client), and at the lowest and
+  highest level `grpc-stream` (StreamPredictions2) and `oip-stream` (ModelStreamInfer), one
+  bidirectional stream per client kept for all its requests (`mariner.loadtest.stream_clients`).
+- **mosec** (when installed, digits only): the archive's handler under mosec's HTTP server and
+  batcher (`mariner.loadtest.servers.mosec`), same batch size, max wait and torch threads; HTTP
+  only. What a server does not serve is skipped and named in the report (`bench_values.UNSERVED`).
 - **payloads** per family (`mariner.loadtest.workloads`): digits from the test split, MiniLM
   texts of 5..200 word pieces, ResNet JPEGs of varied sizes; every answer is checked.
 - MiniLM archives only, **mariner-pad-max** at the highest level: the same archive rewritten

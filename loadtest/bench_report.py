@@ -128,7 +128,10 @@ def _header(report: Report, title: str) -> list[str]:
         f"- Clients: closed loop, up to {s.client_procs} client process(es), separate from the servers "
         f"(uvloop); `grpc`: {s.grpc_channels} gRPC channels (one HTTP/2 connection each) spread over "
         "the client processes; `grpc-1ch`: one channel, one client process, every call multiplexed on "
-        "it; `http`: HTTP/1.1 keep-alive, one connection per client. "
+        "it; `http`: HTTP/1.1 keep-alive, one connection per client (mosec: `POST /inference`); "
+        "`grpc-stream` (StreamPredictions2) and `oip-stream` (ModelStreamInfer): one bidirectional "
+        f"stream per client, kept for all its requests, over the {s.grpc_channels} channels, at the "
+        "lowest and highest level only. "
         f"{per} after {s.warmup} warm-up requests (at least {s.warmup_per_client} per client); payloads: "
         f"{report.workload or 'the 270 test-set digits in turn'}.",
         f"- Repeats: the highest level ran {s.repeats} time(s), every server in each repeat, the order "

@@ -201,4 +201,5 @@ class Running:
 
     def endpoint(self, protocol: str) -> tuple[str, int]:
         ports = self.server.ports
-        return (self.server.host, ports.grpc_inference if WIRE[protocol] == "grpc" else ports.inference)
+        # every set-up but HTTP (unary gRPC, both streams) goes to the gRPC inference port
+        return (self.server.host, ports.inference if WIRE[protocol] == "http" else ports.grpc_inference)

@@ -6,8 +6,10 @@ Each level runs in fresh spawned processes, separate from the server under test,
 coroutines of a process spread over its channels and their calls multiplexed on them as real gRPC
 clients do; one channel means one client process), and HTTP/1.1
 keep-alive over raw asyncio streams for `POST /predictions/{model}` (one connection per
-coroutine). Closed loop: every coroutine sends its next request when the previous answer
-arrives, so concurrency is exact and throughput is what the server sustains at it.
+coroutine; another route for a peer such as mosec), and one bidirectional gRPC stream per
+coroutine, spread over the channels as unary calls are, for `grpc-stream` and `oip-stream`
+(`mariner.loadtest.stream_clients`). Closed loop: every coroutine sends its next request when the
+previous answer arrives, so concurrency is exact and throughput is what the server sustains at it.
 
 Every level warms up, then all client processes start the timed phase together (a barrier that
 the parent joins, so it samples CPU counters at the same moment). An answer counts only if it

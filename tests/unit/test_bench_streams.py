@@ -7,6 +7,7 @@ Nothing is measured or started: results are built by hand with known figures.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +15,9 @@ from mariner.loadtest import bench
 from mariner.loadtest.bench_report import render_markdown, targets
 from mariner.loadtest.bench_summary import throughput
 from mariner.loadtest.bench_targets import Side, cross_ratios, median_cross
-from mariner.loadtest.bench_values import default_servers, unserved
+from mariner.loadtest.bench_values import PROTOCOLS, Running, default_servers, unserved
 from mariner.loadtest.closedloop import LevelResult, client_layout
+from mariner.loadtest.servers import MarinerProcess, Ports
 from mariner.loadtest.stream_clients import stream_callers
 from tests.unit.test_bench_report import cell, make_report, named
 
@@ -123,3 +125,11 @@ def test_mosec_joins_the_default_servers_only_when_installed_and_only_for_digits
 def test_unknown_stream_protocol_is_refused() -> None:
     with pytest.raises(ValueError, match="not a stream protocol"):
         stream_callers("grpc", [], "m", [b"[]"], 1, 1.0)
+
+
+def test_streams_go_to_the_grpc_port_and_http_to_the_inference_port() -> None:
+    ports = Ports(inference=1, management=2, metrics=3, grpc_inference=4, grpc_management=5)
+    running = Running("mariner", MarinerProcess(Path("/nonexistent"), ports=ports))
+    assert {p: running.endpoint(p)[1] for p in PROTOCOLS} == {
+        "grpc": 4, "grpc-1ch": 4, "http": 1, "grpc-stream": 4, "oip-stream": 4,
+    }  # fmt: skip
