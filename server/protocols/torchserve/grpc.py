@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,6 +29,7 @@ from mariner.server.core.errors import (
     internal,
     torchserve_grpc,
 )
+from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
@@ -142,7 +142,7 @@ def to_infer_request(
         version=request.model_version or None,
         data=input_map(request),
         protocol=PROTOCOL,
-        request_id=uuid.uuid4().hex,
+        request_id=new_request_id(),
         headers=request_headers(metadata),
         deadline=deadline,
     )
