@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mariner.loadtest.bench_report import DEFAULT_MODEL
-from mariner.loadtest.bench_values import PADDING_MAX, PROTOCOLS, REPO, SERVERS, Settings, default_servers
+from mariner.loadtest.bench_values import (
+    PADDING_MAX,
+    PROTOCOLS,
+    REPO,
+    SERVERS,
+    STREAMS,
+    Settings,
+    default_servers,
+)
 from mariner.loadtest.workloads import FAMILIES, family_of
 
 # ==================================================================================================
@@ -191,6 +199,9 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         p.error("--levels, --client-procs and --torch-threads must be positive")
     if a.repeats < 1 or a.grpc_channels < 1:
         p.error("--repeats and --grpc-channels must be positive")
+    protocols = d.protocols if a.protocols is None else a.protocols
+    if a.scaling and a.protocols is None:  # the unary set-ups: the table's columns, ~7 minutes
+        protocols = tuple(x for x in protocols if x not in STREAMS)
     # mosec runs the digits handler's work only (`mariner.loadtest.servers.mosec`)
     servers = (default_servers() if family == "digits" else SERVERS[:3]) if a.servers is None else a.servers
     if "mosec" in servers and family != "digits":
@@ -200,7 +211,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         store=a.store.resolve(),
         model=model,
         servers=servers,
-        protocols=d.protocols if a.protocols is None else a.protocols,
+        protocols=protocols,
         levels=tuple(sorted(set(a.levels))),
         requests=a.requests or 10000,
         warmup=warmup,

@@ -108,6 +108,9 @@ def test_plan_runs_streams_at_the_ends_and_skips_what_a_server_does_not_serve() 
     assert {c[2] for c in cells if c[1] == "mosec"} == {"http"}
     assert unserved("mariner", "grpc-stream") == ""
     assert s.load_for("oip-stream").grpc_channels == 16
+    # --scaling keeps its three unary columns unless asked for the streams
+    assert bench.parse_args(["--scaling"]).protocols == ("grpc", "grpc-1ch", "http")
+    assert bench.parse_args(["--scaling", "--protocols", "oip-stream"]).protocols == ("oip-stream",)
     assert client_layout("grpc-stream", 64, 2, 16) == (2, [8, 8])  # streams spread like unary calls
 
 
