@@ -244,6 +244,19 @@ def table(results: Sequence[LevelResult]) -> str:
     return "\n".join(lines)
 
 
+def notes(results: Sequence[LevelResult]) -> list[str]:
+    """One report note per level, for the bench's notes list (one line each, no table)."""
+    out = []
+    for r in results:
+        where = f"perf_analyzer (Triton's load generator) over {r.protocol} at {r.concurrency} clients"
+        if r.status == "ok":
+            p50, p99 = r.p50_us / 1000, r.p99_us / 1000
+            out.append(f"{where}: {r.throughput:,.0f} infer/s, p50 {p50:.2f} ms, p99 {p99:.2f} ms.")
+        else:
+            out.append(f"{where}: {r.status} ({r.detail}).")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--http", help="Mariner's REST inference address, host:port")

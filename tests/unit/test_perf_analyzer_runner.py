@@ -95,6 +95,16 @@ def test_run_level_reports_figures(tmp_path: Path) -> None:
     assert (result.throughput, result.p50_us, result.p99_us) == (809.797, 69863.0, 210781.0)
 
 
+def test_notes_say_figures_or_why_not() -> None:
+    ok = pa.LevelResult("grpc", 64, "ok", 809.797, 69863.0, 210781.0)
+    skipped = pa.LevelResult("http", 1, "skipped", detail="perf_analyzer not found")
+    assert pa.notes([ok, skipped]) == [
+        "perf_analyzer (Triton's load generator) over grpc at 64 clients: 810 infer/s, p50 69.86 ms, "
+        "p99 210.78 ms.",
+        "perf_analyzer (Triton's load generator) over http at 1 clients: skipped (perf_analyzer not found).",
+    ]
+
+
 def test_run_level_reports_unstable_and_hung(tmp_path: Path) -> None:
     unstable = stand_in(tmp_path, 'echo "Failed to obtain stable measurement."; exit 2\n')
     result = pa.run_level(
