@@ -81,6 +81,7 @@ from mariner.loadtest.bench_values import (
     PADDING_MAX,
     REPO,
     STREAMS,
+    TS_STREAM,
     Cell,
     RawResult,
     Report,
@@ -154,6 +155,10 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
     if settings.padding_compare and "mariner" in servers:
         pad_store = padding_copy(settings, report)
         servers.insert(servers.index("mariner") + 1, PADDING_MAX)
+    seq_store = None
+    if "torchserve" in servers and "grpc-stream" in settings.protocols:
+        seq_store = sequence_store(settings)
+        servers.insert(servers.index("torchserve") + 1, TS_STREAM)
     hi = max(settings.levels)
     if settings.startup and "mariner" in servers:
         measure_startup(settings, report)
@@ -169,6 +174,9 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
             elif name == "torchserve":
                 running, facts = start_torchserve(stack, settings)
                 cap = settings.torchserve_warmup_cap_s
+            elif name == TS_STREAM:
+                running, facts = start_torchserve(stack, settings, name, store=seq_store)
+                cap = min(30.0, settings.torchserve_warmup_cap_s)
             elif name == "mosec":
                 running, facts = start_mosec(stack, settings)
                 cap = min(20.0, settings.torchserve_warmup_cap_s)
@@ -240,6 +248,16 @@ def run_scaling(settings: Settings, bodies: tuple[bytes, ...], report: Report) -
                 for name in order:
                     run_cell(up[name], Cell(hi, rep, name, proto), settings, bodies, report)
     return configs
+
+
+def sequence_store(settings: Settings) -> Path:
+    """The sequence-batching copy of the archive (`TS_STREAM`), in a store of its own under build/."""
+    from mariner.loadtest.servers.sequence_archive import sequence_copy
+
+    store = REPO / "build" / "bench" / f"{settings.model}-sequence"
+    done = sequence_copy(settings.store / f"{settings.model}.mar", store, max(max(settings.levels), 64))
+    print(f"{TS_STREAM}: {done} (sequenceBatching on, for TorchServe's StreamPredictions2)", flush=True)
+    return store
 
 
 def padding_copy(settings: Settings, report: Report) -> Path:

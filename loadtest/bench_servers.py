@@ -114,16 +114,21 @@ def start_mariner(
     return start(stack, settings, name, new_mariner(settings, extra, store=store), args)
 
 
-def start_torchserve(stack: contextlib.ExitStack, settings: Settings) -> tuple[Running, ServerFacts]:
+def start_torchserve(
+    stack: contextlib.ExitStack, settings: Settings, name: str = "torchserve", store: Path | None = None
+) -> tuple[Running, ServerFacts]:
+    """Stock TorchServe on the run's store, or on `store` (the sequence-batching copy, `TS_STREAM`)."""
     ts = StockTorchServe(
-        settings.store,
+        store or settings.store,
         [settings.model],
         batch_size=settings.batch_size,
         max_batch_delay_ms=settings.max_batch_delay_ms,
         workers=1,
     )
     args = f"1 worker, OMP_NUM_THREADS={settings.torch_threads}, metrics_mode=prometheus"
-    return start(stack, settings, "torchserve", ts, args)
+    if store is not None:
+        args += "; archive copy with sequenceBatching (its StreamPredictions2 needs it)"
+    return start(stack, settings, name, ts, args)
 
 
 def start_mosec(stack: contextlib.ExitStack, settings: Settings) -> tuple[Running, ServerFacts]:

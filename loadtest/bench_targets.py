@@ -12,9 +12,10 @@ The targets (highest level unless said):
   request of both shown, and Mariner's CPU per request <= TorchServe's;
 - `http`: throughput Mariner / TorchServe >= 2, Mariner / mosec >= 0.8 (mosec, when it ran);
 - each stream: Mariner's throughput >= 2x TorchServe's unary `grpc` and >= 1.5x TorchServe's own
-  stream (not applicable where TorchServe does not serve it: `bench_values.UNSERVED`);
-- lowest level: p50 TorchServe / Mariner >= 5 for every protocol Mariner ran; a stream TorchServe
-  does not serve is compared with TorchServe's unary `grpc`.
+  stream: StreamPredictions2 on `torchserve-seq`, the sequence-batching copy TorchServe needs for
+  it; not applicable for ModelStreamInfer, which TorchServe lacks (`bench_values.UNSERVED`);
+- lowest level: p50 TorchServe / Mariner >= 5 for every protocol Mariner ran; a stream is compared
+  with TorchServe's own stream where it ran, else with TorchServe's unary `grpc`.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ from mariner.loadtest.bench_summary import (
     summarize,
     throughput,
 )
-from mariner.loadtest.bench_values import STREAMS, Report, unserved
+from mariner.loadtest.bench_values import STREAMS, TS_STREAM, Report, unserved
 from mariner.loadtest.closedloop import LevelResult
 
 MOSEC = "mosec"
+
+
+def stream_baseline(stream: str) -> Side:
+    """TorchServe's own form of a stream: StreamPredictions2 on the sequence-batching copy."""
+    return Side(TS_STREAM, stream) if stream == "grpc-stream" else Side(TS, stream)
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,8 @@ def throughput_targets(report: Report) -> list[Target]:
         m = Side(MARINER, stream)
         if "grpc" in s.protocols:
             out.append(_throughput(lv, m, Side(TS, "grpc"), hi, 2.0))
-        out.append(_throughput(lv, m, Side(TS, stream), hi, 1.5, unserved(TS, stream)))
+        base = stream_baseline(stream)
+        out.append(_throughput(lv, m, base, hi, 1.5, unserved(base.server, stream)))
     return out
 
 
@@ -145,6 +152,8 @@ def latency_targets(report: Report) -> list[Target]:
         if proto == "grpc-1ch" and lo == 1:
             continue  # not run at one client: the same as grpc there
         base = Side(TS, "grpc" if unserved(TS, proto) else proto)
+        if proto in STREAMS and runs(lv, TS_STREAM, proto, lo):
+            base = stream_baseline(proto)
         out.append(
             Target(
                 f"c={lo}: p50 {base} / {Side(MARINER, proto)}",
@@ -160,7 +169,8 @@ def cross_section(report: Report) -> list[str]:
     """The report's table of comparisons across set-ups and peers, every level both sides ran."""
     s, lv = report.settings, report.levels
     pairs = [(Side(MARINER, p), Side(TS, "grpc")) for p in STREAMS if p in s.protocols]
-    pairs += [(Side(MARINER, p), Side(TS, p)) for p in STREAMS if p in s.protocols and not unserved(TS, p)]
+    pairs += [(Side(MARINER, p), stream_baseline(p)) for p in STREAMS if p in s.protocols]
+    pairs += [(Side(TS_STREAM, "grpc-stream"), Side(TS, "grpc"))]
     pairs += [(Side(MARINER, p), Side(MARINER, "grpc")) for p in STREAMS if p in s.protocols]
     pairs += [(Side(MARINER, "http"), Side(MOSEC, "http")), (Side(MOSEC, "http"), Side(TS, "http"))]
     rows = []

@@ -26,6 +26,7 @@ __all__ = [
     "REPO",
     "SERVERS",
     "STREAMS",
+    "TS_STREAM",
     "UNSERVED",
     "WIRE",
     "Cell",
@@ -46,13 +47,20 @@ SERVERS = ("raw", "mariner", "torchserve", "mosec")
 PROTOCOLS = ("grpc", "grpc-1ch", "http", "grpc-stream", "oip-stream")
 STREAMS = ("grpc-stream", "oip-stream")
 WIRE = {"grpc": "grpc", "grpc-1ch": "grpc", "http": "http", **{s: s for s in STREAMS}}
+# Stock TorchServe on a copy of the archive with sequence batching, for its StreamPredictions2
+# (`mariner.loadtest.servers.sequence_archive`); run when torchserve and grpc-stream both are.
+TS_STREAM = "torchserve-seq"
 # What a peer does not serve, and why (its cells are skipped and the report says so).
 UNSERVED = {
     ("torchserve", "oip-stream"): "stock TorchServe 0.12 has no Open Inference Protocol ModelStreamInfer",
     ("torchserve", "grpc-stream"): (
         "stock TorchServe 0.12 fails StreamPredictions2 for a model without sequence batching "
-        "(NullPointerException on its null jobGroups, the stream ends UNKNOWN)"
+        f"(NullPointerException on its null jobGroups, the stream ends UNKNOWN): see {TS_STREAM}"
     ),
+    **{
+        (TS_STREAM, p): "the sequence-batching copy serves StreamPredictions2 only"
+        for p in ("grpc", "grpc-1ch", "http", "oip-stream")
+    },
     **{("mosec", p): "mosec serves HTTP only" for p in ("grpc", "grpc-1ch", "grpc-stream", "oip-stream")},
 }
 

@@ -58,11 +58,16 @@ def test_stream_targets_against_torchserve_unary_and_its_own_stream() -> None:
     assert (vs_unary.value, vs_unary.limit, vs_unary.held) == (3.0, 2.0, True)
     oip = named(found, "c=64: throughput mariner oip-stream / torchserve grpc (median of 3;")
     assert oip.value == pytest.approx(2.5)  # 5000/2000, 2000/800, 5000/4000 -> 2.5, 2.5, 1.25
-    # TorchServe's own stream was not measured: not applicable, with the reason, never "held"
-    own = named(found, "c=64: throughput mariner grpc-stream / torchserve grpc-stream")
-    assert own.limit == 1.5
-    assert own.held is None
-    assert own.verdict.startswith("n/a (stock TorchServe 0.12 fails StreamPredictions2")
+    # TorchServe's own stream (the sequence-batching copy) was not in this run: not measured
+    own = named(found, "c=64: throughput mariner grpc-stream / torchserve-seq grpc-stream")
+    assert (own.limit, own.held, own.verdict) == (1.5, None, "not measured")
+    seq = [cell("torchserve-seq", "grpc-stream", 64, 3000 * k, repeat=r) for r, k in enumerate([1, 0.4, 1])]
+    seq.append(cell("torchserve-seq", "grpc-stream", 1, 100, p50_ms=1.0))
+    with_own = targets(make_report(stream_run() + seq))
+    own = named(with_own, "c=64: throughput mariner grpc-stream / torchserve-seq grpc-stream")
+    assert (own.value, own.held) == (2.0, True)
+    # at one client the stream is compared with TorchServe's own stream once it ran
+    assert named(with_own, "c=1: p50 torchserve-seq grpc-stream / mariner grpc-stream").value == 4.0
     assert named(found, "c=64: throughput mariner oip-stream / torchserve oip-stream").verdict.startswith(
         "n/a (stock TorchServe 0.12 has no"
     )
@@ -105,6 +110,11 @@ def test_plan_runs_streams_at_the_ends_and_skips_what_a_server_does_not_serve() 
     assert not [c for c in cells if c[0] == 8 and c[2] in ("grpc-stream", "oip-stream")]
     assert (8, "mariner", "grpc") in cells
     assert not [c for c in cells if c[1] == "torchserve" and c[2] in ("grpc-stream", "oip-stream")]
+    seq = bench.plan_cells(s, ["mariner", "torchserve", "torchserve-seq"])
+    assert {(c.level, c.protocol) for c in seq if c.server == "torchserve-seq"} == {
+        (1, "grpc-stream"),
+        (64, "grpc-stream"),
+    }
     assert {c[2] for c in cells if c[1] == "mosec"} == {"http"}
     assert unserved("mariner", "grpc-stream") == ""
     assert s.load_for("oip-stream").grpc_channels == 16
@@ -136,3 +146,26 @@ def test_streams_go_to_the_grpc_port_and_http_to_the_inference_port() -> None:
     assert {p: running.endpoint(p)[1] for p in PROTOCOLS} == {
         "grpc": 4, "grpc-1ch": 4, "http": 1, "grpc-stream": 4, "oip-stream": 4,
     }  # fmt: skip
+
+
+def test_sequence_copy_turns_on_sequence_batching_and_keeps_the_rest(tmp_path: Path) -> None:
+    import zipfile
+
+    import yaml
+
+    from mariner.loadtest.servers.sequence_archive import sequence_copy
+
+    src = tmp_path / "src" / "digits_x.mar"
+    src.parent.mkdir()
+    with zipfile.ZipFile(src, "w") as zf:
+        zf.writestr("MAR-INF/MANIFEST.json", '{"model": {"modelName": "digits_x"}}')
+        zf.writestr("model-config.yaml", "batchSize: 32\nmaxBatchDelay: 5\n")
+        zf.writestr("weights.pt", b"\x00\x01")
+    dest = sequence_copy(src, tmp_path / "seq", 64)
+    with zipfile.ZipFile(dest) as zf:
+        config = yaml.safe_load(zf.read("model-config.yaml"))
+        assert zf.read("weights.pt") == b"\x00\x01"
+    assert (config["batchSize"], config["maxBatchDelay"]) == (32, 5)
+    assert config["sequenceBatching"] is True
+    assert config["maxNumSequence"] == 64
+    assert config["sequenceMaxIdleMSec"] > 0  # TorchServe only makes job groups when it is set
