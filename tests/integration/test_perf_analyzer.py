@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "digits_torchscript"
 # Wide stability and few trials: figures are not judged here, only that every run ends.
-OPTIONS = pa.Options(measurement_ms=1000, stability_pct=100.0, max_trials=5, timeout_s=60.0)
+OPTIONS = pa.Options(measurement_ms=2000, stability_pct=100.0, max_trials=4, timeout_s=60.0)
 
 
 def test_perf_analyzer_runs_end_over_http_and_grpc(model_store: Path) -> None:

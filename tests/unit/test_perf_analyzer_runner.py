@@ -112,6 +112,13 @@ def test_run_level_reports_unstable_and_hung(tmp_path: Path) -> None:
     )
     assert result.status == "unstable"
     assert math.isnan(result.throughput)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_window = stand_in(empty, 'echo "No valid requests recorded within time interval."; exit 3\n')
+    result = pa.run_level(
+        pa.Launcher((str(no_window),), "v"), protocol="http", url="127.0.0.1:1", model="m", concurrency=64
+    )
+    assert result.status == "unstable"
 
     sleeper = tmp_path / "sleeper"
     sleeper.mkdir()
