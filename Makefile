@@ -74,6 +74,7 @@ loadtest: models protos
 MODEL ?= digits_torchscript
 BENCH_ARGS ?=
 bench: models protos java
+	-bash scripts/ensure_perf_analyzer.sh
 	$(PY) -m mariner.loadtest.bench --model $(MODEL) $(BENCH_ARGS)
 
 # Start-up of an archive naming a TorchServe built-in handler (base_handler), Mariner against

@@ -65,12 +65,14 @@ from pathlib import Path
 
 import psutil
 
+from mariner.loadtest import perf_analyzer
 from mariner.loadtest.bench_cli import archive_settings, parse_args
 from mariner.loadtest.bench_env import machine_info, versions
 from mariner.loadtest.bench_plots import plot
 from mariner.loadtest.bench_report import output_names, render_markdown, render_scaling, targets
 from mariner.loadtest.bench_servers import (
     measure_startup,
+    model_name,
     run_cell,
     start_mariner,
     start_mosec,
@@ -204,6 +206,15 @@ def run_benchmark(settings: Settings, bodies: tuple[bytes, ...], report: Report)
                 )
                 continue
             run_cell(up[cell.server], cell, settings, bodies, report)
+        if "mariner" in up and model_name(settings).startswith("digits"):
+            # Triton's own load generator on the same server (skipped, with the reason, where it
+            # does not run); digits only: its zero input is a valid image of a digit.
+            srv = up["mariner"].server
+            pa = perf_analyzer.run_matrix(
+                http=srv.http_url.removeprefix("http://"), grpc=srv.grpc_target, model=model_name(settings)
+            )
+            print(perf_analyzer.table(pa), flush=True)
+            report.notes.extend(perf_analyzer.notes(pa))
     if "raw" in servers and not report.raw_runs:  # raw alone, or no level reached it
         report.raw_runs.append(measure_raw(ceiling_spec(settings), bodies))
     report.raw = median_raw(report.raw_runs)

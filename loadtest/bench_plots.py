@@ -42,7 +42,13 @@ def plot(report: Report, out: Path) -> list[Path]:
 
     s = report.settings
     names = output_names(s.model)
-    colors = {MARINER: "tab:blue", TS: "tab:orange", PADDING_MAX: "tab:red"}
+    colors = {
+        MARINER: "tab:blue",
+        TS: "tab:orange",
+        PADDING_MAX: "tab:red",
+        "torchserve-seq": "tab:brown",
+        "mosec": "tab:green",
+    }
     servers = [x for x in colors if any(r.server == x for r in report.levels)]
     styles = {"p50_ms": "-", "p99_ms": ":"}
     paths = []
@@ -77,7 +83,7 @@ def plot(report: Report, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for server in servers:
-        for proto, ls in zip(s.protocols, ("-", "--", "-."), strict=False):
+        for proto, ls in zip(s.protocols, ("-", "--", "-.", ":", (0, (3, 1, 1, 1, 1, 1))), strict=False):
             cells = _series(report, server, proto)
             if cells:
                 ax.plot(
