@@ -377,9 +377,28 @@ def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before
 
 
 def test_a_stream_without_the_token_is_refused_like_a_unary_call(server: MarinerServe) -> None:
+    response_cls = msg("org.pytorch.serve.grpc.inference.PredictionResponse")
+
+    async def refused(metadata: Any) -> tuple[grpc.StatusCode, str]:
+        # No message is ever sent: the server refuses on the metadata alone (a message racing
+        # that refusal can fail in the client's own core as INTERNAL instead).
+        async def requests() -> Any:
+            await asyncio.Event().wait()
+            yield request(DIGITS, pixels(1)[0], "s")
+
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            call = channel.stream_stream(
+                METHOD,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=response_cls.FromString,
+            )(requests(), metadata=metadata, timeout=CAP_S)
+            async for _ in call:
+                pass
+            return await call.code(), await call.details()
+
     for metadata in ((), (("authorization", "Bearer nope"),)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            stream(server.grpc_target, [request(DIGITS, pixels(1)[0], "s")], metadata=metadata)
+            asyncio.run(refused(metadata))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert info.value.details() == "missing or invalid bearer token"
 

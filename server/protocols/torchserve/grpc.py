@@ -12,7 +12,6 @@ building a 650,000-entry map took 4 s of event loop. Its size is checked against
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -132,6 +131,7 @@ def to_infer_request(
     *,
     metadata: Sequence[tuple[str, str | bytes]] | None,
     time_remaining: float | None,
+    headers: dict[str, str] | None = None,
 ) -> InferRequest:
     """The protocol-neutral request: `data` is the `input` map, as TorchServe hands it to handlers."""
     if not request.model_name:
@@ -143,7 +143,7 @@ def to_infer_request(
         data=input_map(request),
         protocol=PROTOCOL,
         request_id=new_request_id(),
-        headers=request_headers(metadata),
+        headers=request_headers(metadata) if headers is None else headers,
         deadline=deadline,
     )
 
@@ -193,10 +193,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         Steps of one sequence id run one after another in arrival order; different ids run
         concurrently. A drain stops the reading: what was read is answered, then UNAVAILABLE.
         """
-        metadata = context.invocation_metadata()
+        # The stream's metadata is the same for every message: its headers are read once.
+        kept = {
+            k: v
+            for k, v in request_headers(context.invocation_metadata()).items()
+            if k not in stream2.SEQUENCE_HEADERS
+        }
 
         async def answer(request: Any) -> inference_pb2.PredictionResponse:
-            return await self._stream2_one(request, metadata, context.time_remaining())
+            return await self._stream2_one(request, kept, context.time_remaining())
 
         def key(request: Any) -> str | None:
             return request.sequence_id or None  # a generated id is new each time: no order to keep
@@ -217,7 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         await end_stream(context, pipe)
 
     async def _stream2_one(
-        self, request: Any, metadata: Sequence[tuple[str, str | bytes]] | None, time_remaining: float | None
+        self, request: Any, kept: dict[str, str], time_remaining: float | None
     ) -> inference_pb2.PredictionResponse:
         """One StreamPredictions2 request through the call path (counted as a Predictions call)."""
         echo = request.sequence_id
@@ -226,9 +231,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             # the input map is read for the start flag only when there is no id (parsed once more below)
             inputs = input_map(request) if not request.sequence_id else {}
             seq = stream2.sequence_of(request.sequence_id, request.model_name, inputs)
-            req = to_infer_request(request, metadata=metadata, time_remaining=time_remaining)
-            kept = {k: v for k, v in req.headers.items() if k not in stream2.SEQUENCE_HEADERS}
-            return seq.sequence_id, await infer(dataclasses.replace(req, headers={**kept, **seq.headers}))
+            headers = {**kept, **seq.headers}
+            req = to_infer_request(request, metadata=None, time_remaining=time_remaining, headers=headers)
+            return seq.sequence_id, await infer(req)
 
         model, version = request.model_name, request.model_version or None
         outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
