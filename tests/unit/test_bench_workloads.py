@@ -150,7 +150,7 @@ def test_family_defaults_keep_slow_models_runs_short_and_digits_unchanged() -> N
     d = bench.parse_args([])
     assert (d.model, d.protocols, d.warmup, d.duration_s, d.startup, d.padding_compare) == (
         "digits_torchscript",
-        ("grpc", "grpc-1ch", "http"),
+        ("grpc", "grpc-1ch", "http", "grpc-stream", "oip-stream"),
         500,
         6.0,
         True,
