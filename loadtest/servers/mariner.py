@@ -87,10 +87,11 @@ class FloorProcess(RepoCommand):
 
     title = "the transport floor"
 
-    def __init__(self, *, python: str = sys.executable) -> None:
+    def __init__(self, *, python: str = sys.executable, grpc_server: str = "aio") -> None:
         p = pick_free_ports()
         cmd = [
             python, "-m", "mariner.loadtest.servers.floor",
             "--grpc-port", str(p.grpc_inference), "--http-port", str(p.inference),
+            "--grpc-server", grpc_server,
         ]  # fmt: skip
         super().__init__(cmd, p)
