@@ -89,7 +89,7 @@ def plot(report: Report, out: Path) -> list[Path]:
                 ax.plot(
                     [c.concurrency for c in cells],
                     [c.rps for c in cells],
-                    ls,
+                    linestyle=ls,
                     marker="o",
                     color=colors[server],
                     label=f"{server} {proto}",
