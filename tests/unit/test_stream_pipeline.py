@@ -267,11 +267,15 @@ def test_a_client_that_never_reads_holds_at_most_a_window_in_flight(ts: Any) -> 
                 writer = asyncio.create_task(write())
                 stats = servicer.stream_stats
                 await until(lambda: stats.in_flight == WINDOW, "the window to fill")
-                seen = len(plane.seen)
-                for _ in range(20):  # the server gets every chance to read more
+                # Answers already written still drain into the transport's buffers until HTTP/2
+                # flow control blocks them, each freeing a slot; then reading stops for good.
+                seen, quiet = len(plane.seen), 0
+                while quiet < 20:  # unchanged for 20 looks 10 ms apart: the server stopped reading
                     await asyncio.sleep(0.01)
+                    quiet = quiet + 1 if len(plane.seen) == seen else 0
+                    seen = len(plane.seen)
                 assert stats.in_flight == WINDOW
-                assert len(plane.seen) == seen <= 1000 - 1  # it stopped reading the stream
+                assert seen < 1000 // 2  # far from all: it stopped reading the stream
                 answers = [r async for r in call]  # now the client reads: everything drains
                 await writer
                 assert sorted(a.sequence_id for a in answers) == sorted(f"s{i}" for i in range(1000))
