@@ -25,6 +25,12 @@ from mariner.server.workers.zygote import (
     to_stderr,
 )
 
+# The signals a forked worker resets, and which of them this process was started ignoring (a
+# spawned worker inherits an ignored signal across exec, e.g. SIGHUP under nohup): read before
+# the zygote installs handlers of its own.
+_RESET = (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+_INHERITED_IGNORED = {sig: signal.getsignal(sig) == signal.SIG_IGN for sig in _RESET}
+
 
 def serve(fd: int) -> int:
     """The zygote's main loop: preload, say hello, fork on request, reap and report exits."""
@@ -124,8 +130,8 @@ def _become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> 
         parent_death.arm(zygote_pid)  # the zygote (single-threaded) going means the server went
         os.setsid()  # its own group: kill() SIGKILLs the worker and whatever it started
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in _RESET:  # as exec leaves them: ignored stays ignored (nohup), else default
+            signal.signal(sig, signal.SIG_IGN if _INHERITED_IGNORED.get(sig) else signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         ready_w, err = fds
         devnull = os.open(os.devnull, os.O_RDWR)
