@@ -255,18 +255,6 @@ def exposition_multiprocess(accept: str | None = None, names: Sequence[str] = ()
 class MultiprocessMetrics:
     """What the /metrics app needs (`render`, `exposition`) over every process's samples."""
 
-    @staticmethod
-    def defer(child: Any) -> Any:
-        """`child` (a labelled counter, gauge or histogram) with its writes made once per
-        event-loop turn (see `control.deferred`): for the children the hot path feeds."""
-        if isinstance(child, Histogram):
-            return DeferredHistogram(child)
-        if isinstance(child, Gauge):
-            return DeferredGauge(child)
-        if isinstance(child, Counter):
-            return DeferredCounter(child)
-        raise TypeError(f"cannot defer the writes of {type(child).__name__}")
-
     def render(self) -> bytes:
         return render_multiprocess()
 
