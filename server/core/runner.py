@@ -2,7 +2,8 @@
 
 Each instance is a model worker process (`mariner.server.workers.main`) running one
 `ModelHost` on one thread for its whole life (CUDA context, stream and thread-local torch state
-stay put); no event loop ever runs a handler.
+stay put): the thread of the worker's event loop, which hides itself while a handler runs
+(`call_off_loop`), so a handler sees no running loop, as under TorchServe.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def handler_input(req: InferRequest) -> Mapping[str, Any]:
 
 class ModelHost:
     """The synchronous half of a model instance: loads the handler and runs batches on the calling
-    thread. The thread `Runner` and the worker process (`mariner.server.workers.main`) both use
-    it, so the handler contract, the out-of-memory split and the result encoding live here once.
+    thread. The worker process (`mariner.server.workers.main`) and the tools that time a handler
+    in-process use it, so the handler contract, the out-of-memory split and the result encoding
+    live here once.
 
     Call `load()` and `run_batch()` from one thread for the instance's whole life (its CUDA
     stream and thread-local torch state stay put). `on_oom` is called once per split.

@@ -57,8 +57,8 @@ GIB = 1 << 30
 MIN_MEMORY_HEADROOM = 256 * MIB
 MAX_MEMORY_HEADROOM = 1 << 30
 MEMORY_HEADROOM_FRACTION = 0.10
-# Tasks (threads) left free, and a worker's until one is measured (its handler thread, the
-# event loop, torch's intra-op pool once it runs).
+# Tasks (threads) left free, and a worker's until one is measured (its main thread, which runs
+# the event loop and the handler, torch's intra-op pool once it runs, the handler's own threads).
 MIN_TASK_HEADROOM = 64
 TASK_HEADROOM_FRACTION = 0.10
 MIN_WORKER_TASKS = 8

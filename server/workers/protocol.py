@@ -225,13 +225,52 @@ def decode(header: bytes, body: bytes) -> Any:
         raise FrameError(f"bad frame: {exc}") from None
 
 
-async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_FRAME) -> Any:
-    """Read one message. Raises asyncio.IncompleteReadError at EOF, FrameError on a bad frame."""
-    size, header_size = _LEN.unpack(await reader.readexactly(_LEN.size))
+def _check_sizes(sizes: tuple[Any, ...], max_frame: int) -> tuple[int, int]:
+    size, header_size = sizes
     if size > max_frame or header_size > size:
         raise FrameError(f"frame of {size} bytes is larger than the limit of {max_frame}")
+    return size, header_size
+
+
+async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_FRAME) -> Any:
+    """Read one message. Raises asyncio.IncompleteReadError at EOF, FrameError on a bad frame."""
+    size, header_size = _check_sizes(_LEN.unpack(await reader.readexactly(_LEN.size)), max_frame)
     data = await reader.readexactly(size)
     return decode(data[:header_size], data[header_size:])
+
+
+class FrameSplitter:
+    """Frames out of a byte stream fed in pieces (an `asyncio.Protocol`'s `data_received`): the
+    messages are decoded as their last byte arrives, in the callback itself, so whoever reads
+    them after one turn of the event loop sees every frame the socket held."""
+
+    def __init__(self, *, max_frame: int = MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._max_frame = max_frame
+
+    def feed(self, data: bytes) -> list[Any]:
+        """The messages `data` completes, in order; FrameError on a bad frame (the stream is then
+        unusable: its framing is lost)."""
+        buf = self._buf
+        buf += data
+        out: list[Any] = []
+        start = 0
+        while len(buf) - start >= _LEN.size:
+            size, header_size = _check_sizes(_LEN.unpack_from(buf, start), self._max_frame)
+            end = start + _LEN.size + size
+            if len(buf) < end:
+                break
+            body_at = start + _LEN.size + header_size
+            out.append(decode(bytes(buf[start + _LEN.size : body_at]), bytes(buf[body_at:end])))
+            start = end
+        if start:
+            del buf[:start]
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a frame not yet complete."""
+        return len(self._buf)
 
 
 class SentSegments:

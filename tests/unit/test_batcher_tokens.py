@@ -299,7 +299,7 @@ def worker(model_config: dict[str, Any], batch_size: int = 8) -> Any:
         batch_size=batch_size, gpu_id=None, torch_threads=None, socket_path="/nonexistent/s",
     )  # fmt: skip
     host = SimpleNamespace(placement=SimpleNamespace(gpu_id=None, device="cpu"))
-    return Worker(spec, host, executor=None)  # type: ignore[arg-type]
+    return Worker(spec, host)
 
 
 def job(batch_id: int, *costs: TokenCost | None) -> Any:

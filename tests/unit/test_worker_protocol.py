@@ -114,6 +114,8 @@ def test_a_spec_survives_its_json_trip() -> None:
 def test_the_archive_dir_is_the_only_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import sys
 
+    import mariner.server.core.archive  # noqa: F401 - isolate_sys_path imports it; not with this path
+
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", ["", str(tmp_path), "/usr/lib/python3.11", "/other/archive"])
     isolate_sys_path("/other/archive")
@@ -125,3 +127,41 @@ def _split(frame: bytes) -> tuple[bytes, bytes]:
     data = frame[protocol._LEN.size :]
     assert len(data) == size
     return data[:header], data[header:]
+
+
+def test_the_splitter_decodes_frames_however_the_stream_cuts_them() -> None:
+    a = _batch(b"small", np.arange(6, dtype=np.float32).reshape(2, 3))
+    b = protocol.Result(3, error=protocol.BatchError("internal", "boom"))
+    frame_a, _ = protocol.encode(a)
+    frame_b, _ = protocol.encode(b)
+    splitter = protocol.FrameSplitter()
+    # Byte by byte: nothing until a frame's last byte, then exactly that message.
+    got: list[object] = []
+    for i in range(len(frame_a)):
+        out = splitter.feed(frame_a[i : i + 1])
+        assert out == [] or i == len(frame_a) - 1
+        got += out
+    assert len(got) == 1
+    assert isinstance(got[0], protocol.Batch)
+    assert got[0].id == 7
+    assert splitter.pending == 0
+    # Two frames and half of a third in one piece: two messages, the half kept for later.
+    out = splitter.feed(frame_b + frame_a + frame_b[:5])
+    assert [type(m) for m in out] == [protocol.Result, protocol.Batch]
+    assert out[0] == b
+    assert splitter.pending == 5
+    assert splitter.feed(frame_b[5:]) == [b]
+    assert splitter.pending == 0
+
+
+def test_the_splitter_takes_large_buffers_from_shared_memory_and_refuses_oversized_frames() -> None:
+    before = _segments()
+    blob = os.urandom(protocol.SHM_THRESHOLD + 1)
+    frame, refs = protocol.encode(_batch(blob, np.zeros((2, 2), dtype=np.float32)))
+    assert len(refs) == 1
+    (msg,) = protocol.FrameSplitter().feed(frame)
+    assert msg.requests[0].data["body"] == blob
+    assert _segments() == before  # read and unlinked
+    small, _ = protocol.encode(protocol.Result(1))
+    with pytest.raises(protocol.FrameError, match="larger than the limit of 8"):
+        protocol.FrameSplitter(max_frame=8).feed(small)

@@ -1,0 +1,93 @@
+"""One frontend's connection as a worker sees it: an `asyncio.Protocol` on the worker's socket.
+
+Frames are split and decoded in `data_received` itself (`protocol.FrameSplitter`), not by a
+reading task: the worker runs its handler on the event loop's thread, so between two batches it
+gives the loop one turn, and in that turn every frame the socket held becomes a job. A reading
+task would only be woken in that turn and read in the next, one batch late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+from mariner.server.workers import protocol
+from mariner.server.workers.peer import PeerRefused, check_peer
+
+log = logging.getLogger("mariner.worker")
+
+
+class FrontendLink(asyncio.Protocol):
+    """Calls `on_message(link, msg)` for each message a frontend sends and `on_lost(link)` once
+    when the connection ends; `send` writes a result frame (asyncio buffers it: the frontend
+    always reads). A connection whose peer is not ours is closed before any frame is read."""
+
+    def __init__(
+        self,
+        what: str,
+        on_message: Callable[[FrontendLink, Any], None],
+        on_lost: Callable[[FrontendLink], None],
+    ) -> None:
+        self.what = what
+        self.open = False
+        self.closed = asyncio.Event()
+        self.sent = protocol.SentSegments()
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._splitter = protocol.FrameSplitter()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        try:
+            check_peer(transport.get_extra_info("socket"), what=self.what)
+        except PeerRefused as exc:
+            log.error("%s: refusing a connection: %s", self.what, exc)
+            self.close()
+            return
+        self.open = True
+
+    def data_received(self, data: bytes) -> None:
+        if not self.open:
+            return
+        try:
+            messages = self._splitter.feed(data)
+        except protocol.FrameError as exc:
+            log.error("%s: dropping a connection that sent a bad frame: %s", self.what, exc)
+            self.close()
+            return
+        for msg in messages:
+            if not self.open:
+                return
+            self._on_message(self, msg)
+
+    def eof_received(self) -> bool:
+        return False  # the frontend closed its side: close ours (connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close()
+
+    def send(self, frame: bytes, refs: list[protocol.ShmRef]) -> None:
+        if not self.open or self._transport is None:
+            protocol.unlink_segments(r.name for r in refs)
+            return
+        self.sent.add(refs)
+        self._transport.write(frame)
+
+    def end(self) -> None:
+        """End the connection from this side once what is buffered is sent (the frontend then
+        reads to the end and closes; `closed` is set when it has)."""
+        if self.open and self._transport is not None and self._transport.can_write_eof():
+            self._transport.write_eof()
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.open = False
+        self.closed.set()
+        if self._transport is not None:
+            self._transport.close()
+        self.sent.release()  # results the frontend will never read
+        self._on_lost(self)
