@@ -21,7 +21,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +163,82 @@ def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
     ]
 
 
+def _http_scope(path: str) -> dict[str, Any]:
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(BODY)).encode())],
+        "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8080),
+    }  # fmt: skip
+
+
+def http_pieces(calls: int, rounds: int) -> list[Piece]:
+    """TorchServe's `/predictions` over the inference listener's real ASGI app, driven directly
+    (no uvicorn, no socket): the listener's app (which sends predictions straight to their
+    endpoint), the same routes through Starlette's middleware and router, and the route's endpoint
+    called with a Request built by hand."""
+    from starlette.requests import Request
+
+    from mariner.server.protocols.http_listener import inference_app
+    from mariner.server.protocols.torchserve import http as ts_http
+
+    def receiver() -> Callable[[], Any]:
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": BODY, "more_body": False}
+            await asyncio.Event().wait()  # the disconnect watcher waits here until cancelled
+            raise AssertionError("unreachable")
+
+        return receive
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise RuntimeError(f"answered {message['status']}")
+
+    async def interleaved() -> dict[str, float]:
+        """One plane for all three ways in, taken in turn in small blocks, so the drift of a
+        shared machine falls on each alike: CPU µs per call of each."""
+        plane = _plane()
+        listener = inference_app(plane)
+        predict = next(r for r in ts_http.routes(plane) if r.path == "/predictions/{model}").endpoint
+
+        async def by_hand(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            scope = {**scope, "path_params": {"model": "digits"}}
+            response = await predict(Request(scope, receive))
+            await response(scope, receive, send)
+
+        ways: dict[str, Any] = {"listener": listener, "starlette": listener.app, "endpoint": by_hand}
+        spent = dict.fromkeys(ways, 0.0)
+        block = CONCURRENCY * 20
+        for _ in range(max(1, calls // block)):
+            for name, app in ways.items():
+
+                async def call(i: int, app: Any = app) -> None:
+                    await app(_http_scope("/predictions/digits"), receiver(), send)
+
+                t0 = time.process_time()
+                await _drive(call, block)
+                spent[name] += time.process_time() - t0
+        n = max(1, calls // block) * block
+        return {name: cpu / n * 1e6 for name, cpu in spent.items()}
+
+    from mariner.server import event_loop
+
+    event_loop.run(interleaved())  # warm-up
+    best = [event_loop.run(interleaved()) for _ in range(rounds)]
+    whole, routed, alone = (min(r[k] for r in best) for k in ("listener", "starlette", "endpoint"))
+    return [
+        Piece("HTTP /predictions, the inference listener's app (ASGI, no server)", whole, "per call"),
+        Piece("HTTP /predictions through Starlette's middleware and router", routed, "per call"),
+        Piece("HTTP /predictions, the route's endpoint alone", alone, "Request built by hand"),
+    ]
+
+
 def codec_pieces(calls: int, rounds: int) -> list[Piece]:
     from mariner.server.core.types import InferRequest, InferResult, WireProtocol
     from mariner.server.workers import protocol
@@ -222,7 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mariner-percall-") as tmp:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tmp)  # metrics as a frontend writes them
-        pieces = [*servicer_pieces(a.calls, a.rounds), *codec_pieces(a.calls, a.rounds)]
+        pieces = [
+            *servicer_pieces(a.calls, a.rounds),
+            *http_pieces(a.calls, a.rounds),
+            *codec_pieces(a.calls, a.rounds),
+        ]
     print(table(pieces))
     return 0
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
-def run(main: Coroutine[Any, Any, int]) -> int:
-    """Run `main` to completion on a new loop and return its exit code."""
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to completion on a new loop and return what it returns (an exit code, mostly)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]

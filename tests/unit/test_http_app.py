@@ -460,6 +460,68 @@ def test_unknown_route_and_method_are_json(plane: FakePlane, inference_url: str)
     )
 
 
+# -- the prediction fast path ---------------------------------------------------------------------
+def test_prediction_paths_are_matched_as_starlettes_routes_match_them() -> None:
+    from mariner.server.protocols.http_listener import prediction_params
+
+    assert prediction_params("/predictions/digits") == {"model": "digits"}
+    assert prediction_params("/predictions/digits/2.0") == {"model": "digits", "version": "2.0"}
+    others = ("/predictions", "/predictions/", "/predictions/digits/", "/predictions//1")
+    others += ("/predictions/a/b/c", "/explanations/digits", "predictions/digits", "//predictions/x")
+    for other in others:
+        assert prediction_params(other) is None, other
+
+
+@pytest.fixture(scope="module")
+def starlette_url(shared_plane: FakePlane) -> Iterator[str]:
+    """The same routes through Starlette alone: what the listener's fast path must equal."""
+    with serve(inference_app(shared_plane, max_body_bytes=MAX_BODY).app) as url:
+        yield url
+
+
+def test_the_fast_path_answers_what_starlette_answers(
+    plane: FakePlane, inference_url: str, starlette_url: str
+) -> None:
+    async def by_body(req: InferRequest) -> InferResult:
+        body = req.data.get("body")
+        if body == {"fail": True}:
+            raise RuntimeError("secret")
+        if body == {"status": 507}:
+            return InferResult(body=b"handler says no", status=507, content_type="text/x-mine")
+        return InferResult(body=json.dumps({"got": body, "v": req.version}).encode(), model_version="1.0")
+
+    json_type = {"content-type": "application/json"}
+    cases: list[tuple[str, str, bytes, dict[str, str]]] = [
+        ("POST", "/predictions/digits", b'{"x": [1, 2]}', json_type),
+        ("PUT", "/predictions/digits/2.0", b'{"x": 1}', json_type),
+        ("POST", "/predictions/digits", b"plain text", {"content-type": "text/plain"}),
+        ("POST", "/predictions/digits", b'{"status": 507}', json_type),
+        ("POST", "/predictions/digits", b'{"fail": true}', json_type),
+        ("POST", "/predictions/digits", b"{not json", json_type),
+        ("POST", "/predictions/digits", b"", {}),
+        ("POST", "/predictions/digits", b"x" * (MAX_BODY + 1), {}),
+        ("POST", "/predictions/nope", b"1", {}),
+        ("POST", "/predictions/digits/", b"1", {}),
+        ("POST", "/predictions/", b"1", {}),
+        ("GET", "/predictions/digits", b"", {}),
+        ("DELETE", "/predictions/digits", b"", {}),
+        ("POST", "/predictions/digits?x=1", b"1", {}),
+    ]
+    plane.answer = by_body
+    for method, path, body, headers in cases:
+        got = [
+            requests.request(method, base + path, data=body, headers=headers, timeout=TIMEOUT)
+            for base in (inference_url, starlette_url)
+        ]
+        fast, slow = (
+            {k: v for k, v in r.headers.items() if k.lower() not in ("date", "x-request-id")} for r in got
+        )
+        assert (got[0].status_code, got[0].content, fast) == (got[1].status_code, got[1].content, slow), (
+            method, path, body[:20],
+        )  # fmt: skip
+    assert "secret" not in requests.post(f"{inference_url}/predictions/digits", json={"fail": True}).text
+
+
 # -- metrics ----------------------------------------------------------------------------------
 def test_metrics_expose_bounded_labels(plane: FakePlane, inference_url: str, metrics_url: str) -> None:
     async def not_found(req: InferRequest) -> InferResult:
