@@ -41,6 +41,39 @@ def runs(levels: Sequence[LevelResult], server: str, protocol: str, c: int) -> l
     return sorted(found, key=lambda r: r.repeat)
 
 
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison: a server over a client set-up."""
+
+    server: str
+    protocol: str
+
+    def __str__(self) -> str:
+        return f"{self.server} {self.protocol}"
+
+
+def cross_ratios(
+    levels: Sequence[LevelResult], num: Side, den: Side, c: int, key: Callable[[LevelResult], float]
+) -> list[float]:
+    """key(num) / key(den) for each repeat both sides ran (a repeat missing on either is left out);
+    the sides may use different client set-ups (a stream against TorchServe's unary calls)."""
+    dens = {r.repeat: r for r in runs(levels, den.server, den.protocol, c)}
+    out = []
+    for r in runs(levels, num.server, num.protocol, c):
+        d = dens.get(r.repeat)
+        if d is not None:
+            q = ratio(key(r), key(d))
+            if not math.isnan(q):
+                out.append(q)
+    return out
+
+
+def median_cross(
+    levels: Sequence[LevelResult], num: Side, den: Side, c: int, key: Callable[[LevelResult], float]
+) -> float:
+    return median(cross_ratios(levels, num, den, c, key))
+
+
 def paired_ratios(
     levels: Sequence[LevelResult],
     num: str,
@@ -49,16 +82,8 @@ def paired_ratios(
     c: int,
     key: Callable[[LevelResult], float],
 ) -> list[float]:
-    """key(num) / key(den) for each repeat both servers ran (a repeat missing on either is left out)."""
-    dens = {r.repeat: r for r in runs(levels, den, protocol, c)}
-    out = []
-    for r in runs(levels, num, protocol, c):
-        d = dens.get(r.repeat)
-        if d is not None:
-            q = ratio(key(r), key(d))
-            if not math.isnan(q):
-                out.append(q)
-    return out
+    """key(num) / key(den) for each repeat both servers ran over the same client set-up."""
+    return cross_ratios(levels, Side(num, protocol), Side(den, protocol), c, key)
 
 
 def median_ratio(

@@ -20,19 +20,18 @@ The targets (highest level unless said):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from mariner.loadtest.bench_summary import (
     MARINER,
     TS,
+    Side,
     Target,
     cpu_per_request,
+    cross_ratios,
     fmt,
-    median,
+    median_cross,
     p50,
-    ratio,
     runs,
     summarize,
     throughput,
@@ -46,38 +45,6 @@ MOSEC = "mosec"
 def stream_baseline(stream: str) -> Side:
     """TorchServe's own form of a stream: StreamPredictions2 on the sequence-batching copy."""
     return Side(TS_STREAM, stream) if stream == "grpc-stream" else Side(TS, stream)
-
-
-@dataclass(frozen=True)
-class Side:
-    """One side of a comparison: a server over a client set-up."""
-
-    server: str
-    protocol: str
-
-    def __str__(self) -> str:
-        return f"{self.server} {self.protocol}"
-
-
-def cross_ratios(
-    levels: Sequence[LevelResult], num: Side, den: Side, c: int, key: Callable[[LevelResult], float]
-) -> list[float]:
-    """key(num) / key(den) for each repeat both sides ran (a repeat missing on either is left out)."""
-    dens = {r.repeat: r for r in runs(levels, den.server, den.protocol, c)}
-    out = []
-    for r in runs(levels, num.server, num.protocol, c):
-        d = dens.get(r.repeat)
-        if d is not None:
-            q = ratio(key(r), key(d))
-            if not math.isnan(q):
-                out.append(q)
-    return out
-
-
-def median_cross(
-    levels: Sequence[LevelResult], num: Side, den: Side, c: int, key: Callable[[LevelResult], float]
-) -> float:
-    return median(cross_ratios(levels, num, den, c, key))
 
 
 def _cpu(levels: Sequence[LevelResult], side: Side, c: int) -> str:
