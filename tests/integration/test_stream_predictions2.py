@@ -22,11 +22,8 @@ import json
 import re
 import shutil
 import signal
-import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +33,7 @@ import pytest
 import requests
 
 from tests.integration.fault_archive import build_fault_archive, write_handler_archive
-from tests.integration.ts_examples.calls import torchserve_jar
+from tests.integration.ts_examples.calls import message
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
@@ -86,34 +83,8 @@ class Probe:
 PROBE_CONFIG = "minWorkers: 1\nmaxWorkers: 1\nbatchSize: 32\nmaxBatchDelay: 0\nresponseTimeout: 120\n"
 
 
-# -- TorchServe's messages ------------------------------------------------------------------------
-@cache
-def _pool() -> Any:
-    from google.protobuf import descriptor_pb2, descriptor_pool
-    from grpc_tools import protoc
-
-    names = ("proto/inference.proto", "google/rpc/status.proto", "google/rpc/error_details.proto")
-    with tempfile.TemporaryDirectory(prefix="ts-proto-") as tmp:
-        out = Path(tmp)
-        with zipfile.ZipFile(torchserve_jar()) as jar:
-            for name in names:
-                (out / name).parent.mkdir(parents=True, exist_ok=True)
-                (out / name).write_bytes(jar.read(name))
-        well_known = Path(protoc.__file__).parent / "_proto"
-        args = ["protoc", f"-I{out / 'proto'}", f"-I{out}", f"-I{well_known}", "--include_imports"]
-        args += [f"--descriptor_set_out={out / 'ts.pb'}", str(out / names[0]), str(out / names[2])]
-        assert protoc.main(args) == 0, "protoc could not compile TorchServe's protos"
-        files = descriptor_pb2.FileDescriptorSet.FromString((out / "ts.pb").read_bytes())
-    pool = descriptor_pool.DescriptorPool()
-    for file in files.file:
-        pool.Add(file)
-    return pool
-
-
-def msg(name: str) -> Any:
-    from google.protobuf import message_factory
-
-    return message_factory.GetMessageClass(_pool().FindMessageTypeByName(name))
+# -- TorchServe's messages (compiled from its jar, `ts_examples.calls`) ---------------------------
+msg = message
 
 
 def request(model: str, body: Any, seq: str | None = None, **extra: bytes) -> Any:
@@ -123,6 +94,12 @@ def request(model: str, body: Any, seq: str | None = None, **extra: bytes) -> An
     if seq is not None:
         r.sequence_id = seq
     return r
+
+
+def status_of(answer: Any) -> tuple[int, str, str]:
+    """An answer's in-stream status as (code, message, ErrorInfo reason); (0, "", "") when unset."""
+    status = answer.status
+    return status.code, status.message, reason_of(status) if answer.HasField("status") else ""
 
 
 def reason_of(status: Any) -> str:
@@ -316,31 +293,17 @@ def test_failures_are_answered_in_stream_and_the_stream_goes_on(server: MarinerS
     assert {"g1", "g2"} <= set(by)
     same_prediction(bytes(by["g1"].prediction), unary(server.grpc_target, reqs[0]))
     same_prediction(bytes(by["g2"].prediction), unary(server.grpc_target, reqs[-1]))
-    missing = by[""].status
-    assert (missing.code, missing.message, reason_of(missing)) == (
-        13,
-        "Parameter sequenceId is required.",
-        "BadRequestException.()",
-    )
-    no_model = by["no-model"].status
-    assert (no_model.code, no_model.message, reason_of(no_model)) == (
-        13,
-        "Parameter model_name is required.",
-        "BadRequestException.()",
-    )
-    unknown = by["unknown"].status
-    assert (unknown.code, unknown.message, reason_of(unknown)) == (
+    internal = "org.pytorch.serve.http.InternalServerException"
+    assert status_of(by[""]) == (13, "Parameter sequenceId is required.", "BadRequestException.()")
+    assert status_of(by["no-model"]) == (13, "Parameter model_name is required.", "BadRequestException.()")
+    assert status_of(by["unknown"]) == (
         13,
         "Model not found: nope",
         "org.pytorch.serve.archive.model.ModelNotFoundException",
     )
-    bad = by["bad-input"].status
-    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert reason_of(bad) == "org.pytorch.serve.http.InternalServerException"
-    raised = by["raised"].status
-    assert (raised.code, raised.message) == (grpc.StatusCode.UNAVAILABLE.value[0], "Prediction failed")
-    assert "secret" not in raised.message
-    assert reason_of(raised) == "org.pytorch.serve.http.InternalServerException"
+    code, _, reason = status_of(by["bad-input"])
+    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], internal)
+    assert status_of(by["raised"]) == (grpc.StatusCode.UNAVAILABLE.value[0], "Prediction failed", internal)
 
 
 def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before(

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from mariner.loadtest.servers import StockTorchServe, leftover_processes
-from tests.integration.test_stream_predictions2 import METHOD, msg, reason_of, request
+from tests.integration.test_stream_predictions2 import METHOD, msg, request, status_of
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
@@ -103,9 +103,7 @@ def lockstep(target: str, reqs: list[Any]) -> tuple[list[Any], grpc.StatusCode]:
 
 
 def summary(answer: Any) -> tuple[bytes, int, str, str]:
-    status = answer.status
-    reason = reason_of(status) if answer.HasField("status") else ""
-    return bytes(answer.prediction), status.code, status.message, reason
+    return bytes(answer.prediction), *status_of(answer)
 
 
 def test_the_same_stream_gets_the_same_answers_as_on_stock_torchserve(

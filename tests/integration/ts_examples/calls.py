@@ -75,11 +75,17 @@ def torchserve_jar() -> Path:
 
 @cache
 def _pool() -> Any:
-    """A private descriptor pool holding TorchServe's inference.proto and management.proto."""
+    """A private descriptor pool holding TorchServe's inference.proto and management.proto, and
+    the google.rpc messages its StreamPredictions2 puts in an in-stream status."""
     from google.protobuf import descriptor_pb2, descriptor_pool
     from grpc_tools import protoc
 
-    names = ("proto/inference.proto", "proto/management.proto", "google/rpc/status.proto")
+    names = (
+        "proto/inference.proto",
+        "proto/management.proto",
+        "google/rpc/error_details.proto",
+        "google/rpc/status.proto",
+    )
     with tempfile.TemporaryDirectory(prefix="ts-proto-") as tmp:
         out = Path(tmp)
         with zipfile.ZipFile(torchserve_jar()) as jar:
@@ -88,7 +94,7 @@ def _pool() -> Any:
                 (out / name).write_bytes(jar.read(name))
         well_known = Path(protoc.__file__).parent / "_proto"
         args = ["protoc", f"-I{out / 'proto'}", f"-I{out}", f"-I{well_known}", "--include_imports"]
-        args += [f"--descriptor_set_out={out / 'ts.pb'}", str(out / names[0]), str(out / names[1])]
+        args += [f"--descriptor_set_out={out / 'ts.pb'}", *(str(out / n) for n in names[:3])]
         assert protoc.main(args) == 0, "protoc could not compile TorchServe's protos"
         files = descriptor_pb2.FileDescriptorSet.FromString((out / "ts.pb").read_bytes())
     pool = descriptor_pool.DescriptorPool()
