@@ -13,8 +13,7 @@ import pytest
 
 from mariner.loadtest import bench
 from mariner.loadtest.bench_report import render_markdown, targets
-from mariner.loadtest.bench_summary import throughput
-from mariner.loadtest.bench_summary import Side, cross_ratios, median_cross
+from mariner.loadtest.bench_summary import Side, cross_ratios, median_cross, throughput
 from mariner.loadtest.bench_values import PROTOCOLS, Running, default_servers, unserved
 from mariner.loadtest.closedloop import LevelResult, client_layout
 from mariner.loadtest.servers import MarinerProcess, Ports
