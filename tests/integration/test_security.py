@@ -165,6 +165,15 @@ def test_closed_health_and_metrics_need_tokens(closed: MarinerServe) -> None:
         url = f"{closed.http}{path}"
         assert requests.get(url, timeout=10).status_code == 401, path
         assert requests.get(url, headers=bearer(INF), timeout=10).status_code == 200, path
+    # A prediction of this test's own, so the scrape below has a request count to show whichever
+    # tests ran before (a labelled counter has no sample until it is first counted).
+    predicted = requests.post(
+        f"{closed.http}/predictions/digits_onnx",
+        data=BODY,
+        headers={"Content-Type": "application/json", **bearer(INF)},
+        timeout=10,
+    )
+    assert predicted.status_code == 200
     metrics = f"{closed.metrics}/metrics"
     assert requests.get(metrics, timeout=10).status_code == 401
     assert requests.get(metrics, headers=bearer(INF), timeout=10).status_code == 401
