@@ -181,7 +181,6 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     from starlette.requests import Request
 
     from mariner.server.protocols.http_listener import inference_app
-    from mariner.server.protocols.torchserve import http as ts_http
 
     def receiver() -> Callable[[], Any]:
         sent = False
@@ -203,9 +202,8 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     async def interleaved() -> dict[str, float]:
         """One plane for all three ways in, taken in turn in small blocks, so the drift of a
         shared machine falls on each alike: CPU µs per call of each."""
-        plane = _plane()
-        listener = inference_app(plane)
-        predict = next(r for r in ts_http.routes(plane) if r.path == "/predictions/{model}").endpoint
+        listener = inference_app(_plane())
+        predict = listener.predict
 
         async def by_hand(scope: dict[str, Any], receive: Any, send: Any) -> None:
             scope = {**scope, "path_params": {"model": "digits"}}

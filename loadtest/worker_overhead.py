@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+from mariner.loadtest.servers.process import process_tree_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -42,11 +41,6 @@ class Round:
     worker_us: float  # the worker process's CPU per request
     frontend_us: float  # this process's CPU per request while it drove the worker
     worker_rps: float  # requests/s the worker answered
-
-
-def _proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime + stime
 
 
 def _requests(bodies: Sequence[bytes], batch: int, start: int, model: str) -> list[Any]:
@@ -79,12 +73,12 @@ async def _time_worker(
             done += len(results)
             i += inflight
 
-    w0, c0, t0 = _proc_cpu_s(pid), time.process_time(), time.perf_counter()
+    w0, c0, t0 = process_tree_cpu_seconds(pid), time.process_time(), time.perf_counter()
     end = t0 + seconds
     await asyncio.gather(*(client(k) for k in range(inflight)))
     wall = time.perf_counter() - t0
     return (
-        (_proc_cpu_s(pid) - w0) / done * 1e6,
+        (process_tree_cpu_seconds(pid) - w0) / done * 1e6,
         (time.process_time() - c0) / done * 1e6,
         done / wall,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -63,11 +63,7 @@ class InferenceApp:
 
     def __init__(self, app: Starlette, predict: Callable[[Request], Awaitable[Response]]) -> None:
         self.app = app
-        self._predict = predict
-
-    @property
-    def routes(self) -> list[Any]:
-        return self.app.routes
+        self.predict = predict  # the /predictions route's own endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in _PREDICT_METHODS and not scope.get("root_path"):
@@ -77,7 +73,7 @@ class InferenceApp:
                 scope["path_params"] = params
                 request = Request(scope, receive, send)
                 try:
-                    response = await self._predict(request)
+                    response = await self.predict(request)
                 except Exception:  # the endpoint answers its own failures; this is a bug's net
                     log.exception("answering a prediction for %s failed", scope["path"])
                     response = error_response(internal("answering a prediction"))
