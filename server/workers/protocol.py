@@ -261,7 +261,8 @@ class FrameSplitter:
             if len(buf) < end:
                 break
             body_at = start + _LEN.size + header_size
-            out.append(decode(bytes(buf[start + _LEN.size : body_at]), bytes(buf[body_at:end])))
+            with memoryview(buf) as view:  # one copy of each part (released before the del below)
+                out.append(decode(bytes(view[start + _LEN.size : body_at]), bytes(view[body_at:end])))
             start = end
         if start:
             del buf[:start]
