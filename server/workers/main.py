@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from mariner.server.workers.api import WorkerSpec
 from mariner.server.workers.frontend_link import FrontendLink
@@ -361,8 +361,8 @@ def _event_loop_runner() -> Any:
     return uvloop.run
 
 
-def run_worker(spec: WorkerSpec) -> int:
-    """Load and serve `spec`; the ready line goes to fd 1. The entry both for a fresh interpreter
+def run_worker(spec: WorkerSpec) -> NoReturn:
+    """Load and serve `spec`, then exit; the ready line goes to fd 1. The entry both for a fresh interpreter
     (`main`) and for a child forked by the zygote (`zygote.py`), which has set up fds 0-2 first."""
     ready_out = _ready_stream()
     logging.basicConfig(
@@ -385,7 +385,7 @@ def run_worker(spec: WorkerSpec) -> int:
         log.error("loading failed: %s", reason, exc_info=not isinstance(exc, ServingError))
         ready_out.write(json.dumps({"ready": False, "error": reason[:2000]}) + "\n")
         ready_out.flush()
-        return EXIT_LOAD_FAILED
+        _end(EXIT_LOAD_FAILED)
     worker = Worker(spec, host)
     from mariner.server.control.ts_metrics import record_worker_load
 
@@ -403,7 +403,14 @@ def run_worker(spec: WorkerSpec) -> int:
         gc.unfreeze()
         host.unload()
         gc.collect()
-    # Do not wait on threads the handler started: the batch in hand is finished or abandoned.
+    _end(code)
+
+
+def _end(code: int) -> NoReturn:
+    """Exit now, whether the worker served or failed to load. Do not wait on threads the handler
+    or torch started, nor run the interpreter's finalisation with them alive: a spawned worker that
+    returned after a failed load was once killed by SIGABRT while exiting, under load, and
+    reported as that signal instead of its reason."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
