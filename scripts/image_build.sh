@@ -17,6 +17,16 @@
 # config; default .venv/bin/python, else python3), EXTRA_BUILD_ARGS (appended to podman build),
 # GPU_TORCH_INDEX_URL (the GPU image's torch index, e.g. https://download.pytorch.org/whl/cu128 where
 # reachable; empty by default: the configured indexes, i.e. the CPU wheel here).
+#
+# Disk: a build writes about 6 GB into podman's storage (the build stage's virtualenv, then the image
+# that copies it), and every rebuild after a source change leaves the previous image and its build
+# stage behind, untagged: a machine that builds many times fills its disk (a CI run here died with
+# "no space left on device" behind 55 GB of such leftovers). So each build first checks the free
+# space under podman's storage: below IMAGE_PRUNE_BELOW_GB (default 20) it removes dangling images
+# (`podman image prune`: untagged and used by no container, its layer cache included) and says so;
+# below IMAGE_NEED_GB (default 8) after that it stops with what is free and what it needs, before
+# podman fails halfway. After a build, the image the tag named before is removed if nothing else
+# names it. IMAGE_PRUNE_BELOW_GB=0 never prunes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,9 +84,39 @@ for path in mounts:
 PY
 )
 
+graphroot=$(podman info --format '{{.Store.GraphRoot}}')
+prune_below_gb=${IMAGE_PRUNE_BELOW_GB:-20}
+need_gb=${IMAGE_NEED_GB:-8}
+free_gb() {
+    df -Pk "$graphroot" | awk 'NR == 2 { printf "%d", $4 / 1048576 }'
+}
+
+# Room for one build, made by dropping dangling images when short, or a clear stop.
+ensure_room() {
+    local free
+    free=$(free_gb)
+    if [ "$free" -lt "$prune_below_gb" ]; then
+        local dangling
+        dangling=$(podman images --quiet --filter dangling=true | wc -l)
+        echo "image_build: $free GB free under $graphroot (below $prune_below_gb GB):" \
+            "removing $dangling dangling images (podman image prune)"
+        podman image prune --force > /dev/null
+        free=$(free_gb)
+        echo "image_build: $free GB free after pruning"
+    fi
+    if [ "$free" -lt "$need_gb" ]; then
+        echo "image_build: only $free GB free under $graphroot; a build needs about $need_gb GB." \
+            "Free some (podman images; podman rmi ...) or set IMAGE_NEED_GB." >&2
+        exit 1
+    fi
+}
+
 build() {
     local file=$1 target=$2 tag=$3
     shift 3
+    ensure_room
+    local before
+    before=$(podman image inspect --format '{{.Id}}' "$tag" 2> /dev/null || true)
     local start=$SECONDS
     # chroot isolation: `podman run`'s OCI runtime cannot start containers on this machine (cgroups),
     # but RUN steps in a chroot work, apt included.
@@ -84,6 +124,14 @@ build() {
         "${pip_args[@]}" "$@" ${EXTRA_BUILD_ARGS:-} .
     echo "image_build: $tag built in $((SECONDS - start)) s," \
         "$(podman image inspect --format '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
+    # The image this tag named before is now nameless: removed unless a container or a tag still holds
+    # it (then podman refuses, and it stays).
+    local after
+    after=$(podman image inspect --format '{{.Id}}' "$tag")
+    if [ -n "$before" ] && [ "$before" != "$after" ]; then
+        podman rmi "$before" > /dev/null 2>&1 \
+            && echo "image_build: removed the image $tag named before (${before:0:12})" || true
+    fi
 }
 
 case $flavour in
