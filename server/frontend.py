@@ -56,6 +56,7 @@ from mariner.server.security import (
     grpc_credentials,
     load_tokens,
 )
+from mariner.server.workers import parent_death
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 from mariner.server.workers.peer import PeerRefused
 
@@ -389,6 +390,7 @@ async def _run(init: channel.FrontendInit, control: socket.socket) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parent_death.arm_from_env()
     parser = argparse.ArgumentParser(prog="mariner.server.frontend")
     parser.add_argument("--control-fd", type=int, required=True)
     args = parser.parse_args(argv)

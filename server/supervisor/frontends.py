@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mariner.server.child_process import ChildProcess
 from mariner.server.config import ServerConfig
 from mariner.server.control import channel
 from mariner.server.core.errors import Code, ServingError
@@ -37,7 +38,7 @@ TABLE_ACK_TIMEOUT_S = 10.0
 @dataclass
 class _Frontend:
     index: int
-    process: asyncio.subprocess.Process | None = None
+    process: ChildProcess | None = None
     writer: asyncio.StreamWriter | None = None
     listening: bool = False
     applied: int = 0
@@ -93,10 +94,9 @@ class FrontendPool:
     async def _spawn(self, f: _Frontend) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno()),
-                pass_fds=(child.fileno(),), env=child_env(),
-                preexec_fn=parent_death.preexec_for_this_parent(),
+            proc = ChildProcess.start(
+                [sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno())],
+                pass_fds=(child.fileno(),), env=parent_death.env_for_this_parent(child_env()),
             )  # fmt: skip
         finally:
             child.close()
@@ -109,9 +109,7 @@ class FrontendPool:
         self._readers.add(reading)
         reading.add_done_callback(self._readers.discard)
 
-    async def _read(
-        self, f: _Frontend, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader
-    ) -> None:
+    async def _read(self, f: _Frontend, proc: ChildProcess, reader: asyncio.StreamReader) -> None:
         while (msg := await channel.receive(reader)) is not None:
             if f.process is not proc:
                 return

@@ -26,12 +26,14 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mariner.server.child_process import ChildProcess, stream_reader
 from mariner.server.core.archive import ModelArchive, requirements_dir
 from mariner.server.core.archive_fields import inside
 from mariner.server.core.errors import Code, ServingError
@@ -92,21 +94,21 @@ def last_lines(text: str, n: int = REASON_LINES) -> str:
 async def run_pip(command: Sequence[str], cwd: Path, env: Mapping[str, str], timeout_s: float) -> PipRun:
     """Run pip to its end or to the timeout, keeping the end of each of its two streams."""
     t0 = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *command,
+    proc = ChildProcess.start(
+        command,
         cwd=cwd,
         env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         start_new_session=True,  # its own group: a timeout ends pip and any build it started
     )
-    assert proc.stdout is not None
-    assert proc.stderr is not None
+    assert proc.popen.stdout is not None
+    assert proc.popen.stderr is not None
     tails = (bytearray(), bytearray())
     readers = [
-        asyncio.ensure_future(_keep_tail(proc.stdout, tails[0])),
-        asyncio.ensure_future(_keep_tail(proc.stderr, tails[1])),
+        asyncio.ensure_future(_keep_tail(await stream_reader(proc.popen.stdout), tails[0])),
+        asyncio.ensure_future(_keep_tail(await stream_reader(proc.popen.stderr), tails[1])),
     ]
     try:
         try:

@@ -346,6 +346,9 @@ def _load(spec: WorkerSpec) -> tuple[Any, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from mariner.server.workers import parent_death
+
+    parent_death.arm_from_env()
     args = list(sys.argv[1:] if argv is None else argv)
     spec = spec_from_json(Path(args[0]).read_text() if args else sys.stdin.read())
     return run_worker(spec)
@@ -407,10 +410,10 @@ def run_worker(spec: WorkerSpec) -> NoReturn:
 
 
 def _end(code: int) -> NoReturn:
-    """Exit now, whether the worker served or failed to load. Do not wait on threads the handler
-    or torch started, nor run the interpreter's finalisation with them alive: a spawned worker that
-    returned after a failed load was once killed by SIGABRT while exiting, under load, and
-    reported as that signal instead of its reason."""
+    """Exit now, whether the worker served or failed to load: the ready line or the batch in hand
+    is written and flushed, so nothing is left to do. Do not wait on threads the handler or torch
+    started, nor run the interpreter's finalisation with them alive (the handler's own atexit
+    work, a hung thread's join)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

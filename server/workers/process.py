@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from mariner.server.child_process import wait_exit
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.private_dir import check_private, make_private_subdir
@@ -170,10 +171,9 @@ class WorkerProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=None,
-            env=self._env,
+            env=parent_death.env_for_this_parent(self._env),
             start_new_session=True,
             close_fds=True,
-            preexec_fn=parent_death.preexec_for_this_parent(),
         )
         proc = self._proc
         assert proc.stdin is not None
@@ -222,31 +222,7 @@ class WorkerProcess:
         if self._forked is not None:
             return await self._forked.wait()  # the zygote reaps it and reports the status
         assert self._proc is not None, "not started"
-        proc = self._proc
-        if proc.poll() is not None:
-            return proc.returncode
-        try:
-            fd = os.pidfd_open(proc.pid)
-        except (OSError, AttributeError):
-            fd = None
-        if fd is not None:
-            loop = asyncio.get_running_loop()
-            done = loop.create_future()
-
-            def readable() -> None:
-                if not done.done():
-                    done.set_result(None)
-
-            loop.add_reader(fd, readable)
-            try:
-                if proc.poll() is None:
-                    await done
-            finally:
-                loop.remove_reader(fd)
-                os.close(fd)
-        while proc.poll() is None:  # no pidfd (or a race with its readiness): poll
-            await asyncio.sleep(0.02)
-        return proc.returncode
+        return await wait_exit(self._proc)
 
 
 def start_method(spec: WorkerSpec, env: Mapping[str, str]) -> str:

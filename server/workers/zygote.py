@@ -124,11 +124,10 @@ class ZygoteClient:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=None,
-                env=self.env,
+                env=parent_death.env_for_this_parent(self.env),  # dies with the supervisor
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,  # a Ctrl-C to the supervisor's group does not reach it
                 close_fds=True,
-                preexec_fn=parent_death.preexec_for_this_parent(),  # dies with the supervisor
             )
         finally:
             theirs.close()
@@ -317,7 +316,10 @@ def to_stderr(text: str) -> None:
 
 
 if __name__ == "__main__":
+    from mariner.server.workers import parent_death
     from mariner.server.workers.zygote_fork import serve
+
+    parent_death.arm_from_env()
 
     if len(sys.argv) != 2:
         sys.exit("usage: python -m mariner.server.workers.zygote FD (started by the supervisor)")

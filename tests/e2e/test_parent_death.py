@@ -92,3 +92,56 @@ def test_sigkill_of_the_supervisor_takes_frontends_workers_and_ports_with_it(ser
     for port in (server.ports.inference, server.ports.grpc_inference):
         assert _bindable(port), f"port {port} is still held after the supervisor and its tree died"
     assert 200 in answered  # the load really ran before the kill
+
+
+FORK_PROBE = "MARINER-FORK-PROBE: Python ran in a forked child of the supervisor"
+# Imported first by the supervisor's interpreter (PYTHONPATH): an after-fork hook that writes the probe
+# line, then drops the variable that asked for it, so the children it starts do not register it.
+SITECUSTOMIZE = f"""
+import os
+if os.environ.pop("MARINER_FORK_PROBE", None):
+    os.register_at_fork(after_in_child=lambda: os.write(2, b"{FORK_PROBE}\\n"))
+"""
+
+
+def test_the_supervisor_starts_every_child_without_running_python_between_fork_and_exec(
+    tmp_path: Path,
+) -> None:
+    """Frontends, the zygote and spawned workers arm themselves after exec. A `preexec_fn` would run
+    Python in the forked child of the multi-threaded supervisor, where gRPC's fork handlers then ran
+    on inherited state and now and then aborted the child (a worker "exited with signal SIGABRT
+    before it was ready" instead of saying why it failed). Python's after-fork hooks run in a child
+    exactly when Python code runs there before exec, so a hook in the supervisor is the probe."""
+    from tests.integration.test_worker_faults import _with_config
+
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    store = tmp_path / "store"
+    build_fault_archive(store, name="cpu_model")  # forked by the zygote, which is spawned
+    # A worker that requires a GPU is a fresh interpreter; without one it fails and is retried, so
+    # several spawns happen.
+    _with_config(build_fault_archive(store, name="gpu_bound"), "deviceType: gpu\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "probe"), os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": path, "MARINER_FORK_PROBE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    srv = MarinerServe(store, "all", env=env, frontends=2).start(require_ready=False)
+    try:
+        deadline = time.monotonic() + 60
+        state = {}
+        while time.monotonic() < deadline:
+            state = next(d for d in srv.describe("gpu_bound"))["mariner"]
+            if state["state"] == "FAILED":
+                break
+            time.sleep(0.5)
+        assert state["state"] == "FAILED", state
+        assert "requires a GPU" in state["error"], state
+        r = requests.post(f"{srv.http}/predictions/cpu_model", json={"op": "ok", "value": 1}, timeout=30)
+        assert r.status_code == 200, r.text
+        children = psutil.Process(srv.supervisor_pid).children()
+        commands = [" ".join(c.cmdline()) for c in children]
+        assert any("mariner.server.workers.zygote" in c for c in commands), commands
+        assert len(srv.frontend_pids()) == 2
+        log = srv.log_text()
+        assert log.count("requires a GPU") >= 2, srv.log_tail()  # the spawned worker was retried
+        assert FORK_PROBE not in log, srv.log_tail()
+    finally:
+        srv.stop(timeout=10)
