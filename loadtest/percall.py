@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import tempfile
@@ -180,6 +181,7 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     called with a Request built by hand."""
     from starlette.requests import Request
 
+    from mariner.server.protocols.http_limits import DISCONNECT_HOOK
     from mariner.server.protocols.http_listener import inference_app
 
     def receiver() -> Callable[[], Any]:
@@ -210,7 +212,18 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
             response = await predict(Request(scope, receive))
             await response(scope, receive, send)
 
-        ways: dict[str, Any] = {"listener": listener, "starlette": listener.app, "endpoint": by_hand}
+        on_lost: set[Callable[[], None]] = set()
+
+        def hook(callback: Callable[[], None]) -> Callable[[], None]:  # as the protocol's own
+            on_lost.add(callback)
+            return functools.partial(on_lost.discard, callback)
+
+        async def hooked(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await listener({**scope, "extensions": {DISCONNECT_HOOK: hook}}, receive, send)
+
+        ways: dict[str, Any] = {
+            "listener": listener, "hooked": hooked, "starlette": listener.app, "endpoint": by_hand
+        }  # fmt: skip
         spent = dict.fromkeys(ways, 0.0)
         block = CONCURRENCY * 20
         for _ in range(max(1, calls // block)):
@@ -229,9 +242,14 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
 
     event_loop.run(interleaved())  # warm-up
     best = [event_loop.run(interleaved()) for _ in range(rounds)]
-    whole, routed, alone = (min(r[k] for r in best) for k in ("listener", "starlette", "endpoint"))
+    whole, hooked, routed, alone = (
+        min(r[k] for r in best) for k in ("listener", "hooked", "starlette", "endpoint")
+    )
     return [
-        Piece("HTTP /predictions, the inference listener's app (ASGI, no server)", whole, "per call"),
+        Piece(
+            "HTTP /predictions, the inference listener's app (ASGI, no server)", whole, "disconnect: a task"
+        ),
+        Piece("HTTP /predictions, the same with the protocol's disconnect hook", hooked, "as served"),
         Piece("HTTP /predictions through Starlette's middleware and router", routed, "per call"),
         Piece("HTTP /predictions, the route's endpoint alone", alone, "Request built by hand"),
     ]

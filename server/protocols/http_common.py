@@ -34,6 +34,7 @@ from mariner.server.core.errors import (
 )
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.protocols.call import CallerGone, CallPlane, Refused
+from mariner.server.protocols.http_limits import DISCONNECT_HOOK
 from mariner.server.security import HIDDEN_FROM_HANDLERS
 
 T = TypeVar("T")
@@ -215,29 +216,42 @@ async def offload_if_large(
 
 
 async def infer_unless_client_gone(
-    dataplane: CallPlane, req: InferRequest, receive: Callable[[], Awaitable[Mapping[str, Any]]]
+    dataplane: CallPlane,
+    req: InferRequest,
+    scope: Mapping[str, Any],
+    receive: Callable[[], Awaitable[Mapping[str, Any]]],
 ) -> InferResult:
-    """`dataplane.infer`, cancelled if the client disconnects first.
+    """`dataplane.infer`, cancelled if the client disconnects first; the batcher then skips the
+    request, so no answer is computed that nobody will read.
 
-    A watcher task waits on the ASGI `receive` (the body is already read, so the next message is
-    `http.disconnect`) and cancels this task; the batcher then skips the request. One small task
-    per request is the price for not computing answers nobody will read.
+    Under Mariner's listeners the protocol calls back when the connection is lost
+    (`http_limits.DISCONNECT_HOOK` in the scope): nothing runs per request but a registration.
+    Elsewhere a watcher task waits on the ASGI `receive` (the body is already read, so the next
+    message is `http.disconnect`), which costs a task per request.
     """
     task = asyncio.current_task()
     assert task is not None
     gone = False
 
-    async def watch() -> None:
+    def client_gone() -> None:
         nonlocal gone
-        try:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # a server that cannot report disconnects: just stop watching
-            return
         gone = True
         task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    hook = scope.get("extensions", {}).get(DISCONNECT_HOOK)
+    if hook is not None:
+        stop_watching: Callable[[], Any] = hook(client_gone)
+    else:
+
+        async def watch() -> None:
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+            except Exception:  # a server that cannot report disconnects: just stop watching
+                return
+            client_gone()
+
+        stop_watching = asyncio.get_running_loop().create_task(watch()).cancel
     try:
         return await dataplane.infer(req)
     except asyncio.CancelledError:
@@ -245,7 +259,7 @@ async def infer_unless_client_gone(
             raise
         raise ClientGone from None
     finally:
-        watcher.cancel()
+        stop_watching()
         if gone:  # our own cancel, not the server's: take it back so this task can still answer
             task.uncancel()
 

@@ -16,6 +16,12 @@ which nothing in the process (HTTP health, gRPC ServerLive) answers. nginx's ans
 - at most `max_connections` connections per listener (per process): one beyond it is answered
   503 and closed, so sockets never pile up towards the descriptor limit.
 
+The same protocol tells a request that its connection is gone without a task per request: it
+puts a registration function in the ASGI scope (`scope["extensions"][DISCONNECT_HOOK]`); a callback
+registered there runs once the connection is lost (`http_common.infer_unless_client_gone` cancels
+the inference with it). Under another server the scope has no such entry and a task waits for
+`http.disconnect` instead.
+
 The layer is a subclass of uvicorn's HttpToolsProtocol (written against uvicorn 0.54) that sees
 every byte before the parser and the parser's callbacks before uvicorn starts the ASGI app. It adds
 no timer to a request that arrives in one read: timers are armed only while a head or a body is
@@ -25,6 +31,7 @@ incomplete at the end of a read (plus one per connection, for the first request)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from asyncio import TimerHandle
 from collections.abc import Callable
@@ -35,6 +42,10 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mariner.server.core.errors import RETRY_AFTER_SECONDS
+
+# The ASGI scope extension through which a request learns that its connection is gone: a function
+# taking a callback (run once, on the loop, when the connection is lost) and returning its remover.
+DISCONNECT_HOOK = "mariner.on_disconnect"
 
 # How long a connection beyond the cap may take to send its request before it is closed. Its
 # answer (503) is written at once; reading what the client sent before closing lets the kernel
@@ -92,6 +103,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: TimerHandle | None = None
         self._over_capacity = False
         self._refusal: bytes | None = None
+        self._on_lost: set[Callable[[], None]] = set()  # DISCONNECT_HOOK callbacks of this connection
+        self._lost = False
 
     # -- connection --------------------------------------------------------------------------
     # asyncio types the argument BaseTransport; uvicorn hands its HTTP protocols a socket Transport.
@@ -119,6 +132,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._over_capacity:
             return
         super().connection_lost(exc)
+        self._lost = True
+        callbacks, self._on_lost = self._on_lost, set()
+        for callback in callbacks:
+            callback()
+
+    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """DISCONNECT_HOOK: run `callback` when this connection is lost (soon, if it already is)."""
+        if self._lost:
+            self.loop.call_soon(callback)
+            return _nothing
+        self._on_lost.add(callback)
+        return functools.partial(self._on_lost.discard, callback)
 
     def data_received(self, data: bytes) -> None:
         if self._over_capacity:
@@ -167,7 +192,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head, self._in_body = False, True
         self._read_bytes = self._head_bytes = 0
         self._disarm()
-        super().on_headers_complete()
+        super().on_headers_complete()  # the app's task starts on the loop's next turn, after this
+        self.scope.setdefault("extensions", {})[DISCONNECT_HOOK] = self._on_disconnect
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body, self._begun = True, False, False
@@ -231,6 +257,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         elif not self.transport.is_closing() and (cycle is None or self._in_head):
             self.transport.write(answer)
         self.transport.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:

@@ -143,10 +143,11 @@ class FakePlane:
 
 
 @contextlib.contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run `app` on uvicorn at 127.0.0.1:0 in a thread; yield its base URL."""
+def serve(app: Any, **config: Any) -> Iterator[str]:
+    """Run `app` on uvicorn at 127.0.0.1:0 in a thread; yield its base URL. `config`: more
+    uvicorn.Config options (`http=` a protocol class, as Mariner's listeners pass theirs)."""
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", **config)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -414,7 +414,26 @@ def test_unexpected_exception_is_sanitized_500(plane: FakePlane, inference_url: 
     assert "server log" in body["message"]
 
 
-def test_client_disconnect_cancels_inference(plane: FakePlane, inference_url: str) -> None:
+@pytest.fixture(scope="module")
+def limited_inference_url(shared_plane: FakePlane) -> Iterator[str]:
+    """The same app behind Mariner's own HTTP protocol (its limits, its disconnect hook)."""
+    from mariner.server.protocols.http_limits import HttpLimits, limited_protocol
+
+    with serve(
+        inference_app(shared_plane, max_body_bytes=MAX_BODY), http=limited_protocol(HttpLimits())
+    ) as url:
+        yield url
+
+
+@pytest.mark.parametrize("server", ["uvicorn's protocol: a watcher task", "Mariner's protocol: its hook"])
+def test_client_disconnect_cancels_inference(
+    plane: FakePlane, inference_url: str, limited_inference_url: str, server: str
+) -> None:
+    """Under stock uvicorn a task waits for `http.disconnect`; under Mariner's listeners the
+    protocol's connection_lost calls back (no task per request). Either way the inference is
+    cancelled and counted 499."""
+    if server.startswith("Mariner"):
+        inference_url = limited_inference_url
     started = threading.Event()
 
     async def hang(req: InferRequest) -> InferResult:

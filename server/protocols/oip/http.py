@@ -332,7 +332,7 @@ def routes(
             p["model"],
             p.get("version"),
             lambda infer: run_infer(request, infer),
-            infer=lambda req: infer_unless_client_gone(dataplane, req, request.receive),
+            infer=lambda req: infer_unless_client_gone(dataplane, req, request.scope, request.receive),
         )
         if not isinstance(outcome, Failed):
             return outcome.value

@@ -183,7 +183,7 @@ def routes(
             label,
             version,
             work,
-            infer=lambda req: infer_unless_client_gone(dataplane, req, request.receive),
+            infer=lambda req: infer_unless_client_gone(dataplane, req, request.scope, request.receive),
             what="answering an explanation" if explain else "answering a prediction",
         )
         if not isinstance(outcome, Failed):
