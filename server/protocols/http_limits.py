@@ -36,7 +36,7 @@ import json
 from asyncio import TimerHandle
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -193,7 +193,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._read_bytes = self._head_bytes = 0
         self._disarm()
         super().on_headers_complete()  # the app's task starts on the loop's next turn, after this
-        self.scope.setdefault("extensions", {})[DISCONNECT_HOOK] = self._on_disconnect
+        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))  # ASGI types it narrowly
+        extensions[DISCONNECT_HOOK] = self._on_disconnect
 
     def on_message_complete(self) -> None:
         self._in_head, self._in_body, self._begun = True, False, False
