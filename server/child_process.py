@@ -21,6 +21,15 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 
+def start_child(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(argv, **popen_kwargs)`; a `preexec_fn` is refused (see the module
+    docstring). Call it from a thread that lives as long as the child's parent should (the event
+    loop's): PR_SET_PDEATHSIG follows the thread that forked."""
+    if popen_kwargs.get("preexec_fn") is not None:
+        raise ValueError("no preexec_fn: it runs Python in the forked child of a threaded process")
+    return subprocess.Popen(list(argv), **popen_kwargs)
+
+
 class ChildProcess:
     """A started child: its pid, its exit status once known, signals, and an awaitable exit."""
 
@@ -29,12 +38,8 @@ class ChildProcess:
 
     @classmethod
     def start(cls, argv: Sequence[str], **popen_kwargs: Any) -> ChildProcess:
-        """`subprocess.Popen(argv, **popen_kwargs)`; a `preexec_fn` is refused (see the module
-        docstring). Call it from a thread that lives as long as the child's parent should (the
-        event loop's): PR_SET_PDEATHSIG follows the thread that forked."""
-        if popen_kwargs.get("preexec_fn") is not None:
-            raise ValueError("no preexec_fn: it runs Python in the forked child of a threaded process")
-        return cls(subprocess.Popen(list(argv), **popen_kwargs))
+        """`start_child(argv, **popen_kwargs)`, awaitable on the loop."""
+        return cls(start_child(argv, **popen_kwargs))
 
     @property
     def pid(self) -> int:

@@ -14,11 +14,8 @@ control channel's EOF, the zygote its control socket's, a worker its parent pid 
 
 A fresh interpreter arms itself after exec (`arm_from_env`, first thing in its entry point), told its
 parent by `env_for_this_parent`; PDEATHSIG survives exec, so this is the same as arming before it.
-It is never armed from a `preexec_fn`: that runs Python in the forked child of the supervisor, whose
-other threads are busy in gRPC, and Python's after-fork work there ran gRPC's fork handlers on
-inherited state ("Kick failed: eventfd_write: Bad file descriptor") and now and then aborted the child
-before exec: 1 SIGABRT in 300 spawns under load, none in 300 without the hook. A worker that died
-so was reported as "exited with signal SIGABRT before it was ready" instead of its reason.
+It is never armed from a `preexec_fn`, which runs Python in the forked child of the threaded
+supervisor and now and then killed it before exec (`mariner.server.child_process` says how).
 """
 
 from __future__ import annotations

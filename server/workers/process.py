@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from mariner.server.child_process import wait_exit
+from mariner.server.child_process import start_child, wait_exit
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.private_dir import check_private, make_private_subdir
@@ -166,7 +166,7 @@ class WorkerProcess:
     def _spawn(self) -> int:
         """A fresh interpreter; returns the read end of its stdout (the ready line)."""
         # Popen on the loop's own thread: the child must not be tied to a thread that ends.
-        self._proc = subprocess.Popen(
+        self._proc = start_child(
             [sys.executable, "-m", "mariner.server.workers.main"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -112,6 +112,7 @@ class ZygoteClient:
     forked worker's exit status (a reader thread, so it serves any event loop)."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
+        from mariner.server.child_process import start_child
         from mariner.server.workers import parent_death
         from mariner.server.workers.child_env import child_env
 
@@ -119,7 +120,7 @@ class ZygoteClient:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         try:
-            self.proc = subprocess.Popen(
+            self.proc = start_child(
                 [sys.executable, "-m", "mariner.server.workers.zygote", str(theirs.fileno())],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
