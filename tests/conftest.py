@@ -92,7 +92,7 @@ def family_store(model_store: Path, prefix: str, family: str, dest: Path) -> Fam
 
     dest.mkdir(parents=True, exist_ok=True)
     for entry in entries:
-        # A hard link (a copy across filesystems): the server refuses symlinks out of its store.
+        # A hard link of each archive (a copy across filesystems).
         try:
             os.link(model_store / entry["file"], dest / entry["file"])
         except OSError:

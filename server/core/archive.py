@@ -6,7 +6,8 @@ member checks (no absolute paths, no `..`, no symlinks out of it, member count a
 capped on what the archive declares before anything is written, then on the bytes really written,
 `archive_budget`) into a private work dir, and an optional sha256 pin refuses an archive whose
 digest differs. Archives are only ever read from the model store directory; names that are URLs,
-escape the store or hold control characters are refused, and the name a model is served under
+escape the store or hold control characters are refused (an entry of the store that is a symlink
+is followed: the store is the operator's, see `resolve_in_store`), and the name a model is served under
 (given, from its manifest or from its file name) must follow the archiver's rule (`names`).
 
 The manifest and the model-config are checked field by field (`archive_fields`), and every
@@ -19,11 +20,14 @@ one ServingError(INVALID_ARGUMENT) naming the archive, the field and what is all
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import shutil
+import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from mariner.server.core.archive_fields import MANIFEST, read_manifest, read_model_config
@@ -47,6 +51,7 @@ __all__ = [
     "open_archive",
     "resolve_in_store",
     "store_archives",
+    "url_not_allowed",
 ]
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
 # Where an archive's requirements are pip-installed (install_py_dep_per_model), inside its own
@@ -73,19 +78,71 @@ class ModelArchive:
         return str(self.manifest.get("model", {}).get("handler", ""))
 
 
-def resolve_in_store(store: Path, name: str) -> Path:
-    """`name` (a file such as digits.mar or digits.tar.gz, or a no-archive directory) as a path
-    inside `store`; never a URL, never outside, never a name with a control character (a NUL
-    made pathlib raise) or longer than a path can be."""
-    check_param("url", name)
-    if "://" in name:
-        raise ServingError(
-            Code.PERMISSION_DENIED, f"archives load only from the model store, not a URL: {name!r}"
+# What TorchServe's ArchiveUtils treats as a URL to download (`file?://.*|http(s)?://.*`); any
+# other scheme-like prefix is no file of the store either.
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def url_not_allowed(url: str) -> ServingError:
+    """TorchServe's answer to a URL that matches none of `allowed_urls` (ArchiveUtils.validateURL:
+    ModelNotFoundException, 404). Mariner's default allows no remote URL at all."""
+    shown = url[:200]
+    return ServingError(
+        Code.NOT_FOUND,
+        f"registering from a URL is not allowed ({shown!r}): copy the archive into the model store "
+        "and pass its file name as url",
+        torchserve=TorchServeAnswer(
+            404, "ModelNotFoundException", f"Given URL {shown} does not match any allowed URL(s)"
+        ),
+    )
+
+
+def _not_found(message: str, torchserve_message: str) -> ServingError:
+    return ServingError(
+        Code.NOT_FOUND,
+        message,
+        torchserve=TorchServeAnswer(404, "ModelNotFoundException", torchserve_message),
+    )
+
+
+def _store_entry(store: Path, name: str) -> Path:
+    """`name` as a path under `store`, judged on the name alone (no symlink is followed here):
+    relative with no `..` component, or absolute under the store's directory."""
+    if not name:
+        raise _not_found("parameter url is empty: name an archive of the model store", "empty url")
+    if ".." in PurePosixPath(name).parts:
+        raise _not_found(
+            f"archive {name!r}: '..' is not allowed in url; name an entry of the model store {store}",
+            f"Relative path is not allowed in url: {name[:200]}",
         )
-    store = store.resolve()
-    path = (store / name).resolve()
-    if not path.is_relative_to(store) or path == store:
-        raise ServingError(Code.PERMISSION_DENIED, f"archive {name!r} is outside the model store {store}")
+    root = Path(os.path.abspath(store))
+    path = Path(os.path.normpath(root / name))
+    if Path(name).is_absolute():
+        real = store.resolve()
+        if path.is_relative_to(real) and not path.is_relative_to(root):
+            path = root / path.relative_to(real)  # the store reached through its resolved path
+    if not path.is_relative_to(root) or path == root:
+        raise _not_found(
+            f"archive {name!r} is outside the model store {root}: name an entry of the store",
+            f"Model not found at: {name[:200]}",
+        )
+    return path
+
+
+def resolve_in_store(store: Path, name: str) -> Path:
+    """`name` (a file such as digits.mar or digits.tar.gz, or a no-archive directory) as the path
+    of an entry of `store`; never a URL, never `..` or an absolute path elsewhere, never a name
+    with a control character (a NUL made pathlib raise) or longer than a path can be.
+
+    The store directory is the operator's trust boundary: an entry of it that is a symlink (what
+    TorchServe's own test harness makes, and every Kubernetes ConfigMap, Secret or projected
+    volume is: a tree of symlinks) is served, wherever it points. Its target is then opened and
+    checked as any archive (size caps, member checks, the sha256 pin). The path returned is the
+    entry's own, so the model's url names the entry, not its target."""
+    check_param("url", name)
+    if _URL.match(name):
+        raise url_not_allowed(name)
+    path = _store_entry(store, name)
     try:
         found = path.is_file() or path.is_dir()
     except OSError as exc:  # ENAMETOOLONG and the like: no such archive can exist
@@ -95,10 +152,8 @@ def resolve_in_store(store: Path, name: str) -> Path:
             "allowed: the file name of an archive in the store",
         ) from None
     if not found:
-        raise ServingError(
-            Code.NOT_FOUND,
-            f"archive {name!r} not found in the model store {store}",
-            torchserve=TorchServeAnswer(404, "ModelNotFoundException", f"Model not found at: {name[:200]}"),
+        raise _not_found(
+            f"archive {name!r} not found in the model store {store}", f"Model not found at: {name[:200]}"
         )
     return path
 
@@ -163,7 +218,12 @@ def _unpack(path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str 
         digest = copy_directory(path, dest, limits)
         _check_pin(path, digest, expected_sha256)
         return digest
-    with path.open("rb") as f:
+    # O_NONBLOCK: a store entry (or a symlink's target) that is a FIFO must not block the open;
+    # anything but a regular file is refused before a byte is read.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file or a directory; allowed: {_ALLOWED}")
         h = hashlib.sha256()
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)

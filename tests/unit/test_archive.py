@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import stat
 import zipfile
 from pathlib import Path
@@ -37,6 +39,10 @@ def make_mar(
         for name, data in extra:
             zf.writestr(name, data)
     return path
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_clean_archive_is_unpacked_with_manifest_and_config(tmp_path: Path) -> None:
@@ -108,15 +114,71 @@ def test_archives_resolve_only_inside_the_store(tmp_path: Path) -> None:
     make_mar(store / "toy.mar")
     make_mar(tmp_path / "outside.mar")
     assert resolve_in_store(store, "toy.mar") == (store / "toy.mar").resolve()
-    for name, code in (
-        ("https://example.com/toy.mar", Code.PERMISSION_DENIED),
-        ("../outside.mar", Code.PERMISSION_DENIED),
-        (str(tmp_path / "outside.mar"), Code.PERMISSION_DENIED),
-        ("missing.mar", Code.NOT_FOUND),
+    assert resolve_in_store(store, str(store / "toy.mar")) == store / "toy.mar"  # absolute, inside
+    # Refused as TorchServe answers them: ModelNotFoundException (404), never a file elsewhere.
+    for name, says in (
+        ("https://example.com/toy.mar", "does not match any allowed URL(s)"),
+        ("file:///etc/passwd", "does not match any allowed URL(s)"),
+        ("../outside.mar", "Relative path is not allowed in url"),
+        ("sub/../../outside.mar", "Relative path is not allowed in url"),
+        (str(tmp_path / "outside.mar"), "Model not found at"),
+        ("missing.mar", "Model not found at"),
+        ("", "empty url"),
     ):
         with pytest.raises(ServingError) as info:
             resolve_in_store(store, name)
-        assert info.value.code is code, name
+        assert info.value.code is Code.NOT_FOUND, name
+        assert info.value.torchserve is not None
+        assert info.value.torchserve.type == "ModelNotFoundException"
+        assert says in info.value.torchserve.message, name
+
+
+def test_a_symlinked_store_entry_is_served_from_its_target(tmp_path: Path) -> None:
+    """The store is the operator's: TorchServe's harness (marsgen) symlinks archives into it, and
+    Kubernetes ConfigMap/Secret volumes are trees of symlinks (`x.mar -> ..data/x.mar`). The
+    entry is served under its own name; its target is checked as any archive."""
+    elsewhere = tmp_path / "built"
+    elsewhere.mkdir()
+    make_mar(elsewhere / "toy-1.mar")
+    store = tmp_path / "store"
+    (store / "..2026_01_01").mkdir(parents=True)
+    (store / "..2026_01_01" / "toy.mar").symlink_to(elsewhere / "toy-1.mar")
+    (store / "..data").symlink_to("..2026_01_01")
+    (store / "toy.mar").symlink_to("..data/toy.mar")  # a ConfigMap volume's layout
+    (store / "direct.mar").symlink_to(elsewhere / "toy-1.mar")  # marsgen's layout
+    for name in ("toy.mar", "direct.mar"):
+        path = resolve_in_store(store, name)
+        assert path == store / name, "the entry, not its target, names the model"
+        archive = open_archive(path, tmp_path / "work", expected_sha256=sha256_of(elsewhere / "toy-1.mar"))
+        assert archive.path.name == name
+        assert (archive.model_dir / "MAR-INF" / "MANIFEST.json").is_file()
+    with pytest.raises(ServingError) as info:  # the pin still covers the target's bytes
+        open_archive(store / "toy.mar", tmp_path / "work", expected_sha256="0" * 64)
+    assert info.value.code is Code.PERMISSION_DENIED
+
+
+def test_a_symlinked_entry_is_still_checked_as_an_archive(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    (tmp_path / "passwd").write_text("root:x:0:0\n")
+    (store / "evil.mar").symlink_to(tmp_path / "passwd")
+    os.mkfifo(tmp_path / "fifo")
+    (store / "fifo.mar").symlink_to(tmp_path / "fifo")
+    (store / "dangling.mar").symlink_to(tmp_path / "nothing.mar")
+    with pytest.raises(ServingError) as info:
+        open_archive(resolve_in_store(store, "evil.mar"), tmp_path / "work")
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert "refused" in info.value.message
+    with pytest.raises(ServingError) as info:  # a FIFO is neither file nor directory: never opened
+        resolve_in_store(store, "fifo.mar")
+    assert info.value.code is Code.NOT_FOUND
+    with pytest.raises(ServingError) as info:  # swapped for a FIFO after the name was resolved
+        open_archive(store / "fifo.mar", tmp_path / "work")
+    assert "not a regular file" in info.value.message
+    with pytest.raises(ServingError) as info:
+        resolve_in_store(store, "dangling.mar")
+    assert info.value.code is Code.NOT_FOUND
+    assert list((tmp_path / "work").iterdir()) == []
 
 
 def _manifest(**model: object) -> dict:
