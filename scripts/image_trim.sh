@@ -9,6 +9,7 @@
 #   - packages' own test suites (`tests` directories): never imported by the serving path.
 #   - TorchServe's Java frontend (ts/frontend/model-server.jar, ~46 MB) and the `torchserve` script
 #     that starts it: Mariner imports only ts's Python handler library, and the image has no Java.
+#     `torchserve` then names Mariner's own launcher (`mariner-torchserve`: TorchServe's command line).
 #     `wheel` (which the torchserve wheel declares) is a packaging tool, like pip.
 # Bytecode (__pycache__) stays: the pod's root filesystem is read-only, so anything not compiled here
 # would be compiled again from source on every start (seconds of torch/transformers imports).
@@ -20,6 +21,8 @@ before=$(du -sm "$venv" | cut -f1)
 
 "$venv/bin/python" -m pip uninstall -q -y pip setuptools wheel 2> /dev/null || true
 rm -rf "$site/ts/frontend" "$venv/bin/torchserve"
+# `torchserve` is Mariner's launcher instead (TorchServe's command line; server/torchserve_command.py).
+ln -s mariner-torchserve "$venv/bin/torchserve"
 rm -rf "$site/torch/include"
 find "$site" -depth -type d -name tests -prune -exec rm -rf {} +
 find "$site" -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cuh' \) -delete

@@ -105,16 +105,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print("usage: mariner serve [options]   (mariner serve --help for the options)")
+        print("       mariner torchserve [--start|--stop] [--foreground] [torchserve's flags]")
         print("       mariner predict|infer MODEL FILE [--url URL | --grpc HOST:PORT]   (client)")
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command == "serve" and rest[:1] == ["torchserve"]:
+        # The images' entrypoint is `mariner serve`; a KServe TorchServe ServingRuntime passes
+        # `torchserve --start ...` as its args (server/torchserve_command.py).
+        from mariner.server.torchserve_command import main as torchserve
+
+        return torchserve(rest[1:], kserve=True)
     if command == "serve":
         return _serve(rest)
+    if command == "torchserve":
+        from mariner.server.torchserve_command import main as torchserve
+
+        return torchserve(rest)
     if command in ("predict", "infer"):
         from mariner.client.cli import run
 
         return run(command, rest)
-    print(f"mariner: unknown command {command!r}; available: serve, predict, infer", file=sys.stderr)
+    print(
+        f"mariner: unknown command {command!r}; available: serve, torchserve, predict, infer", file=sys.stderr
+    )
     return 2
 
 

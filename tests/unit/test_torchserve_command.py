@@ -1,0 +1,74 @@
+"""TorchServe's launcher command line (`torchserve --start/--stop`) split from the server's flags."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mariner.server import torchserve_command as tc
+
+
+def test_start_runs_in_the_background_unless_asked_or_pid_one() -> None:
+    flags = ["--start", "--model-store", "store", "--ncs"]
+    assert tc.parse(flags) == tc.Launch("start", False, tuple(flags))
+    assert tc.parse([*flags, "--foreground"]).foreground
+    # The first process of a container has no background to go to.
+    assert tc.parse(flags, pid1=True).foreground
+
+
+def test_launcher_flags_are_not_passed_to_the_server() -> None:
+    launch = tc.parse(["--stop", "--foreground"])
+    assert launch.action == "stop"
+    assert launch.foreground
+    assert "--stop" not in launch.serve_args
+    assert tc.parse(["-v"]).action == "version"
+    assert tc.parse(["--start", "--version"]).action == "version"
+
+
+def test_a_kserve_runtime_gets_the_inference_api_where_kserve_routes() -> None:
+    """KServe's TorchServe ServingRuntime routes to 8080, where TorchServe's KServe image runs its
+    wrapper; its config.properties moves TorchServe's own listeners to 8085."""
+    launch = tc.parse(["--start", "--ts-config=/mnt/models/config/config.properties"], kserve=True)
+    assert launch.foreground
+    assert launch.serve_args[-2:] == ("--inference-address", "0.0.0.0:8080")
+
+
+def test_the_server_runs_under_this_interpreter() -> None:
+    argv = tc.server_argv(["--ncs"])
+    assert argv == [sys.executable, "-m", "mariner.server.cli", "serve", "--ncs"]
+
+
+def test_a_pid_file_of_another_process_is_an_orphan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tc.tempfile, "tempdir", None)
+    path = tc.pid_file()
+    assert path == tmp_path / ".model_server.pid"
+    path.write_text(str(os.getpid()))  # pytest, not `mariner serve`
+    assert tc.running_server(path) is None
+    assert not path.exists()
+    assert "Removing orphan pid file." in capsys.readouterr().out
+
+
+def test_stop_with_nothing_running_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tc.tempfile, "tempdir", None)
+    assert tc.main(["--stop"]) == 0
+    assert capsys.readouterr().out == "TorchServe is not currently running.\n"
+
+
+def test_foreground_start_becomes_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tc.tempfile, "tempdir", None)
+    execs: list[list[str]] = []
+    launch = tc.parse(["--start", "--foreground", "--model-store", "s"])
+    assert tc.start(launch, exec_server=execs.append) == 0
+    assert execs == [tc.server_argv(["--start", "--foreground", "--model-store", "s"])]
+    # The pid file names this process, which exec turns into the server.
+    assert tc.pid_file().read_text() == str(os.getpid())
