@@ -101,6 +101,12 @@ class ServerConfig:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
+    # Which listeners TLS covers (comma-separated names, see listeners.LISTENER_NAMES); None = all.
+    tls_listeners: str | None = None
+    # TorchServe's token authorization (key_file.json, see torchserve_tokens): on unless disabled,
+    # as in TorchServe 0.12; keys expire after token_expiration_min minutes.
+    disable_token_auth: bool = False
+    token_expiration_min: float = 60.0
     config_file: Path | None = None
     model_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Connection limits of the gRPC inference listener (see protocols.grpc_server), per frontend.
@@ -174,6 +180,12 @@ _HELP = {
     "tls_cert_file": "PEM certificate: serve gRPC and HTTP over TLS",
     "tls_key_file": "PEM private key for --tls-cert-file",
     "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS)",
+    "tls_listeners": "listeners served over TLS when a certificate is set, comma-separated: inference, "
+    "management, metrics, grpc_inference, grpc_management (default: all of them)",
+    "disable_token_auth": "turn off TorchServe's token authorization (key_file.json in the working "
+    "directory and the /token API; torchserve's --disable-token-auth, --dt)",
+    "token_expiration_min": "minutes before TorchServe's inference and management keys expire (TorchServe's "
+    "token_expiration_min; the token API makes new ones)",
     "config_file": "YAML/JSON config, or a TorchServe config.properties",
     "grpc_max_connections": "open connections to the gRPC inference listener per frontend; more are closed "
     "at once",

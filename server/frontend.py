@@ -41,7 +41,14 @@ from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.token_cost import token_counter_or_none
 from mariner.server.core.types import InferRequest, InferResult, ModelState, WorkerInfo
-from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, split_address, uvicorn_config
+from mariner.server.listeners import (
+    EmbeddedUvicorn,
+    grpc_tls,
+    listener_auth,
+    reuseport_listener,
+    split_address,
+    uvicorn_config,
+)
 from mariner.server.logs import setup_logging
 from mariner.server.protocols.connection_budget import frontend_budget
 from mariner.server.protocols.grpc_admission import GrpcDrainGate
@@ -49,13 +56,8 @@ from mariner.server.protocols.grpc_listener import build_grpc_servers
 from mariner.server.protocols.grpc_server import GrpcLimits
 from mariner.server.protocols.http_drain import DrainAware
 from mariner.server.protocols.http_listener import inference_app
-from mariner.server.security import (
-    OPEN_HTTP_HEALTH_PATHS,
-    GrpcTokenAuth,
-    HttpTokenAuth,
-    grpc_credentials,
-    load_tokens,
-)
+from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
+from mariner.server.torchserve_tokens import KeyCheck
 from mariner.server.workers import parent_death
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 from mariner.server.workers.peer import PeerRefused
@@ -242,40 +244,42 @@ class Frontend:
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
         self.dataplane = DataPlane(self.metrics)
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
+        # TorchServe's inference key, when its token authorization is on: it arrives with each
+        # model table (the first one before this frontend listens); until then nothing passes.
+        self.torchserve_key = None if cfg.disable_token_auth else KeyCheck()
+        auth = listener_auth(tokens, self.torchserve_key)
         # One descriptor budget for both protocols, so a flood on one cannot starve the other.
         budget = frontend_budget(cfg.http_max_connections, cfg.grpc_max_connections)
         grpc_host, _ = split_address(cfg.grpc_inference_address)
-        auth = [GrpcTokenAuth(tokens, open_health=cfg.open_health)] if tokens else []
         self.grpc = build_grpc_servers(
             self.dataplane,
             inference_address=f"{grpc_host}:{init.grpc_port}",
             management_address=None,
             max_message_bytes=cfg.max_request_bytes,
-            inference_interceptors=[*auth, GrpcDrainGate(self.dataplane)],
+            inference_interceptors=[*auth.grpc(open_health=cfg.open_health), GrpcDrainGate(self.dataplane)],
             limits=GrpcLimits(budget.grpc, cfg.grpc_max_concurrent_streams, cfg.grpc_idle_timeout_s),
-            credentials=grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-            if cfg.tls_cert_file and cfg.tls_key_file
-            else None,
+            credentials=grpc_tls(cfg, "grpc_inference"),
             reuse_port=True,
         )
         host, _ = split_address(cfg.inference_address)
         self._http_host, self._http_port = host, init.http_port
         app = DrainAware(
-            HttpTokenAuth(
+            auth.http(
                 inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
-                tokens,
                 open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
             ),
             self.dataplane,
         )
         http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
-        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, http_cfg))
+        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, http_cfg, listener="inference"))
         self._applied = 0
         self._ready = False
         self._closing: set[asyncio.Task[None]] = set()
 
     async def apply(self, table: channel.ModelTable) -> None:
         dp = self.dataplane
+        if self.torchserve_key is not None and table.inference_key is not None:
+            self.torchserve_key.set(table.inference_key)
         wanted = {(e.name, e.version) for e in table.entries}
         for e in table.entries:
             ep = dp.endpoint(e.name, e.version)

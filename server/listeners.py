@@ -5,8 +5,10 @@ Here live the embedded uvicorn server (the caller, not uvicorn, owns SIGTERM), t
 config built from the server's settings (TLS, access log, graceful-shutdown bound, and the
 connection limits of protocols.http_limits, which every HTTP listener gets here), the
 host:port split, the sockets we bind ourselves (so a port in use is an error that names the
-address, where uvicorn would `sys.exit`), and the exposure check every process runs before it
-listens.
+address, where uvicorn would `sys.exit`), which listeners TLS covers (`tls_listeners`: all of
+them with `--tls-cert-file`, or those a TorchServe config.properties makes `https://` /
+`enable_grpc_ssl`), how each listener checks its callers (`listener_auth`), and the exposure
+check every process runs before it listens.
 """
 
 from __future__ import annotations
@@ -16,14 +18,30 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import uvicorn
 
 from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.protocols.http_limits import HttpLimits, limited_protocol
-from mariner.server.security import Tokens, exposure_problems, http_ssl_context, load_tokens
+from mariner.server.security import (
+    MARINER_REFUSAL,
+    TORCHSERVE_REFUSAL,
+    AnyCredential,
+    Credential,
+    GrpcTokenAuth,
+    HttpTokenAuth,
+    Refusal,
+    Tokens,
+    exposure_problems,
+    grpc_credentials,
+    http_ssl_context,
+    is_loopback,
+    load_tokens,
+)
 
 log = logging.getLogger("mariner")
 
@@ -63,15 +81,52 @@ def http_limits(cfg: ServerConfig) -> HttpLimits:
     )
 
 
-def uvicorn_config(app: Callable[..., Any], host: str, port: int, cfg: ServerConfig) -> uvicorn.Config:
+# The listeners, by the names `tls_listeners` takes.
+LISTENER_NAMES = ("inference", "management", "metrics", "grpc_inference", "grpc_management")
+
+
+def tls_listeners(cfg: ServerConfig) -> frozenset[str]:
+    """The listeners served over TLS: none without a certificate, else those `cfg.tls_listeners`
+    names (a TorchServe file's https:// addresses and enable_grpc_ssl), else every one. ValueError
+    for a name that is no listener, or names without a certificate."""
+    if cfg.tls_listeners is None:
+        return frozenset(LISTENER_NAMES) if cfg.tls_cert_file is not None else frozenset()
+    names = frozenset(n.strip() for n in cfg.tls_listeners.split(",") if n.strip())
+    unknown = sorted(names - set(LISTENER_NAMES))
+    if unknown:
+        raise ValueError(
+            f"tls_listeners: {', '.join(unknown)} is no listener; use {', '.join(LISTENER_NAMES)}"
+        )
+    if names and cfg.tls_cert_file is None:
+        raise ValueError(
+            "tls_listeners names listeners to encrypt, but no --tls-cert-file / --tls-key-file is set"
+        )
+    return names
+
+
+def grpc_tls(cfg: ServerConfig, listener: str) -> grpc.ServerCredentials | None:
+    """The gRPC listener's TLS credentials, or None when it is plain."""
+    if listener not in tls_listeners(cfg):
+        return None
+    assert cfg.tls_cert_file is not None, "tls_listeners is empty without a certificate"
+    assert cfg.tls_key_file is not None, "check_exposure insists on both"
+    return grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+
+
+def uvicorn_config(
+    app: Callable[..., Any], host: str, port: int, cfg: ServerConfig, *, listener: str | None = None
+) -> uvicorn.Config:
     """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS (our context: AEAD
-    suites only) and the access log follow the config, a graceful shutdown never outlasts the
+    suites only; on `listener` when `tls_listeners` covers it, on any when no listener is named)
+    and the access log follow the config, a graceful shutdown never outlasts the
     drain's grace period, and the connection limits are enforced by our protocol class (a fresh
     one per listener) before uvicorn hands a request to auth or routing. No WebSocket upgrade: no
     route needs one, and an upgraded connection would leave the limits behind."""
     tls: Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext] | None = None
-    if cfg.tls_cert_file is not None:
-        assert cfg.tls_key_file is not None, "check_exposure insists on both or neither"
+    encrypted = cfg.tls_cert_file is not None and (listener is None or listener in tls_listeners(cfg))
+    if encrypted:
+        assert cfg.tls_cert_file is not None
+        assert cfg.tls_key_file is not None, "check_exposure insists on both"
         context = http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
 
         def tls(_config: uvicorn.Config, _default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
@@ -142,23 +197,69 @@ def reuseport_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class ListenerAuth:
+    """How one listener checks its callers: what it accepts and how it refuses."""
+
+    credential: Credential
+    refusal: Refusal
+
+    def http(self, app: Any, *, open_paths: frozenset[str] = frozenset()) -> Any:
+        """`app` behind the check (nothing in front of it when nothing is required)."""
+        if not self.credential:
+            return app
+        return HttpTokenAuth(app, self.credential, open_paths=open_paths, refusal=self.refusal)
+
+    def grpc(self, *, open_health: bool) -> list[grpc.aio.ServerInterceptor]:
+        """The interceptors a gRPC listener needs for the check (none when nothing is required)."""
+        if not self.credential:
+            return []
+        return [GrpcTokenAuth(self.credential, open_health=open_health, refusal=self.refusal)]
+
+
+def listener_auth(tokens: Tokens, torchserve_key: Credential | None) -> ListenerAuth:
+    """Mariner's own tokens and, when TorchServe's token authorization is on, its key for this
+    listener: either is accepted, and a refusal is TorchServe's (its clients expect its answer)."""
+    if torchserve_key is None:
+        return ListenerAuth(tokens, MARINER_REFUSAL)
+    return ListenerAuth(AnyCredential(tokens, torchserve_key), TORCHSERVE_REFUSAL)
+
+
 def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
-    """Load the tokens; refuse to listen beyond loopback without them unless --insecure."""
+    """Load the tokens; refuse to listen beyond loopback without them unless --insecure.
+
+    TorchServe's keys count (they protect the inference and management listeners whenever its
+    token authorization is on); open metrics and open health are the operator's choice."""
     if (cfg.tls_cert_file is None) != (cfg.tls_key_file is None):
         raise ServingError(Code.INVALID_ARGUMENT, "TLS needs both --tls-cert-file and --tls-key-file")
+    try:
+        encrypted = tls_listeners(cfg)
+    except ValueError as exc:
+        raise ServingError(Code.INVALID_ARGUMENT, str(exc)) from None
     inference = load_tokens(cfg.inference_token, cfg.inference_token_file)
     management = load_tokens(cfg.management_token, cfg.management_token_file)
+    keys = not cfg.disable_token_auth  # TorchServe's inference and management keys
+    # label -> (listener name, address, whether it requires a credential)
     listeners = {
-        "HTTP inference": (cfg.inference_address, inference),
-        "gRPC inference": (cfg.grpc_inference_address, inference),
-        "HTTP management": (cfg.management_address, management),
-        "gRPC management": (cfg.grpc_management_address, management),
+        "HTTP inference": ("inference", cfg.inference_address, bool(inference) or keys),
+        "gRPC inference": ("grpc_inference", cfg.grpc_inference_address, bool(inference) or keys),
+        "HTTP management": ("management", cfg.management_address, bool(management) or keys),
+        "gRPC management": ("grpc_management", cfg.grpc_management_address, bool(management) or keys),
     }
     if not cfg.open_metrics:
-        # Closed metrics take the management tokens, else the inference ones (see the servers);
-        # with neither they would answer anyone, which the operator did not ask for.
-        listeners["HTTP metrics"] = (cfg.metrics_address, management or inference)
-    problems = exposure_problems(listeners)
+        # Closed metrics take the management credentials, else the inference ones (see the
+        # servers); with neither they would answer anyone, which the operator did not ask for.
+        listeners["HTTP metrics"] = ("metrics", cfg.metrics_address, bool(management or inference) or keys)
+    for label, (name, address, guarded) in listeners.items():
+        if encrypted and guarded and name not in encrypted and not is_loopback(split_address(address)[0]):
+            # TLS on some listeners only, as TorchServe serves such a file: say what it costs.
+            log.warning(
+                "%s on %s is plain HTTP beyond loopback: its bearer tokens cross the network unencrypted",
+                label,
+                address,
+            )
+    protected = {label: (address, guarded) for label, (_, address, guarded) in listeners.items()}
+    problems = exposure_problems(protected)
     if problems and not cfg.insecure:
         raise ServingError(
             Code.PERMISSION_DENIED,

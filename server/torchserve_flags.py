@@ -9,9 +9,9 @@ TorchServe 0.12's flags (ts/arg_parser.py) and what each does here:
 - `--enable-model-api`: `--enable-model-management`,
 - `--start`, `--foreground`: accepted; `mariner serve` always runs in the foreground,
 - `--ncs` / `--no-config-snapshots`: accepted; Mariner writes no config snapshots,
-- `--disable-token-auth` / `--dt`: accepted; Mariner has no TorchServe key_file.json tokens (its
-  own bearer tokens are the MARINER_*_TOKEN(_FILE) settings, and exposure without them is still
-  refused),
+- `--disable-token-auth` / `--dt`: turns TorchServe's token authorization off (Mariner's
+  `disable_token_auth` setting; without it key_file.json is written and every API needs its key,
+  as on TorchServe),
 - refused with the reason: `--stop`, `--version`, `--workflow-store`, `--log-config`,
   `--cpp-log-config`, `--plugins-path`.
 """
@@ -34,10 +34,6 @@ _NO_OPS = (
     (
         ("--ncs", "--no-config-snapshots"),
         "accepted for torchserve habits: Mariner never writes config snapshots",
-    ),
-    (
-        ("--disable-token-auth", "--dt"),
-        "accepted for torchserve habits: Mariner has no TorchServe tokens (its own: --*-token-file)",
     ),
 )
 # Refused: flag -> why, and what to do instead.
@@ -66,6 +62,11 @@ def add_torchserve_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torchserve's name for --enable-model-management",
     )
+    # torchserve's short name of --disable-token-auth (ServerConfig.disable_token_auth's own flag).
+    parser.add_argument(
+        "--dt", dest="disable_token_auth", action="store_const", const=True, default=None,
+        help="torchserve's name for --disable-token-auth",
+    )  # fmt: skip
     for flags, text in _NO_OPS:
         parser.add_argument(*flags, dest=flags[0][2:].replace("-", "_"), action="store_true", help=text)
     for flag in REFUSED:

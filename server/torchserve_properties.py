@@ -4,11 +4,11 @@ Users bring the file they already run TorchServe with. A key we map is honoured;
 not use is named in a warning (one line each), never dropped in silence; and a key whose loss
 would weaken security is honoured or refused, never downgraded. In particular TLS: TorchServe
 serves a listener over TLS when its address is `https://` (HTTP) or `enable_grpc_ssl=true`
-(gRPC), with the PEM pair `private_key_file` / `certificate_file`. Mariner serves TLS on every
-listener or on none (one `--tls-cert-file` / `--tls-key-file` pair), so a file that asks for TLS
-on some listeners only is refused with the list of listeners that would stay plain, and Java
-keystores (`keystore`, `keystore_pass`, `keystore_type`) are refused when they would be the
-key material.
+(gRPC), with the PEM pair `private_key_file` / `certificate_file`; Mariner does the same, listener
+by listener (`tls_listeners` names the encrypted ones when some stay plain), and refuses Java
+keystores (`keystore`, `keystore_pass`, `keystore_type`) when they would be the key material.
+TorchServe's token authorization keys (`disable_token_authorization`, `token_expiration_min`)
+are read as TorchServe reads them (see torchserve_tokens).
 
 Environment, as TorchServe's ConfigManager reads it: a value's `$$NAME$$` is replaced by the
 variable NAME (an unset one is an error), and with `enable_envvars_config=true` in the file each
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -40,10 +41,7 @@ _KEYSTORE_KEYS = ("keystore", "keystore_pass", "keystore_type")
 # Keys TorchServe understands that change security or what a client sees, with what Mariner
 # does instead: the warning says it, so nobody assumes TorchServe's behaviour.
 _DIFFERENT = {
-    "disable_token_authorization": "Mariner has no TorchServe key_file.json tokens; set "
-    "MARINER_INFERENCE_TOKEN_FILE / MARINER_MANAGEMENT_TOKEN_FILE for bearer-token auth",
     "model_snapshot": "Mariner does not read TorchServe snapshots: put per-model settings in models={...}",
-    "token_expiration_min": "Mariner's bearer tokens do not expire; rotate them through the token files",
     "allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "use_env_allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "enable_metrics_api": "Mariner always serves /metrics on metrics_address (see --open-metrics)",
@@ -130,9 +128,10 @@ TS_ENV_KEYS: dict[str, str] = {
 # TorchServe key -> the ServerConfig fields it sets here (to know which fields a TS_* variable
 # decided, since those beat the command line as in TorchServe).
 FIELDS_OF_KEY: dict[str, tuple[str, ...]] = {
-    "inference_address": ("inference_address",),
-    "management_address": ("management_address",),
-    "metrics_address": ("metrics_address",),
+    "inference_address": ("inference_address", "tls_listeners"),
+    "management_address": ("management_address", "tls_listeners"),
+    "metrics_address": ("metrics_address", "tls_listeners"),
+    "enable_grpc_ssl": ("tls_listeners",),
     "grpc_inference_address": ("grpc_inference_address",),
     "grpc_inference_port": ("grpc_inference_address",),
     "grpc_management_address": ("grpc_management_address",),
@@ -148,7 +147,11 @@ FIELDS_OF_KEY: dict[str, tuple[str, ...]] = {
     "install_py_dep_per_model": ("install_py_dep_per_model",),
     "private_key_file": ("tls_key_file",),
     "certificate_file": ("tls_cert_file",),
+    "disable_token_authorization": ("disable_token_auth",),
+    "token_expiration_min": ("token_expiration_min",),
 }
+# TorchServe's default token lifetime, also what it uses when token_expiration_min is not a number.
+DEFAULT_TOKEN_EXPIRATION_MIN = 60.0
 _SUBSTITUTION = re.compile(r"\$\$([^$]+[^$])\$\$")  # ConfigManager's pattern
 
 
@@ -225,9 +228,10 @@ def _listener(key: str, address: str, default_port: int) -> tuple[str, bool]:
 
 
 def _tls(props: Mapping[str, str], https: Mapping[str, bool]) -> dict[str, Any]:
-    """Our TLS settings for the listeners TorchServe would encrypt, or ValueError naming the gap."""
+    """Our TLS settings for the listeners TorchServe would encrypt (the others stay plain, as
+    there), or ValueError when the key material is missing or only a Java keystore."""
     grpc_tls = _true(props.get("enable_grpc_ssl", "false"))
-    wanted = {**https, "gRPC inference and management (enable_grpc_ssl)": grpc_tls}
+    wanted = {**https, "grpc_inference": grpc_tls, "grpc_management": grpc_tls}
     encrypted = [name for name, on in wanted.items() if on]
     pem = [k for k in ("private_key_file", "certificate_file") if props.get(k)]
     keystore = [k for k in _KEYSTORE_KEYS if k in props]
@@ -235,14 +239,6 @@ def _tls(props: Mapping[str, str], https: Mapping[str, bool]) -> dict[str, Any]:
         for key in pem + keystore:
             log.warning("config.properties %s is not used: no listener is https:// or enable_grpc_ssl", key)
         return {}
-    plain = [name for name, on in wanted.items() if not on]
-    if plain:
-        raise ValueError(
-            "config.properties asks for TLS on " + ", ".join(encrypted) + " but not on " + ", ".join(plain)
-            + ": Mariner serves TLS on all of its listeners or on none, so it cannot serve this mix. "
-            "Make every address https:// and set enable_grpc_ssl=true (an absent address is "
-            "TorchServe's plain http default), or use no TLS at all"
-        )  # fmt: skip
     if len(pem) < 2:
         missing = [k for k in ("private_key_file", "certificate_file") if k not in pem]
         why = (
@@ -256,7 +252,72 @@ def _tls(props: Mapping[str, str], https: Mapping[str, bool]) -> dict[str, Any]:
         )
     for key in keystore:
         log.warning("config.properties %s is not used: TLS uses private_key_file and certificate_file", key)
-    return {"tls_key_file": props["private_key_file"], "tls_cert_file": props["certificate_file"]}
+    out: dict[str, Any] = {
+        "tls_key_file": props["private_key_file"],
+        "tls_cert_file": props["certificate_file"],
+    }
+    if len(encrypted) < len(wanted):  # the others stay plain, as on TorchServe
+        out["tls_listeners"] = ",".join(encrypted)
+    return out
+
+
+def _token_expiration_min(value: str) -> float:
+    """token_expiration_min as TorchServe reads it (a Java double, minutes); a value that is not
+    a finite number is TorchServe's default of 60, with a warning (TorchServe logs an error)."""
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not math.isfinite(minutes):
+        log.warning(
+            "config.properties token_expiration_min=%s is not a number: keys expire after %g minutes",
+            value, DEFAULT_TOKEN_EXPIRATION_MIN,
+        )  # fmt: skip
+        return DEFAULT_TOKEN_EXPIRATION_MIN
+    if minutes * 60 < 1:
+        log.warning("config.properties token_expiration_min=%s: keys expire as soon as they are made", value)
+    return minutes
+
+
+# TorchServe's logging and metrics keys, read as its ConfigManager reads them.
+_LOG_KEYS = (
+    "metrics_mode",
+    "model_metrics_auto_detect",
+    "disable_system_metrics",
+    "async_logging",
+    "metric_time_interval",
+)
+_BOOLEAN_LOG_KEYS = ("model_metrics_auto_detect", "disable_system_metrics", "async_logging")
+
+
+def _logs_and_metrics(props: Mapping[str, str]) -> dict[str, Any]:
+    """metrics_mode (case and spaces ignored; another value is TorchServe's `log`, with a
+    warning, as TorchServe logs an error and uses log), the boolean keys (Java's parseBoolean:
+    anything but `true` is false, a value that is not a boolean warned about) and
+    metric_time_interval (whole seconds, positive, or the start is refused)."""
+    out: dict[str, Any] = {}
+    if "metrics_mode" in props:
+        mode = re.sub(r"\s", "", props["metrics_mode"]).lower()
+        if mode not in ("log", "prometheus", "legacy"):
+            log.warning("config.properties metrics_mode=%s is not log, prometheus or legacy: using log",
+                        props["metrics_mode"])  # fmt: skip
+            mode = "log"
+        out["metrics_mode"] = mode
+    for key in _BOOLEAN_LOG_KEYS:
+        if key in props:
+            value = props[key].strip().lower()
+            if value not in ("true", "false"):
+                log.warning("config.properties %s=%s is not true or false: using false", key, props[key])
+            out[key] = value == "true"
+    if "metric_time_interval" in props:
+        value = props["metric_time_interval"].strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"config.properties metric_time_interval={value}: expected a whole number of seconds, "
+                "at least 1"
+            )
+        out["metric_time_interval"] = int(value)
+    return out
 
 
 def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
@@ -270,7 +331,7 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
     https: dict[str, bool] = {}
     for key, port in _HTTP_LISTENERS:
         address, tls = _listener(key, props.get(key, f"http://127.0.0.1:{port}"), port)
-        https[key] = tls
+        https[key.removesuffix("_address")] = tls
         if key in props:
             out[key] = address
             used.add(key)
@@ -302,9 +363,12 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
         used.add("models")
     if props.get("metrics_mode", "prometheus").strip().lower() == "prometheus":
         used.add("metrics_mode")  # what Mariner serves; "log"/"legacy" are warned about below
-    if _true(props.get("disable_token_authorization", "false")):
-        # No TorchServe tokens, as asked; Mariner's own rule still refuses exposure without tokens.
+    if "disable_token_authorization" in props:
+        out["disable_token_auth"] = _true(props["disable_token_authorization"])
         used.add("disable_token_authorization")
+    if "token_expiration_min" in props:
+        out["token_expiration_min"] = _token_expiration_min(props["token_expiration_min"])
+        used.add("token_expiration_min")
     for key in sorted(set(props) - used):
         if key in _DIFFERENT:
             log.warning("config.properties %s is not supported (ignored): %s", key, _DIFFERENT[key])

@@ -71,6 +71,7 @@ class MarinerServe:
         *,
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        cwd: Path | None = None,
         **settings: Any,
     ) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="mariner-test-")
@@ -90,6 +91,9 @@ class MarinerServe:
         # requests, Mariner's queue counts rows (an OIP request of 3 rows takes 3), and tests that
         # fire a hundred multi-row requests at once measure batching, not the queue's limit.
         config["job_queue_size"] = 1024
+        # TorchServe's token authorization off unless a test says otherwise: its key_file.json is
+        # written in the working directory (the repository here), and most tests check other things.
+        config["disable_token_auth"] = True
         config.update({k: _yaml_value(v) for k, v in settings.items()})
         self.config = config
         self.config_file = tmp / "mariner.yaml"
@@ -99,6 +103,9 @@ class MarinerServe:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}
         self._env = {**inherited, **(env or {})}
         self._args = args
+        # The server's working directory (where TorchServe's key_file.json goes): the repository
+        # unless a test says otherwise.
+        self.cwd = cwd or REPO
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: BoundPorts | None = None
         self.supervisor_pid: int | None = None
@@ -115,7 +122,7 @@ class MarinerServe:
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [*cmd, *self._args],
-            cwd=REPO,
+            cwd=self.cwd,
             env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

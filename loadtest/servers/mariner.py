@@ -72,6 +72,9 @@ class MarinerProcess(RepoCommand):
             "--grpc-inference-address", f"{LOCALHOST}:{p.grpc_inference}",
             "--grpc-management-address", f"{LOCALHOST}:{p.grpc_management}",
             "--log-level", log_level,
+            # TorchServe's token authorization (on by default, as in TorchServe) would need every
+            # load-test client to read key_file.json; the comparison runs stock TorchServe without it.
+            "--disable-token-auth",
         ]  # fmt: skip
         if batch_size is not None:
             cmd += ["--batch-size", str(batch_size)]

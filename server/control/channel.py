@@ -16,9 +16,10 @@ import logging
 import pickle
 import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from mariner.server.torchserve_tokens import Key
 from mariner.server.workers import safe_pickle
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.peer import check_peer
@@ -41,10 +42,16 @@ class FrontendInit:
 
 @dataclass(frozen=True)
 class ModelTable:
-    """Every model version served and its live workers; `version` counts the tables sent."""
+    """Every model version served and its live workers; `version` counts the tables sent.
+
+    With TorchServe's token authorization on, it also carries the current inference key (the
+    only key a frontend needs): a frontend applies its first table before it listens, and the
+    supervisor's wait for every frontend's TableApplied is what makes a replaced key stop working
+    everywhere before the token API answers."""
 
     version: int
     entries: tuple[ModelEntry, ...]
+    inference_key: Key | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

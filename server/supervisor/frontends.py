@@ -26,6 +26,7 @@ from mariner.server.config import ServerConfig
 from mariner.server.control import channel
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.supervisor.children import Backoff, mark_dead
+from mariner.server.torchserve_tokens import Key
 from mariner.server.workers import parent_death
 from mariner.server.workers.api import ModelEntry
 from mariner.server.workers.child_env import child_env
@@ -62,6 +63,9 @@ class FrontendPool:
         self._frontends = [_Frontend(i) for i in range(count)]
         self._tasks: list[asyncio.Task[None]] = []
         self._table: channel.ModelTable = channel.ModelTable(0, ())
+        # TorchServe's current inference key (None: its token authorization is off), sent with
+        # every table; set before start() so that no frontend ever listens without it.
+        self.inference_key: Key | None = None
         self._progress = asyncio.Condition()
         self.start_error: str | None = None
         self.drained: list[channel.Drained] = []
@@ -154,7 +158,7 @@ class FrontendPool:
 
     async def publish(self, entries: tuple[ModelEntry, ...]) -> None:
         """Send the table to every frontend; wait (bounded) until the live ones applied it."""
-        self._table = channel.ModelTable(self._table.version + 1, entries)
+        self._table = channel.ModelTable(self._table.version + 1, entries, self.inference_key)
         version = self._table.version
         for f in self._frontends:
             if f.writer is not None and f.process is not None and f.process.returncode is None:
@@ -171,6 +175,12 @@ class FrontendPool:
         async with self._progress:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait_for(applied), TABLE_ACK_TIMEOUT_S)
+
+    async def set_inference_key(self, key: Key) -> None:
+        """Send the new key to every frontend with the current table; returns once the live
+        ones applied it (bounded, as every table)."""
+        self.inference_key = key
+        await self.publish(self._table.entries)
 
     async def stop(self, wait_s: float) -> None:
         """SIGTERM every frontend (each drains), wait for them, SIGKILL any left after `wait_s`."""

@@ -39,15 +39,24 @@ from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.core.types import ModelState
-from mariner.server.listeners import EmbeddedUvicorn, check_exposure, listen_on, split_address, uvicorn_config
+from mariner.server.listeners import (
+    EmbeddedUvicorn,
+    check_exposure,
+    grpc_tls,
+    listen_on,
+    listener_auth,
+    split_address,
+    uvicorn_config,
+)
 from mariner.server.private_dir import ensure_private_dir
 from mariner.server.protocols.connection_budget import raise_descriptor_limit
 from mariner.server.protocols.grpc_server import bind_port, build_management_server
 from mariner.server.protocols.http_common import json_response
-from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, GrpcTokenAuth, HttpTokenAuth, grpc_credentials
+from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
 from mariner.server.supervisor.frontends import FrontendPool
 from mariner.server.supervisor.ports import reserve_port
 from mariner.server.supervisor.registry import ModelRegistry
+from mariner.server.torchserve_tokens import KEY_FILE_NAME, Key, KeyKind, TokenApi, TorchServeKeys, start_keys
 from mariner.server.workers.child_env import forget_secrets
 from mariner.server.workers.process import socket_dir_for
 
@@ -90,6 +99,7 @@ class Supervisor:
         self._known_models: set[str] = set()
         self.ports: dict[str, int] = {}
         self.draining = False
+        self.keys: TorchServeKeys | None = None  # TorchServe's token authorization, when on
 
     def _frontends_ok(self) -> bool:
         return self.frontends is not None and self.frontends.all_up()
@@ -140,6 +150,11 @@ class Supervisor:
     async def start(self) -> None:
         cfg = self.cfg
         inference_tokens, management_tokens = check_exposure(cfg)
+        # TorchServe's key_file.json is written before any listener takes a call, as TorchServe does.
+        if not cfg.disable_token_auth:
+            self.keys = start_keys(Path.cwd() / KEY_FILE_NAME, cfg.token_expiration_min)
+        management_key = self.keys.management if self.keys is not None else None
+        management_auth = listener_auth(management_tokens, management_key)
         # Reserve the shared inference ports first: a port in use fails here, before any child.
         http_sock = reserve_port(cfg.inference_address)
         grpc_sock = reserve_port(cfg.grpc_inference_address)
@@ -147,39 +162,39 @@ class Supervisor:
         http_port, grpc_port = http_sock.getsockname()[1], grpc_sock.getsockname()[1]
 
         # Control plane: management (REST, gRPC) and metrics, all in this process.
-        creds = (
-            grpc_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-            if cfg.tls_cert_file and cfg.tls_key_file
-            else None
-        )
         self._grpc = build_management_server(
             self.registry,
             max_message_bytes=cfg.max_request_bytes,
             health=self._health,
             on_change=self.refresh_health,
-            interceptors=[GrpcTokenAuth(management_tokens, open_health=cfg.open_health)]
-            if management_tokens
-            else [],
+            interceptors=management_auth.grpc(open_health=cfg.open_health),
         )
-        grpc_mgmt_port = bind_port(self._grpc, cfg.grpc_management_address, "management", creds)
+        grpc_mgmt_port = bind_port(
+            self._grpc, cfg.grpc_management_address, "management", grpc_tls(cfg, "grpc_management")
+        )
         await self.refresh_health()
         await self._grpc.start()
-        metrics_tokens = (
-            type(management_tokens)() if cfg.open_metrics else (management_tokens or inference_tokens)
+        # Closed metrics take the management credentials (Mariner's inference tokens without them).
+        metrics_auth = listener_auth(
+            Tokens() if cfg.open_metrics else (management_tokens or inference_tokens),
+            None if cfg.open_metrics else management_key,
         )
         health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
         mgmt = management_app(self.registry)
         for route in self._management_routes():
             mgmt.router.routes.append(route)
-        for app, address in (
-            (HttpTokenAuth(mgmt, management_tokens, open_paths=health_paths), cfg.management_address),
-            (HttpTokenAuth(metrics_app(self.registry), metrics_tokens), cfg.metrics_address),
+        mgmt_app = management_auth.http(mgmt, open_paths=health_paths)
+        if self.keys is not None:  # TorchServe's token API, authorised by its API key alone
+            mgmt_app = TokenApi(mgmt_app, self.keys, self._publish_inference_key)
+        for app, address, listener in (
+            (mgmt_app, cfg.management_address, "management"),
+            (metrics_auth.http(metrics_app(self.registry)), cfg.metrics_address, "metrics"),
         ):
             # Bound here, so a port in use is an OSError naming it (uvicorn would sys.exit).
             sock = listen_on(address)
             self._reserved.append(sock)
             host, _ = split_address(address)
-            srv = EmbeddedUvicorn(uvicorn_config(app, host, sock.getsockname()[1], cfg))
+            srv = EmbeddedUvicorn(uvicorn_config(app, host, sock.getsockname()[1], cfg, listener=listener))
             self._http.append(srv)
             self._http_tasks.append(asyncio.create_task(srv.serve(sockets=[sock])))
         while not all(s.started for s in self._http):
@@ -208,10 +223,17 @@ class Supervisor:
         pinned = pinned_digests(cfg.model_store) if cfg.pin_index else None
         versions = await self.registry.open_models(model_specs(cfg, pinned))
         self.frontends = FrontendPool(cfg, self.frontend_count, http_port, grpc_port)
+        if self.keys is not None:
+            self.frontends.inference_key = self.keys.current(KeyKind.INFERENCE)
         await self.registry.start_workers(versions)
         await self.frontends.start()
         await self._publish()
         self._health_task = asyncio.create_task(self._poll_health(), name="supervisor-health")
+
+    async def _publish_inference_key(self, key: Key) -> None:
+        """A new TorchServe inference key to every frontend (they check inference calls)."""
+        if self.frontends is not None:
+            await self.frontends.set_inference_key(key)
 
     async def wait_ready(self) -> None:
         """Log once start-up has settled: every frontend listens and every worker's first start
@@ -261,6 +283,8 @@ class Supervisor:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self._tmp is not None:
             self._tmp.cleanup()
+        if self.keys is not None:  # TorchServe's launcher removes it on --stop; nothing else would
+            self.keys.remove_file()
         log.info("stopped")
 
 

@@ -51,6 +51,7 @@ class ServeProcess:
             "--grpc-inference-address", f"127.0.0.1:{self.ports['grpc']}",
             "--grpc-management-address", f"127.0.0.1:{self.ports['grpc_mgmt']}",
             "--grace-seconds", "20",
+            "--disable-token-auth",  # no key_file.json in the repository: these tests check other things
             *extra_args,
         ]  # fmt: skip
         self.log = log_path.open("wb")

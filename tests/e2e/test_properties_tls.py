@@ -78,6 +78,7 @@ def test_torchserve_tls_keys_encrypt_every_listener(model_store: Path, tmp_path:
                 str(props),
                 "--frontends",
                 "1",
+                "--disable-token-auth",  # no key_file.json in the repository; TLS is what is tested
             ],
             cwd=REPO,
             stdout=out,

@@ -194,7 +194,8 @@ def test_closed_health_and_metrics_need_tokens(closed: MarinerServe) -> None:
 
 
 def test_listening_beyond_loopback_without_tokens_refuses_to_start(tmp_path: Path) -> None:
-    exposed = replace(ServerConfig(), inference_address="0.0.0.0:8080")
+    # Without TorchServe's keys too (on by default; they count as tokens, see below).
+    exposed = replace(ServerConfig(), inference_address="0.0.0.0:8080", disable_token_auth=True)
     with pytest.raises(ServingError) as info:
         check_exposure(exposed)
     assert info.value.code is Code.PERMISSION_DENIED
@@ -205,8 +206,17 @@ def test_listening_beyond_loopback_without_tokens_refuses_to_start(tmp_path: Pat
     tokens, _ = check_exposure(replace(exposed, inference_token_file=token_file))
     assert tokens.accepts("Bearer abc")
     check_exposure(replace(exposed, insecure=True))
+    check_exposure(replace(exposed, disable_token_auth=False))  # TorchServe's inference key protects it
     proc = subprocess.run(
-        [sys.executable, "-m", "mariner.server.cli", "serve", "--grpc-inference-address", "0.0.0.0:0"],
+        [
+            sys.executable,
+            "-m",
+            "mariner.server.cli",
+            "serve",
+            "--grpc-inference-address",
+            "0.0.0.0:0",
+            "--disable-token-auth",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=60,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -151,30 +149,6 @@ def test_torchserve_tls_keys_turn_on_our_tls(tmp_path: Path, caplog: pytest.LogC
     assert caplog.records == [], "every key of this file is honoured"
 
 
-@pytest.mark.parametrize(
-    ("text", "plain"),
-    [
-        ("inference_address=https://127.0.0.1:8443\n", "management_address, metrics_address, gRPC"),
-        (TLS_EVERYWHERE.replace("enable_grpc_ssl=true\n", ""), "but not on gRPC"),
-        (TLS_EVERYWHERE.replace("enable_grpc_ssl=true\n", "enable_grpc_ssl=false\n"), "but not on gRPC"),
-        (
-            TLS_EVERYWHERE.replace("https://127.0.0.1:8445", "http://127.0.0.1:8445"),
-            "but not on metrics_address",
-        ),
-        (
-            "enable_grpc_ssl=true\nprivate_key_file=k.pem\ncertificate_file=c.pem\n",
-            "but not on inference_address, management_address, metrics_address",
-        ),
-    ],
-)
-def test_tls_on_some_listeners_only_is_refused_naming_the_plain_ones(
-    tmp_path: Path, text: str, plain: str
-) -> None:
-    with pytest.raises(ValueError, match="Mariner serves TLS on all of its listeners or on none") as info:
-        _properties(tmp_path, text)
-    assert plain in str(info.value)
-
-
 def test_tls_without_pem_files_is_refused_and_keystores_are_not_key_material(tmp_path: Path) -> None:
     no_key = TLS_EVERYWHERE.replace("private_key_file=/etc/ts/key.pem\n", "")
     with pytest.raises(ValueError, match="without private_key_file$"):
@@ -203,7 +177,7 @@ def test_keys_mariner_does_not_use_are_named_in_one_warning_each(
         "private_key_file=key.pem\n"
         "grpc_inference_address=0.0.0.0\n"
         "enable_model_api=true\n"
-        "disable_token_authorization=true\n"  # honoured: Mariner has no TorchServe tokens
+        "disable_token_authorization=true\n"  # honoured: TorchServe's token authorization off
     )
     with caplog.at_level(logging.WARNING, logger="mariner.config"):
         cfg = _properties(tmp_path, text)
@@ -214,32 +188,13 @@ def test_keys_mariner_does_not_use_are_named_in_one_warning_each(
     assert cfg.tls_cert_file is None, "a key file with no https listener stays unused, as in TorchServe"
     assert cfg.grpc_inference_address == "0.0.0.0:7070", "a gRPC host without a port keeps the default port"
     assert cfg.enable_model_management is True
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mariner.config"):
-        _properties(tmp_path, "disable_token_authorization=false\n")
-    (wants_tokens,) = caplog.records
-    assert "MARINER_INFERENCE_TOKEN_FILE" in wants_tokens.getMessage(), "TorchServe's token auth is not ours"
+    assert cfg.disable_token_auth is True
 
 
 @pytest.mark.parametrize("address", ["unix:/tmp/management.sock", "ftp://127.0.0.1:21", "https://:8443"])
 def test_addresses_mariner_cannot_listen_on_are_refused(tmp_path: Path, address: str) -> None:
     with pytest.raises(ValueError, match="management_address"):
         _properties(tmp_path, f"management_address={address}\n")
-
-
-def test_partial_tls_stops_mariner_serve_with_the_reason(tmp_path: Path) -> None:
-    props = tmp_path / "config.properties"
-    props.write_text(
-        "inference_address=https://127.0.0.1:0\nprivate_key_file=k.pem\ncertificate_file=c.pem\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "mariner.server.cli", "serve", "--config-file", str(props)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "bad configuration: config.properties asks for TLS on inference_address but not on" in proc.stderr
 
 
 def test_the_metrics_dir_goes_under_the_work_dir_from_any_layer(

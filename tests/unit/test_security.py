@@ -143,8 +143,9 @@ def test_flags_close_health_and_metrics() -> None:
 
 def test_closed_metrics_beyond_loopback_need_tokens_like_every_other_listener(tmp_path: Path) -> None:
     """With --no-open-metrics, /metrics takes the management tokens (else the inference ones); with
-    neither it would answer anyone, so binding it beyond loopback is refused unless --insecure."""
-    exposed = ["--metrics-address", "0.0.0.0:8082", "--no-open-metrics"]
+    neither (and TorchServe's keys off) it would answer anyone, so binding it beyond loopback is
+    refused unless --insecure."""
+    exposed = ["--metrics-address", "0.0.0.0:8082", "--no-open-metrics", "--disable-token-auth"]
     with pytest.raises(ServingError) as info:
         check_exposure(load_config(exposed, env={}))
     assert info.value.code is Code.PERMISSION_DENIED
