@@ -30,9 +30,10 @@ from typing import Any
 
 import yaml
 
+from mariner.server.config_snapshots import last_snapshot, snapshot_dir, snapshot_specs
 from mariner.server.core.archive import UNLISTED, archive_file_name, store_archives
 from mariner.server.core.endpoint import ModelSpec
-from mariner.server.core.model_settings import ServerLayers, SettingsOverrides, default_workers
+from mariner.server.core.model_settings import SNAPSHOT_KEYS, ServerLayers, SettingsOverrides, default_workers
 from mariner.server.torchserve_flags import (
     add_torchserve_flags,
     take_torchserve_flags,
@@ -50,7 +51,9 @@ from mariner.server.torchserve_properties import (
 @dataclass(frozen=True)
 class ServerConfig:
     model_store: Path = Path("model_store")
-    models: str = "all"
+    # TorchServe's default: no model at start-up unless --models / load_models names some ("all"
+    # for every archive of the store).
+    models: str = ""
     inference_address: str = "127.0.0.1:8080"
     management_address: str = "127.0.0.1:8081"
     metrics_address: str = "127.0.0.1:8082"
@@ -109,6 +112,11 @@ class ServerConfig:
     token_expiration_min: float = 60.0
     config_file: Path | None = None
     model_overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # TorchServe's config snapshots (config_snapshots): written under LOG_LOCATION/config, and the
+    # newest restored by a start given no config file; a restored file's models (model_snapshot)
+    # are loaded in place of `models`.
+    config_snapshots: bool = True
+    model_snapshot: Mapping[str, Any] | None = None
     # Connection limits of the gRPC inference listener (see protocols.grpc_server), per frontend.
     grpc_max_connections: int = 1000
     grpc_max_concurrent_streams: int = 256
@@ -121,8 +129,8 @@ class ServerConfig:
 
 _HELP = {
     "model_store": "directory holding the .mar archives (archives load only from here)",
-    "models": "'all', or 'file.mar' / 'name=file.mar' entries, space- or comma-separated (torchserve's "
-    "--models)",
+    "models": "models to load at start-up: 'all' (every archive of the store), or 'file.mar' / "
+    "'name=file.mar' entries, space- or comma-separated (torchserve's --models; default: none)",
     "inference_address": "HTTP inference listener host:port (TorchServe API, /ping, /healthz, /readyz)",
     "management_address": "HTTP management listener host:port (/models)",
     "metrics_address": "HTTP Prometheus listener host:port (/metrics)",
@@ -187,6 +195,9 @@ _HELP = {
     "token_expiration_min": "minutes before TorchServe's inference and management keys expire (TorchServe's "
     "token_expiration_min; the token API makes new ones)",
     "config_file": "YAML/JSON config, or a TorchServe config.properties",
+    "config_snapshots": "write TorchServe's config snapshots (LOG_LOCATION/config/*-startup|snapshot|"
+    "shutdown.cfg) and, when no config file is given, restore the newest at start (torchserve's --ncs / "
+    "--no-config-snapshots turn it off)",
     "grpc_max_connections": "open connections to the gRPC inference listener per frontend; more are closed "
     "at once",
     "grpc_max_concurrent_streams": "concurrent calls (HTTP/2 streams) per gRPC connection, advertised to "
@@ -250,7 +261,7 @@ def read_config_file(path: Path, env: Mapping[str, str] | None = None) -> dict[s
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mariner serve", description="Serve TorchServe .mar archives fast.")
     for f in fields(ServerConfig):
-        if f.name == "model_overrides":
+        if f.name in ("model_overrides", "model_snapshot"):  # config-file values, never flags
             continue
         flag = "--" + f.name.replace("_", "-")
         if "bool" in str(f.type):
@@ -283,7 +294,9 @@ def load_config(
         args["enable_model_management"] = True
     config_file = args.get("config_file") or env.get("MARINER_CONFIG_FILE")
     ours_is_properties = bool(config_file) and Path(str(config_file)).suffix == ".properties"
-    ts_file = torchserve_config_path(ts_flags.ts_config, env, cwd, others=bool(config_file))
+    ts_file = _restored_snapshot(args, env, cwd, ts_flags.ts_config, config_file) or torchserve_config_path(
+        ts_flags.ts_config, env, cwd, others=bool(config_file)
+    )
     if ts_file is not None and ours_is_properties:
         raise ValueError(
             f"two TorchServe config files: {config_file} (--config-file / MARINER_CONFIG_FILE) and "
@@ -305,7 +318,7 @@ def load_config(
         merged["config_file"] = config_file
     for f in fields(ServerConfig):
         key = f"MARINER_{f.name.upper()}"
-        if key in env and f.name != "model_overrides":
+        if key in env and f.name not in ("model_overrides", "model_snapshot"):
             merged[f.name] = env[key]
     merged.update({k: v for k, v in args.items() if v is not None})
     merged.update(from_ts_env)  # TorchServe applies TS_* variables after its command line
@@ -332,6 +345,22 @@ def load_config(
         if (f.name.startswith("http_") or f.name in positive) and not getattr(cfg, f.name) > 0:
             raise ValueError(f"{f.name} must be positive, got {getattr(cfg, f.name)!r}")
     return cfg
+
+
+def _restored_snapshot(
+    args: Mapping[str, Any], env: Mapping[str, str], cwd: Path | None, ts_config: str | None, ours: Any
+) -> Path | None:
+    """The config snapshot a start restores, as TorchServe's ConfigManager chooses it: only when no
+    config file is given (TS_CONFIG_FILE, --ts-config, --config-file / MARINER_CONFIG_FILE) and
+    snapshots are on; then the newest one that is safe to read (config_snapshots)."""
+    if env.get("TS_CONFIG_FILE") or ts_config or ours:
+        return None
+    wanted = args.get("config_snapshots")
+    if wanted is None:
+        wanted = _coerce("config_snapshots", env.get("MARINER_CONFIG_SNAPSHOTS", True))
+    if not wanted:
+        return None
+    return last_snapshot(snapshot_dir(env, cwd))  # the supervisor says so once it logs
 
 
 def default_frontends(cores: int | None = None) -> int:
@@ -400,13 +429,16 @@ def server_layers(cfg: ServerConfig, gpus: int = 0, cores: int | None = None) ->
 
 
 def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> list[ModelSpec]:
-    """Expand `models` ('all' or a list) into ModelSpecs.
+    """Expand `models` ('all', a list, or nothing: TorchServe loads no model by default) into
+    ModelSpecs.
 
     Their serving settings are resolved when each archive is opened (its model-config is the
     lowest layer), over `server_layers(cfg)`.
     """
+    if cfg.model_snapshot is not None:
+        return _snapshot_model_specs(cfg.model_snapshot, pinned)
     entries: list[tuple[str | None, str]] = []
-    if cfg.models.strip() in ("all", "ALL", ""):
+    if cfg.models.strip().lower() == "all":
         entries = [(None, name) for name in store_archives(cfg.model_store)]
     else:
         for item in cfg.models.split(","):
@@ -424,6 +456,25 @@ def model_specs(cfg: ServerConfig, pinned: Mapping[str, str] | None = None) -> l
         )
         for name, archive in entries
     ]
+
+
+def _snapshot_model_specs(
+    model_snapshot: Mapping[str, Any], pinned: Mapping[str, str] | None
+) -> list[ModelSpec]:
+    """A config snapshot's model versions, each with its snapshot settings as the top layer (as
+    TorchServe's Model.setModelState), the default version of each model first."""
+    try:
+        versions = snapshot_specs(model_snapshot)
+    except ValueError as exc:
+        raise ValueError(f"config snapshot: {exc}") from None
+    specs = []
+    for name, archive, entry, _default in versions:
+        overrides = SettingsOverrides.parse(
+            {k: entry.get(k) for k in SNAPSHOT_KEYS}, f"config snapshot models[{name!r}]"
+        )
+        sha = None if pinned is None else pinned.get(archive, UNLISTED)
+        specs.append(ModelSpec(archive=archive, name=name, overrides=overrides, sha256=sha))
+    return specs
 
 
 def pinned_digests(store: Path) -> dict[str, str]:

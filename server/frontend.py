@@ -155,6 +155,8 @@ class RemoteEndpoint(ModelEndpoint):
             self._ever_ready = True
         elif self.entry.error is not None:  # a refused archive, or workers that cannot start
             self.state = ModelState.FAILED
+        elif not self.entry.workers and self.entry.settings.min_workers == 0:
+            self.state = ModelState.NO_WORKERS  # registered or scaled to no worker, on purpose
         else:
             self.state = ModelState.RESTARTING if self._ever_ready else ModelState.LOADING
         self._set_ready(ready)

@@ -8,7 +8,8 @@ TorchServe 0.12's flags (ts/arg_parser.py) and what each does here:
   comma-separated): Mariner's own flags of the same names,
 - `--enable-model-api`: `--enable-model-management`,
 - `--start`, `--foreground`: accepted; `mariner serve` always runs in the foreground,
-- `--ncs` / `--no-config-snapshots`: accepted; Mariner writes no config snapshots,
+- `--ncs` / `--no-config-snapshots`: no config snapshots written or restored (Mariner's
+  `config_snapshots` setting, see config_snapshots),
 - `--disable-token-auth` / `--dt`: turns TorchServe's token authorization off (Mariner's
   `disable_token_auth` setting; without it key_file.json is written and every API needs its key,
   as on TorchServe),
@@ -31,10 +32,6 @@ log = logging.getLogger("mariner.config")
 _NO_OPS = (
     (("--start",), "accepted for torchserve habits: mariner serve starts the server"),
     (("--foreground",), "accepted for torchserve habits: mariner serve always runs in the foreground"),
-    (
-        ("--ncs", "--no-config-snapshots"),
-        "accepted for torchserve habits: Mariner never writes config snapshots",
-    ),
 )
 # Refused: flag -> why, and what to do instead.
 REFUSED = {
@@ -66,6 +63,11 @@ def add_torchserve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dt", dest="disable_token_auth", action="store_const", const=True, default=None,
         help="torchserve's name for --disable-token-auth",
+    )  # fmt: skip
+    # torchserve's short name of --no-config-snapshots (ServerConfig.config_snapshots' own flag).
+    parser.add_argument(
+        "--ncs", dest="config_snapshots", action="store_const", const=False, default=None,
+        help="torchserve's name for --no-config-snapshots",
     )  # fmt: skip
     for flags, text in _NO_OPS:
         parser.add_argument(*flags, dest=flags[0][2:].replace("-", "_"), action="store_true", help=text)

@@ -41,7 +41,6 @@ _KEYSTORE_KEYS = ("keystore", "keystore_pass", "keystore_type")
 # Keys TorchServe understands that change security or what a client sees, with what Mariner
 # does instead: the warning says it, so nobody assumes TorchServe's behaviour.
 _DIFFERENT = {
-    "model_snapshot": "Mariner does not read TorchServe snapshots: put per-model settings in models={...}",
     "allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "use_env_allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "enable_metrics_api": "Mariner always serves /metrics on metrics_address (see --open-metrics)",
@@ -187,14 +186,20 @@ def ts_env_props(props: Mapping[str, str], env: Mapping[str, str]) -> dict[str, 
 
 
 def read_properties(text: str) -> dict[str, str]:
-    """Java .properties: key=value lines, '#'/'!' comments, backslash line continuations."""
+    """Java .properties as java.util.Properties.load reads them: `key=value`, `key: value` or
+    `key value` lines, '#'/'!' comments, a line ending in an odd number of backslashes continued
+    on the next, and escapes (`\\:`, `\\=`, `\\n`, `\\uXXXX`, any other `\\x` is `x`): what
+    TorchServe reads, and how its config snapshots are written. A value's trailing spaces are
+    dropped (Java keeps them; a path ending in a space is never what was meant)."""
     out: dict[str, str] = {}
-    logical, buf = [], ""
+    logical, buf, continued = [], "", False
     for raw in text.splitlines():
-        line = raw.strip()
-        if not buf and (not line or line.startswith(("#", "!"))):
+        line = raw.lstrip(" \t\f")
+        if not continued and (not line or line.startswith(("#", "!"))):
             continue
-        if line.endswith("\\"):
+        trailing = len(line) - len(line.rstrip("\\"))
+        continued = trailing % 2 == 1
+        if continued:
             buf += line[:-1]
             continue
         logical.append(buf + line)
@@ -202,10 +207,41 @@ def read_properties(text: str) -> dict[str, str]:
     if buf:
         logical.append(buf)
     for line in logical:
-        key, sep, value = line.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
+        key, value = _split_property(line)
+        if key:
+            out[key] = value.rstrip()
     return out
+
+
+def _split_property(line: str) -> tuple[str, str]:
+    """A logical line's key (up to the first unescaped '=', ':' or blank) and value, unescaped."""
+    i = 0
+    while i < len(line) and line[i] not in "=: \t\f":
+        i += 2 if line[i] == "\\" else 1
+    key, rest = line[:i], line[i:].lstrip(" \t\f")
+    if rest[:1] in ("=", ":"):
+        rest = rest[1:].lstrip(" \t\f")
+    return _unescape(key), _unescape(rest)
+
+
+_ESCAPED = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+_UNICODE = re.compile(r"[0-9a-fA-F]{4}")
+
+
+def _unescape(text: str) -> str:
+    out, i = [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\" or i + 1 == len(text):
+            out.append(ch)
+            i += 1
+        elif text[i + 1] == "u" and _UNICODE.fullmatch(text[i + 2 : i + 6]):
+            out.append(chr(int(text[i + 2 : i + 6], 16)))
+            i += 6
+        else:
+            out.append(_ESCAPED.get(text[i + 1], text[i + 1]))
+            i += 2
+    return "".join(out)
 
 
 def _true(value: str) -> bool:
@@ -361,6 +397,13 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
     if "models" in props:
         out["model_overrides"] = json.loads(props["models"])
         used.add("models")
+    if "model_snapshot" in props:  # a config snapshot's models, loaded in place of load_models
+        try:
+            out["model_snapshot"] = json.loads(props["model_snapshot"])
+        except ValueError as exc:
+            raise ValueError(f"config.properties model_snapshot is not valid JSON: {exc}") from None
+        used.add("model_snapshot")
+    used.add("tsConfigFile")  # TorchServe's own snapshots record the file they came from
     if props.get("metrics_mode", "prometheus").strip().lower() == "prometheus":
         used.add("metrics_mode")  # what Mariner serves; "log"/"legacy" are warned about below
     if "disable_token_authorization" in props:

@@ -22,6 +22,24 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+@pytest.fixture(autouse=True)
+def _no_snapshot_from_the_working_directory(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: Any) -> None:
+    """`load_config` without a config file restores the newest config snapshot under
+    `$LOG_LOCATION/config`, else `./logs/config`, as TorchServe does. A `make serve` in the
+    repository leaves snapshots there, and a test calling `load_config(argv, env={})` must not
+    restore them: the working directory's default location reads as empty in tests, while an
+    explicit LOG_LOCATION (the snapshot tests') is honoured."""
+    import mariner.server.config as config_module
+
+    real = config_module.snapshot_dir
+    empty = tmp_path_factory.mktemp("no-snapshots")
+    monkeypatch.setattr(
+        config_module,
+        "snapshot_dir",
+        lambda env, cwd=None: real(env, cwd) if env.get("LOG_LOCATION") else empty,
+    )
+
+
 @pytest.fixture(scope="session")
 def model_store() -> Path:
     """model_store/ as `make models` leaves it; fails (not skips) when missing, saying how to build it."""

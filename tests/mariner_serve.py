@@ -101,7 +101,10 @@ class MarinerServe:
         self.log_path = tmp / "serve.log"
         # TS_* variables only from the test: a developer's TS_CONFIG_FILE must not reach every server.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("TS_")}
-        self._env = {**inherited, **(env or {})}
+        # TorchServe's log files and config snapshots (LOG_LOCATION) go to this server's own
+        # directory unless a test says otherwise, never into the working directory.
+        self.log_location = tmp / "logs"
+        self._env = {**inherited, "LOG_LOCATION": str(self.log_location), **(env or {})}
         self._args = args
         # The server's working directory (where TorchServe's key_file.json goes): the repository
         # unless a test says otherwise.

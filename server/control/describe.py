@@ -68,6 +68,18 @@ def list_models(models: Sequence[ModelInfo], limit: int, next_page_token: int) -
     return doc
 
 
+def registered_message(info: ModelInfo) -> str:
+    """TorchServe's answer to a register: the workers that are up, or, for a model registered
+    with none, that there is none and how to add some (ApiUtils.handleRegister)."""
+    if info.min_workers == 0:
+        return (
+            f'Model "{info.name}" Version: {info.version} registered with 0 initial workers. '
+            "Use scale workers API to add workers for the model."
+        )
+    ready = sum(1 for w in info.workers if w.status == "READY")
+    return f'Model "{info.name}" Version: {info.version} registered with {ready} initial workers'
+
+
 def _iso_utc(seconds: float) -> str:
     """TorchServe's startTime format: 2026-01-31T12:00:00.123Z."""
     millis = int(seconds * 1000) % 1000  # truncated, like the seconds gmtime shows

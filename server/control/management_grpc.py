@@ -5,8 +5,10 @@ returns, key for key, so scripts that parse them keep working; DescribeModel wit
 asks the handler's `describe_handle` (customizedMetadata). Changing calls are delegated to the
 DataPlane: as in TorchServe, RegisterModel and UnregisterModel are refused (PERMISSION_DENIED)
 unless management was enabled, and archives only ever come from the model store (a URL is
-never fetched); ScaleWorker and SetDefault work whenever this API is reachable. Answers of
-changing calls are TorchServe's status sentences.
+never fetched: NOT_FOUND, as TorchServe answers a URL `allowed_urls` does not match);
+ScaleWorker and SetDefault work whenever this API is reachable. Register fields are read as
+TorchServe's GRPCUtils reads them (a number <= 0 is "not given"; no initial_workers: no worker,
+or default_workers_per_model). Answers of changing calls are TorchServe's status sentences.
 
 One deliberate difference: RegisterModel and ScaleWorker always wait for the workers. proto3
 cannot tell an unset `synchronous` from false, and stock TorchServe's gRPC then answers before
@@ -23,7 +25,13 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
+from mariner.server.control.describe import (
+    MAX_PAGE,
+    describe_customized,
+    describe_models,
+    list_models,
+    registered_message,
+)
 from mariner.server.core.errors import Code, ServingError, abort, as_serving_error
 from mariner.server.core.model_settings import register_call_overrides
 from mariner.server.core.names import check_model_name, check_params
@@ -90,29 +98,24 @@ def register_overrides(request: management_pb2.RegisterModelRequest) -> dict[str
     if request.model_name:  # first: its message says the rule
         check_model_name(request.model_name)
     check_params(_strings(request))
-    if request.handler:
+    if request.runtime and request.runtime not in ("python", "python3"):
         raise ServingError(
-            Code.INVALID_ARGUMENT,
-            "handler overrides are not supported: the handler named in the archive's MANIFEST.json is used",
+            Code.INVALID_ARGUMENT, f"runtime {request.runtime!r} is not supported; allowed: python, python3"
         )
-    if request.runtime and request.runtime != "python":
-        raise ServingError(
-            Code.INVALID_ARGUMENT, f"runtime {request.runtime!r} is not supported; only 'python' is"
-        )
-    if request.s3_sse_kms:
-        raise ServingError(
-            Code.INVALID_ARGUMENT,
-            "s3_sse_kms is not supported: archives are loaded only from the model store",
-        )
+    # s3_sse_kms only matters for an archive fetched from S3, which a store entry never is.
+    # proto3 sends 0 for an unset field; TorchServe's GRPCUtils.getRegisterParam reads any value
+    # <= 0 as "not given" (a delay of 0 is then the archive's, not "never wait").
     overrides = register_call_overrides(
-        batch_size=request.batch_size,
-        # proto3 sends 0 for an unset field; a delay of 0 is then the archive's, not "never wait".
-        max_batch_delay=request.max_batch_delay or None,
-        response_timeout=request.response_timeout,
-        initial_workers=request.initial_workers,
+        batch_size=request.batch_size if request.batch_size > 0 else None,
+        max_batch_delay=request.max_batch_delay if request.max_batch_delay > 0 else None,
+        response_timeout=request.response_timeout if request.response_timeout > 0 else None,
+        initial_workers=request.initial_workers if request.initial_workers > 0 else None,
+        startup_timeout=request.startup_timeout if request.startup_timeout > 0 else None,
     ).given()
     if request.model_name:
         overrides["name"] = request.model_name
+    if request.handler:  # replaces the manifest's handler, as in TorchServe
+        overrides["handler"] = request.handler
     return overrides
 
 
@@ -120,12 +123,6 @@ def _strings(request: Any) -> dict[str, object]:
     """A request message's string fields by name (the model name and version of every call,
     a register's url, handler, runtime, ...)."""
     return {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
-
-
-def registered_message(info: ModelInfo) -> str:
-    """TorchServe's RegisterModel answer, counting the workers that are up."""
-    ready = sum(w.status == "READY" for w in info.workers)
-    return f'Model "{info.name}" Version: {info.version} registered with {ready} initial workers'
 
 
 class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):

@@ -2,18 +2,25 @@
 set-default, with TorchServe's list/describe/status JSON and status codes.
 
 As in TorchServe 0.11+, only what loads or drops code is gated: register and unregister answer
-405 unless the server was started with model management enabled (TorchServe's
-`enable_model_api`); scale and set-default work whenever this API is reachable (with its token).
-Registering from a URL is always refused: archives come only from the model store, by file name.
-`synchronous=false` answers 202 at once, as TorchServe does; a scale without `synchronous=true`
-too (TorchServe's default for scaling).
+TorchServe's 405 MethodNotAllowedException unless the server was started with model management
+enabled (TorchServe's `enable_model_api`); scale and set-default work whenever this API is
+reachable (with its token). Registering from a URL is refused as TorchServe refuses a URL no
+`allowed_urls` pattern matches (404 ModelNotFoundException): archives come only from the model
+store, by entry name.
+
+Parameters are read as TorchServe reads them (`RegisterModelRequest`, `NettyUtils`): a number that
+is not one means "not given", `synchronous` is true only for "true", a parameter TorchServe does
+not know is ignored; each value ignored that way is named in one warning. A register without a
+worker count registers the model with none (or `default_workers_per_model`) and answers 200 at
+once, even with `synchronous=false`; one with workers and `synchronous=false` answers 202, as does
+a scale without `synchronous=true` (TorchServe's default for scaling). A path may end in `/`
+(`DELETE /models/m/`): TorchServe's router ignores trailing slashes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +29,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.control.describe import MAX_PAGE, describe_customized, describe_models, list_models
+from mariner.server.control.describe import (
+    MAX_PAGE,
+    describe_customized,
+    describe_models,
+    list_models,
+    registered_message,
+)
 from mariner.server.control.openapi import api_description_routes
+from mariner.server.core.archive import is_url, url_not_allowed
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import register_call_overrides
 from mariner.server.core.names import check_model_name, check_params
@@ -48,19 +62,31 @@ log = logging.getLogger("mariner.http")
 # Management requests carry a few parameters at most.
 MAX_MANAGEMENT_BODY_BYTES = 64 * 1024
 
+# TorchServe's RegisterModelRequest fields; any other parameter is ignored with a warning, as
+# TorchServe ignores it.
 _REGISTER_PARAMS = frozenset(
     {
         "url",
         "model_name",
+        "handler",
         "batch_size",
         "max_batch_delay",
         "response_timeout",
+        "startup_timeout",
         "initial_workers",
         "synchronous",
         "runtime",
+        "s3_sse_kms",
     }
 )
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")  # two+ chars, so a Windows drive is not a scheme
+# Manifest.RuntimeType values TorchServe accepts; Mariner runs Python handlers ("LSP" is C++).
+_PYTHON_RUNTIMES = ("python", "python3")
+# TorchServe's body for a request its router does not serve (and for the model API turned off).
+METHOD_NOT_ALLOWED = {
+    "code": 405,
+    "type": "MethodNotAllowedException",
+    "message": "Requested method is not allowed, please refer to API document.",
+}
 
 
 def _lenient_int(params: Mapping[str, str], key: str, default: int) -> int:
@@ -99,12 +125,43 @@ def _true(value: object, default: bool) -> bool:
 
 
 def _not_allowed(what: str) -> Response:
-    """TorchServe's 405 for register/unregister while its model API is off."""
-    message = (
-        f"{what} is disabled: start the server with --enable-model-management to allow it "
-        "(archives are then taken only from the model store)"
+    """TorchServe's 405 for register/unregister while its model API is off, word for word (its
+    clients compare the body); how to turn it on goes to the log."""
+    log.warning(
+        "%s refused (405): the model API is off; start the server with --enable-model-management "
+        "(torchserve's --enable-model-api, enable_model_api=true) to allow it",
+        what,
     )
-    return json_response({"code": 405, "type": "METHOD_NOT_ALLOWED", "message": message}, status=405)
+    return json_response(METHOD_NOT_ALLOWED, status=405)
+
+
+def _warn_ignored(params: Mapping[str, Any]) -> None:
+    """One warning naming the register parameters TorchServe does not know (it ignores them)."""
+    unknown = sorted(set(params) - _REGISTER_PARAMS)
+    if unknown:
+        log.warning(
+            "register parameter(s) %s are not TorchServe's and are ignored; known: %s",
+            ", ".join(repr(u[:40]) for u in unknown[:8]),
+            ", ".join(sorted(_REGISTER_PARAMS)),
+        )
+
+
+class TrailingSlashes:
+    """ASGI wrapper: `/models/m/` is `/models/m`, as TorchServe's router splits paths (Java's
+    String.split drops trailing empty segments), so its clients' `DELETE /models/m/` works."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope.get("type") == "http" and len(path) > 1 and path.endswith("/"):
+            stripped = path.rstrip("/") or "/"
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": stripped}
+            if isinstance(raw, bytes):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
 
 
 def management_app(dataplane: ManagementPlane) -> Starlette:
@@ -176,46 +233,43 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
             params.update(body)
         if isinstance(params.get("model_name"), str) and params["model_name"]:
             check_model_name(params["model_name"])  # before the generic check: its message says the rule
-        check_params(params)  # a NUL reached pathlib (a 500), a newline the workers' log lines
+        _warn_ignored(params)
+        check_params({k: v for k, v in params.items() if k in _REGISTER_PARAMS})  # NUL, newline, length
         url = params.get("url")
-        if isinstance(url, str) and _SCHEME.match(url):
-            raise ServingError(
-                Code.PERMISSION_DENIED,
-                "registering a model from a URL is not allowed: copy the .mar into the model store "
-                "and pass its file name as url",
-            )
-        unknown = sorted(set(params) - _REGISTER_PARAMS)
-        if unknown:
+        if url is None:
+            raise ServingError(Code.INVALID_ARGUMENT, "Parameter url is required.")
+        if not isinstance(url, str):
+            raise ServingError(Code.INVALID_ARGUMENT, f"parameter url must be a string, got {url!r}")
+        if is_url(url):  # TorchServe's answer to a URL its allowed_urls do not match
+            raise url_not_allowed(url)
+        runtime = params.get("runtime")
+        if runtime is not None and str(runtime) not in _PYTHON_RUNTIMES:
             raise ServingError(
                 Code.INVALID_ARGUMENT,
-                f"unsupported register parameter(s) {', '.join(map(repr, unknown))}; "
-                f"supported: {', '.join(sorted(_REGISTER_PARAMS))}",
+                f"runtime {str(runtime)[:40]!r} is not supported; allowed: {', '.join(_PYTHON_RUNTIMES)}",
             )
-        if not isinstance(url, str) or not url:
-            raise ServingError(
-                Code.INVALID_ARGUMENT, "parameter url is required: the .mar file name in the model store"
-            )
-        runtime = params.get("runtime")
-        if runtime is not None and str(runtime).lower() != "python":
-            raise ServingError(Code.INVALID_ARGUMENT, f"runtime {runtime!r} is not supported; only python")
-        overrides = register_call_overrides(
+        handler = params.get("handler")
+        if handler is not None and not isinstance(handler, str):
+            raise ServingError(Code.INVALID_ARGUMENT, f"parameter handler must be a string, got {handler!r}")
+        overrides: dict[str, Any] = register_call_overrides(
             batch_size=params.get("batch_size"),
             max_batch_delay=params.get("max_batch_delay"),
             response_timeout=params.get("response_timeout"),
             initial_workers=params.get("initial_workers"),
+            startup_timeout=params.get("startup_timeout"),
         ).given()
         if params.get("model_name"):
             overrides["name"] = check_model_name(str(params["model_name"]))
+        if handler:
+            overrides["handler"] = handler  # only when given, so planes that predate it see no change
         if not _true(params.get("synchronous"), True):
             # Only passed when asked for, so planes that predate it see the call unchanged.
-            await dataplane.register(url, synchronous=False, **overrides)
+            infos = await dataplane.register(url, synchronous=False, **overrides)
+            if infos and infos[0].min_workers == 0:  # nothing to wait for: TorchServe's 200
+                return json_response({"status": registered_message(infos[0])})
             return json_response({"status": ACCEPTED_STATUS}, status=202)
         infos = await dataplane.register(url, **overrides)
-        i = infos[0]
-        n = sum(1 for w in i.workers if w.status == "READY")
-        return json_response(
-            {"status": f'Model "{i.name}" Version: {i.version} registered with {n} initial workers'}
-        )
+        return json_response({"status": registered_message(infos[0])})
 
     async def unregister(request: Request) -> Response:
         """Stop serving a model version (needs model management)."""
@@ -229,10 +283,11 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
         """Set a model version's worker count; 202 at once unless synchronous=true."""
         p, q = _path(request), request.query_params
         version = p.get("version") or p.get("model_version")
+        # TorchServe's getIntParameter: min_worker=nan is 1; number_gpu and timeout are not read.
         min_workers = _lenient_int(q, "min_worker", 1)
         max_workers = _lenient_int(q, "max_worker", min_workers)
         if max_workers < min_workers:
-            raise ServingError(Code.INVALID_ARGUMENT, "max_worker cannot be less than min_worker")
+            raise ServingError(Code.INVALID_ARGUMENT, "max_worker cannot be less than min_worker.")
         if not _true(q.get("synchronous"), False):
             dataplane.describe(p["name"], version)  # an unknown model is a 404 now, not in the log
             return await accepted(
@@ -267,4 +322,6 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
     ]
     # Triton's repository extension (load/unload/index) is a management call: served here.
     repository = oip_http_ext.repository_routes(dataplane)
-    return make_app([*routes, *api_description_routes("Mariner management API"), *repository])
+    app = make_app([*routes, *api_description_routes("Mariner management API"), *repository])
+    app.add_middleware(TrailingSlashes)
+    return app

@@ -26,11 +26,11 @@ import shutil
 import stat
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mariner.server.core.archive_fields import MANIFEST, read_manifest, read_model_config
+from mariner.server.core.archive_fields import MANIFEST, check_handler, read_manifest, read_model_config
 from mariner.server.core.archive_formats import (
     ArchiveLimits,
     archive_stem,
@@ -47,11 +47,13 @@ __all__ = [
     "ArchiveLimits",
     "ModelArchive",
     "archive_file_name",
+    "is_url",
     "requirements_dir",
     "open_archive",
     "resolve_in_store",
     "store_archives",
     "url_not_allowed",
+    "with_handler",
 ]
 UNLISTED = "unlisted"  # expected_sha256 value for an archive missing from the allowlist
 # Where an archive's requirements are pip-installed (install_py_dep_per_model), inside its own
@@ -81,6 +83,11 @@ class ModelArchive:
 # What TorchServe's ArchiveUtils treats as a URL to download (`file?://.*|http(s)?://.*`); any
 # other scheme-like prefix is no file of the store either.
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+def is_url(name: str) -> bool:
+    """Whether a register `url` is a URL (something to download), not a store entry's name."""
+    return bool(_URL.match(name))
 
 
 def url_not_allowed(url: str) -> ServingError:
@@ -140,7 +147,7 @@ def resolve_in_store(store: Path, name: str) -> Path:
     checked as any archive (size caps, member checks, the sha256 pin). The path returned is the
     entry's own, so the model's url names the entry, not its target."""
     check_param("url", name)
-    if _URL.match(name):
+    if is_url(name):
         raise url_not_allowed(name)
     path = _store_entry(store, name)
     try:
@@ -299,3 +306,13 @@ def open_archive(
     except BaseException:
         shutil.rmtree(model_dir, ignore_errors=True)
         raise
+
+
+def with_handler(archive: ModelArchive, handler: str) -> ModelArchive:
+    """`archive` with `handler` instead of its manifest's (TorchServe's register `handler=`
+    overrides the manifest), checked by the rule the manifest's handler passed: a module name or
+    a file inside the archive, never a path out of it (INVALID_ARGUMENT naming it)."""
+    check_param("handler", handler)
+    check_handler(archive.path.name, archive.model_dir, handler)
+    model = {**archive.manifest.get("model", {}), "handler": handler}
+    return replace(archive, manifest={**archive.manifest, "model": model})

@@ -82,6 +82,14 @@ def _extra_files(archive_file: str, model: dict[str, Any]) -> list[str]:
     )
 
 
+def check_handler(archive_file: str, model_dir: Path, handler: str) -> None:
+    """A handler spec (the manifest's, or a register call's `handler=`) names a module or a file
+    that resolves inside the archive: never `../x.py` or `/elsewhere/h.py`, whose code the sha256
+    pin never covered. It need not exist: a module is also looked up among installed packages
+    and TorchServe's built-in handlers when the worker loads it."""
+    _check_inside(archive_file, model_dir, "handler", handler_file(handler))
+
+
 def read_manifest(model_dir: Path, archive_file: str) -> dict[str, Any]:
     """The checked manifest of the archive unpacked at `model_dir` (as written, not rewritten)."""
     path = model_dir / MANIFEST
@@ -107,7 +115,7 @@ def read_manifest(model_dir: Path, archive_file: str) -> dict[str, Any]:
         raise _refuse(
             archive_file, "manifest names no handler (model.handler: a .py file in the archive or a module)"
         )
-    _check_inside(archive_file, model_dir, "handler", handler_file(handler))
+    check_handler(archive_file, model_dir, handler)
     for key, numbers in (("modelName", False), ("modelVersion", True)):
         value = _string(archive_file, model, key, numbers=numbers)
         # TorchServe's model-archiver rule for names; a version also lands in URLs and log lines.

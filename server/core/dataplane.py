@@ -75,6 +75,11 @@ class _Resolving(Protocol):
     def resolve(self, model: str, version: str | None = None) -> Any: ...
 
 
+# The states in which a version counts for the server's readiness: serving, or registered with
+# no worker on purpose (TorchServe's /ping: a model's healthy workers cover its minWorkers, 0).
+SERVED_STATES = frozenset({ModelState.READY, ModelState.NO_WORKERS})
+
+
 def version_ready(plane: _Resolving, model: str, version: str | None) -> bool:
     """Whether `model` (its `version`, or the default one) is served READY and the plane is not
     draining: an unknown model is simply not ready. One answer for a frontend and the registry."""
@@ -189,10 +194,11 @@ class DataPlane:
         return True
 
     def is_ready(self) -> bool:
-        """Every model asked for is served and READY (a version still being registered does not
-        count yet: a register in progress does not take the server out of rotation)."""
+        """Every model asked for is served and READY, or asked for with no worker (a version
+        still being registered does not count yet: a register in progress does not take the
+        server out of rotation). No model at all is ready, as TorchServe's /ping judges it."""
         eps = [ep for v in self._endpoints.values() for ep in v.values() if not _registering(ep)]
-        return not self.draining and bool(eps) and all(ep.state is ModelState.READY for ep in eps)
+        return not self.draining and all(ep.state in SERVED_STATES for ep in eps)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
         return version_ready(self, model, version)

@@ -47,6 +47,12 @@ def failed_message(name: str, version: str) -> str:
     )
 
 
+def no_worker_message(name: str, version: str | None) -> str:
+    """TorchServe's answer (503) to a call to a model registered with no worker."""
+    which = f'Model "{name}"' + (f" Version {version}" if version else "")
+    return f"{which} has no worker to serve inference request. Please use scale workers API to add workers."
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model to load: an archive file in the store, the name to serve it under, and the
@@ -242,6 +248,8 @@ class ModelEndpoint:
     async def infer(self, req: InferRequest) -> InferResult:
         if self.state is ModelState.FAILED:
             raise ServingError(Code.UNAVAILABLE, failed_message(self.name, self.version))
+        if self.state is ModelState.NO_WORKERS:
+            raise ServingError(Code.UNAVAILABLE, no_worker_message(self.name, req.version))
         if self.state is not ModelState.READY or self.batcher is None:
             raise ServingError(
                 Code.UNAVAILABLE, f"model {self.name} version {self.version} is {self.state.value}"

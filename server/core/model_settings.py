@@ -6,7 +6,8 @@ order (ModelServer.initModelStore, ModelManager.createModel, ApiUtils.handleRegi
 1. built-in defaults, TorchServe's: batchSize 1, maxBatchDelay 100 ms, responseTimeout 120 s,
    startupTimeout 120 s,
    job queue 100 items, and per model as many workers as GPUs, else CPU cores, for a model
-   loaded at start-up (one worker for a model registered later: TorchServe would start none),
+   loaded at start-up, and none for a model registered later (TorchServe's register: 0 workers
+   unless initial_workers, the archive, models= or default_workers_per_model say otherwise),
 2. server-wide defaults: config.properties `default_workers_per_model`,
    `default_response_timeout`, `default_startup_timeout`, `job_queue_size` (or their `TS_*`
    variables),
@@ -32,8 +33,10 @@ number.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -43,6 +46,8 @@ from mariner.server.core.setting_values import bad_value as _bad
 from mariner.server.core.setting_values import device_type as _device_type
 from mariner.server.core.setting_values import non_negative_or_positive as _number
 from mariner.server.core.setting_values import positive_int as _positive_int
+
+log = logging.getLogger("mariner.management")
 
 # Our field name -> TorchServe's model-config key (the name users see in messages and YAML).
 TS_KEYS: dict[str, str] = {
@@ -62,7 +67,8 @@ DEFAULT_BATCH_DELAY_MS = 100.0
 DEFAULT_RESPONSE_TIMEOUT_S = 120.0
 DEFAULT_STARTUP_TIMEOUT_S = 120.0  # a worker's start: process, imports, handler initialize
 DEFAULT_JOB_QUEUE_SIZE = 100
-_POSITIVE_INTS = frozenset({"batch_size", "min_workers", "max_workers", "max_queue"})
+_POSITIVE_INTS = frozenset({"batch_size", "max_queue"})
+_WORKER_COUNTS = frozenset({"min_workers", "max_workers"})  # 0: registered without a worker
 # The archive's length-aware batching keys (see `token_settings`).
 TOKEN_KEYS = ("maxBatchTokens", "tokenCounter")
 _TOKEN_COUNTER_KEYS = frozenset({"tokenizer", "maxLength"})
@@ -75,9 +81,11 @@ def _checked(name: str, value: Any, source: str, key: str | None = None) -> Any:
     key = key or TS_KEYS[name]
     if name in _POSITIVE_INTS:
         return _positive_int(key, value, source)
-    if name == "max_batch_delay_ms":
+    if name in _WORKER_COUNTS:
+        return _positive_int(key, value, source, zero_ok=True)
+    if name in ("max_batch_delay_ms", "startup_timeout_s"):  # startupTimeout 0: no time to start
         return _number(key, value, source, zero_ok=True)
-    if name in ("response_timeout_s", "startup_timeout_s"):
+    if name == "response_timeout_s":
         return _number(key, value, source, zero_ok=False)
     return _device_type(key, value, source)
 
@@ -139,6 +147,30 @@ class ModelSettings:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
 
 
+# The settings a config snapshot records per version (TorchServe's Model.getModelState), read
+# back as that version's top layer when the snapshot is restored.
+SNAPSHOT_KEYS = (
+    "minWorkers",
+    "maxWorkers",
+    "batchSize",
+    "maxBatchDelay",
+    "responseTimeout",
+    "startupTimeout",
+)
+
+
+def snapshot_state(settings: ModelSettings) -> dict[str, int]:
+    """`settings` under TorchServe's snapshot keys, in its whole units (ms, s)."""
+    return {
+        "minWorkers": settings.min_workers,
+        "maxWorkers": settings.max_workers,
+        "batchSize": settings.batch_size,
+        "maxBatchDelay": round(settings.max_batch_delay_ms),
+        "responseTimeout": round(settings.response_timeout_s),
+        "startupTimeout": round(settings.startup_timeout_s),
+    }
+
+
 def resolve_model_settings(*layers: SettingsOverrides) -> ModelSettings:
     """Merge `layers` (lowest first) over the defaults; the highest layer giving a setting wins.
 
@@ -153,18 +185,53 @@ def resolve_model_settings(*layers: SettingsOverrides) -> ModelSettings:
     return ModelSettings(**merged)
 
 
-def _is_unset(value: Any, zero_ok: bool) -> bool:
-    """TorchServe's register semantics: an absent or empty parameter means "the default", and so
-    does 0 where 0 is not a valid value (REST's initial_workers=0; proto3, which cannot tell an
-    unset number from 0). maxBatchDelay 0 is valid ("never wait") and is kept."""
+# A register parameter as TorchServe reads it (NettyUtils.getIntParameter: Java's
+# Integer.parseInt, so no spaces, no decimals); a JSON body may carry a real number.
+_JAVA_INT = re.compile(r"^[+-]?[0-9]{1,10}$")
+# What each register parameter means when it is left to the lower layers, for the warning.
+_UNSET_MEANS = {
+    "batch_size": "the model's batchSize (archive, models=, else 1)",
+    "max_batch_delay": "the model's maxBatchDelay (archive, models=, else 100 ms)",
+    "response_timeout": "the model's responseTimeout (archive, models=, default_response_timeout, "
+    "else 120 s)",
+    "startup_timeout": "the model's startupTimeout (archive, models=, default_startup_timeout, else 120 s)",
+    "initial_workers": "the model's minWorkers (archive, models=, default_workers_per_model, else no worker)",
+}
+
+
+def _java_int(value: Any) -> int | None:
+    """`value` as TorchServe's getIntParameter reads it; None when it is no integer."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and _JAVA_INT.match(value):
+        number = int(value)
+        return number if -(2**31) <= number < 2**31 else None
+    return None
+
+
+def _register_value(param: str, value: Any, *, lowest: int, sentinel: int | None) -> int | None:
+    """One register parameter, as TorchServe reads it: absent or empty is "not given"; TorchServe's
+    own "not given" value (`sentinel`: -1 for the timeouts, 0 for the worker count) silently too.
+    A value TorchServe accepts but that cannot work here (not an integer, or below `lowest`) is
+    answered as TorchServe answers it (the registration goes on) with ONE warning naming the
+    parameter, the value and what is used instead."""
     if value is None or value == "":
-        return True
-    if zero_ok:
-        return False
-    try:
-        return float(value) == 0
-    except (TypeError, ValueError):
-        return False  # not a number: left in, so the check names it
+        return None
+    number = _java_int(value)
+    if number is not None and number == sentinel:
+        return None
+    if number is None or number < lowest:
+        why = "is not an integer" if number is None else f"is below {lowest}"
+        log.warning(
+            "register parameter %s=%r %s (TorchServe accepts it): using %s instead",
+            param, str(value)[:80], why, _UNSET_MEANS[param],
+        )  # fmt: skip
+        return None
+    return number
 
 
 def register_call_overrides(
@@ -173,22 +240,30 @@ def register_call_overrides(
     max_batch_delay: Any = None,
     response_timeout: Any = None,
     initial_workers: Any = None,
+    startup_timeout: Any = None,
 ) -> SettingsOverrides:
-    """The register call's layer, from REST query/body parameters or gRPC RegisterModelRequest.
+    """The register call's layer, from REST query/body parameters or gRPC RegisterModelRequest,
+    read as TorchServe reads them (RegisterModelRequest, ModelManager.createModel).
 
-    initial_workers sets both minWorkers and maxWorkers, as TorchServe does. A gRPC caller passes
-    None for a max_batch_delay of 0, since proto3 cannot say whether it was set.
+    A register call TorchServe accepts is never refused for its values: a value that is not an
+    integer, or one TorchServe would use but that cannot work (a batch size or timeout below 1,
+    a negative delay or worker count), leaves the setting to the lower layers with one warning
+    (see `_register_value`). `initial_workers` 0 or absent is "not given" (TorchServe then starts
+    `default_workers_per_model` workers, else none); it sets minWorkers and maxWorkers both.
+    `startup_timeout` 0 is kept: TorchServe's workers then have no time to start. A gRPC caller
+    passes None for a max_batch_delay of 0, since proto3 cannot say whether it was set.
     """
     values: dict[str, Any] = {}
-    for name, param, value in (
-        ("batch_size", "batch_size", batch_size),
-        ("max_batch_delay_ms", "max_batch_delay", max_batch_delay),
-        ("response_timeout_s", "response_timeout", response_timeout),
-        ("min_workers", "initial_workers", initial_workers),
+    for name, param, value, lowest, sentinel in (
+        ("batch_size", "batch_size", batch_size, 1, -1),
+        ("max_batch_delay_ms", "max_batch_delay", max_batch_delay, 0, -100),
+        ("response_timeout_s", "response_timeout", response_timeout, 1, -1),
+        ("startup_timeout_s", "startup_timeout", startup_timeout, 0, -1),
+        ("min_workers", "initial_workers", initial_workers, 1, 0),
     ):
-        if not _is_unset(value, zero_ok=name == "max_batch_delay_ms"):
-            # Errors name the register parameter the caller sent, not the model-config key.
-            values[name] = _checked(name, value, "the register call", key=param)
+        number = _register_value(param, value, lowest=lowest, sentinel=sentinel)
+        if number is not None:
+            values[name] = number
     if "min_workers" in values:
         values["max_workers"] = values["min_workers"]
     return SettingsOverrides(**values)
@@ -264,7 +339,7 @@ class ServerLayers:
         """Every server-side layer of this model version with its `archive` layer, lowest first:
         built-in workers, `default_*`, `models={...}`, the archive, flags. The register call's
         layer goes on top. `startup`: the model is loaded at start-up (TorchServe's default
-        worker count) rather than registered later (one worker)."""
+        worker count) rather than registered later (no worker, as TorchServe registers it)."""
         return tuple(
             layer for _, layer in self.named_for_model(name, version, archive_file, archive, startup=startup)
         )
@@ -280,7 +355,7 @@ class ServerLayers:
     ) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
         """`for_model`'s layers, each with where it comes from (None: the built-in defaults), so
         a limit on a setting can name the place its value was set (`worker_count_origin`)."""
-        workers = self.startup_workers if startup else 1
+        workers = self.startup_workers if startup else 0
         return (
             (None, SettingsOverrides(min_workers=workers, max_workers=workers)),
             (LayerSource("default_workers_per_model", "the server's config"), self.defaults),
@@ -312,7 +387,7 @@ def worker_count_origin(
 ) -> LayerSource | None:
     """Which layer decided the worker count (minWorkers): the highest one that gives it, lowest
     first as `named_for_model` lists them; None when only the built-in default does (one per
-    GPU or core at start-up, one for a register call without initial_workers)."""
+    GPU or core at start-up, none for a register call without initial_workers)."""
     origin: LayerSource | None = None
     for source, layer in named:
         if layer.min_workers is not None:
@@ -340,7 +415,14 @@ def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> Set
                 f"model-config key {key!r} is not one the server reads; did you mean {meant!r}? "
                 f"(from {source})",
             )
-    return SettingsOverrides.parse(model_config, source)
+    layer = SettingsOverrides.parse(model_config, source)
+    if layer.min_workers == 0:
+        # TorchServe reads an archive's minWorkers only when it is above 0 (ModelServer and
+        # ApiUtils.handleRegister): 0 leaves the count to the server, as there.
+        log.warning("%s: minWorkers 0 is ignored, as TorchServe ignores it; the server's worker count "
+                    "applies", source)  # fmt: skip
+        layer = replace(layer, min_workers=None, max_workers=None)
+    return layer
 
 
 @dataclass(frozen=True)

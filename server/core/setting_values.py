@@ -19,8 +19,9 @@ def bad_value(key: str, allowed: str, value: Any, source: str) -> ServingError:
     return ServingError(Code.INVALID_ARGUMENT, f"{key} must be {allowed}, got {value!r}{where}")
 
 
-def positive_int(key: str, value: Any, source: str) -> int:
-    """An integer >= 1 (a whole float or a numeric string too, as YAML and properties give it)."""
+def positive_int(key: str, value: Any, source: str, *, zero_ok: bool = False) -> int:
+    """An integer >= 1, or >= 0 with `zero_ok` (a worker count: a model may have no worker), a
+    whole float or a numeric string too, as YAML and properties give it."""
     number: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
@@ -31,8 +32,8 @@ def positive_int(key: str, value: Any, source: str) -> int:
             number = int(value.strip())
         except ValueError:
             number = None
-    if number is None or number < 1:
-        raise bad_value(key, "a positive integer", value, source)
+    if number is None or number < (0 if zero_ok else 1):
+        raise bad_value(key, "an integer >= 0" if zero_ok else "a positive integer", value, source)
     return number
 
 

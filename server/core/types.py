@@ -95,6 +95,9 @@ class ModelState(enum.Enum):
     READY = "READY"
     FAILED = "FAILED"
     RESTARTING = "RESTARTING"  # every instance is being replaced after a hang or failure
+    # Registered with no worker (TorchServe's register without initial_workers, a scale to 0):
+    # served as TorchServe serves it (503 "has no worker"), not a failure, not loading.
+    NO_WORKERS = "NO_WORKERS"
     STOPPING = "STOPPING"
 
 

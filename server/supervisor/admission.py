@@ -18,7 +18,7 @@ log = logging.getLogger("mariner.supervisor")
 
 # Where a count nobody set comes from, as a refusal names it.
 BUILT_IN_WORKERS = "the built-in default: one worker per GPU, else per CPU core"
-REGISTER_DEFAULT_WORKERS = "the register call's default of one worker"
+REGISTER_DEFAULT_WORKERS = "the register call's default of no worker"
 
 
 def version_uses(versions: Sequence[Version]) -> list[VersionUse]:
@@ -58,6 +58,8 @@ def admit(
     (INVALID_ARGUMENT naming the cap and the numbers); the built-in default (one per GPU or
     core) is lowered to what fits instead, with a warning, and refused only when not even one
     worker fits."""
+    if settings.min_workers == 0:  # registered without a worker: nothing to admit yet
+        return settings
     source = origin.source if origin else (BUILT_IN_WORKERS if startup else REGISTER_DEFAULT_WORKERS)
     ask = Ask(
         archive.name,

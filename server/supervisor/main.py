@@ -56,6 +56,7 @@ from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
 from mariner.server.supervisor.frontends import FrontendPool
 from mariner.server.supervisor.ports import reserve_port
 from mariner.server.supervisor.registry import ModelRegistry
+from mariner.server.supervisor.snapshots import ConfigSnapshots
 from mariner.server.torchserve_tokens import KEY_FILE_NAME, Key, KeyKind, TokenApi, TorchServeKeys, start_keys
 from mariner.server.workers.child_env import forget_secrets
 from mariner.server.workers.process import socket_dir_for
@@ -89,6 +90,10 @@ class Supervisor:
         self.registry = ModelRegistry(
             cfg, self.work_dir, self._socket_dir, self.metrics, self._publish, frontends_ok=self._frontends_ok
         )
+        # TorchServe's config snapshots: at start, after each management change, at a clean stop.
+        self.snapshots = ConfigSnapshots(cfg, self.registry.snapshot_models)
+        self.registry.on_management_change = self.snapshots.request
+        self._started = False
         self.frontends: FrontendPool | None = None
         self._reserved: list[socket.socket] = []
         self._http: list[EmbeddedUvicorn] = []
@@ -229,6 +234,8 @@ class Supervisor:
         await self.frontends.start()
         await self._publish()
         self._health_task = asyncio.create_task(self._poll_health(), name="supervisor-health")
+        await self.snapshots.save("startup")
+        self._started = True
 
     async def _publish_inference_key(self, key: Key) -> None:
         """A new TorchServe inference key to every frontend (they check inference calls)."""
@@ -271,6 +278,9 @@ class Supervisor:
                 "all %d frontends drained: total accepted=%d answered=%d ok=%d", len(d),
                 sum(x.accepted for x in d), sum(x.answered for x in d), sum(x.ok for x in d),
             )  # fmt: skip
+        await self.snapshots.close()
+        if self._started:  # a start that failed has no state worth restoring
+            await self.snapshots.save("shutdown")
         await self.registry.close(grace=5.0)
         for srv in self._http:
             srv.should_exit = True

@@ -5,11 +5,13 @@ from it so the lifecycle module holds only the lifecycle."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from mariner.server.core.dataplane import resolve_version, version_ready
+from mariner.server.core.dataplane import SERVED_STATES, resolve_version, version_ready
 from mariner.server.core.errors import ServingError
 from mariner.server.core.failed_models import FailedModels
-from mariner.server.core.types import ModelInfo, ModelState
+from mariner.server.core.model_settings import snapshot_state
+from mariner.server.core.types import ModelInfo
 from mariner.server.supervisor.versions import Version, failed_entry, model_info, table_entry
 from mariner.server.workers.api import ModelEntry
 
@@ -78,6 +80,23 @@ class ModelViews:
             return failed
         return [self._info(self.resolve(model, version))]
 
+    def snapshot_models(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Every version served, as a config snapshot records it (TorchServe's getModelState:
+        default version, archive, worker counts, batching and timeouts); a version still being
+        registered, or refused, is not served yet and is left out."""
+        models: dict[str, dict[str, dict[str, Any]]] = {}
+        for name in sorted(self._versions):
+            for v in self._versions[name].values():
+                if (v.name, v.version) in self._registering:
+                    continue
+                models.setdefault(name, {})[v.version] = {
+                    "defaultVersion": self._defaults.get(name) == v.version,
+                    "marName": v.spec.archive,
+                    **snapshot_state(v.settings),
+                    "runtimeType": "python",
+                }
+        return models
+
     def known_label(self, model: str, version: str | None) -> tuple[str, str]:
         try:
             v = self.resolve(model, version)
@@ -89,10 +108,12 @@ class ModelViews:
         return True
 
     def models_ready(self) -> bool:
-        """Every model asked for is served with a live worker (a version still being registered
-        does not count yet: a register in progress does not take the server out of rotation)."""
+        """Every model asked for is served with a live worker, or was asked for with none (a
+        version still being registered does not count yet: a register in progress does not take
+        the server out of rotation). No model at all is ready, as TorchServe's /ping judges it:
+        nothing asked for is missing."""
         every = [v for v in self._every() if (v.name, v.version) not in self._registering]
-        return bool(every) and not self._failed and all(v.state is ModelState.READY for v in every)
+        return not self._failed and all(v.state in SERVED_STATES for v in every)
 
     def startup_settled(self) -> bool:
         """Every worker's first start has ended (ready or failed): nothing is still loading for

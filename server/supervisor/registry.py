@@ -20,11 +20,18 @@ from typing import Any
 
 from mariner.server.config import ServerConfig, server_layers
 from mariner.server.control.metrics import Metrics, MultiprocessMetrics
-from mariner.server.core.archive import UNLISTED, ArchiveLimits, ModelArchive, open_archive, resolve_in_store
+from mariner.server.core.archive import (
+    UNLISTED,
+    ArchiveLimits,
+    ModelArchive,
+    open_archive,
+    resolve_in_store,
+    with_handler,
+)
 from mariner.server.core.dataplane import require_management
 from mariner.server.core.endpoint import ModelSpec, resolve_model, resolve_worker_origin
 from mariner.server.core.entry_point import with_envelope
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.core.failed_models import FailedModel
 from mariner.server.core.model_settings import SettingsOverrides
 from mariner.server.core.types import InferResult, ModelInfo, WireProtocol
@@ -81,6 +88,8 @@ class ModelRegistry(ModelViews):
         )
         self._layers = server_layers(cfg, gpus=allocator().count)  # default: a worker per GPU, else core
         self._limits = ArchiveLimits()
+        # Called after every management change that succeeded (the supervisor's config snapshot).
+        self.on_management_change: Callable[[], None] = lambda: None
 
     # -- opening ----------------------------------------------------------------------------
     async def _unpack(self, spec: ModelSpec) -> ModelArchive:
@@ -181,17 +190,27 @@ class ModelRegistry(ModelViews):
     def _require_management(self, what: str) -> None:
         require_management(self.management_enabled, what)
 
-    async def _await_first(self, instances: Sequence[Instance]) -> None:
-        """Wait for each instance's first start; raise the first failure."""
+    async def _await_first(self, v: Version, instances: Sequence[Instance]) -> None:
+        """Wait for each instance's first start; raise the first failure as TorchServe answers a
+        register or scale whose workers did not start (500 "Failed to start workers"), with the
+        worker's own reason. A slot stopped while it started (CANCELLED) and a machine out of
+        memory or processes (RESOURCE_EXHAUSTED) keep their own answers."""
         results = await asyncio.gather(*(i.first for i in instances if i.first), return_exceptions=True)
         for r in results:
-            if isinstance(r, BaseException):
-                if isinstance(r, ServingError):
-                    raise r
-                raise ServingError(Code.INTERNAL, f"a model worker failed to start: {r}")
+            if not isinstance(r, BaseException):
+                continue
+            if isinstance(r, ServingError) and r.code in (Code.CANCELLED, Code.RESOURCE_EXHAUSTED):
+                raise r
+            why = r.message if isinstance(r, ServingError) else f"{type(r).__name__}: {r}"
+            failed = f"Failed to start workers for model {v.name} version: {v.version}"
+            raise ServingError(
+                Code.INTERNAL,
+                f"{failed}: {why}",
+                torchserve=TorchServeAnswer(500, "InternalServerException", f"{failed}: {why}"),
+            )
 
     async def register(
-        self, archive_name: str, *, synchronous: bool = True, **overrides: Any
+        self, archive_name: str, *, synchronous: bool = True, handler: str | None = None, **overrides: Any
     ) -> list[ModelInfo]:
         """Open, check and start one archive; all or nothing: when any step fails, nothing of it
         is left (no version, no worker, no unpacked directory) and readiness is as before. A
@@ -203,13 +222,23 @@ class ModelRegistry(ModelViews):
         version and is logged, as TorchServe unregisters a model whose workers failed.
 
         The version's lifecycle lock is held until its workers' first starts ended (a scale of
-        it waits); an unregister meanwhile stops them and this answers that it was unregistered."""
+        it waits); an unregister meanwhile stops them and this answers that it was unregistered.
+
+        `handler` replaces the manifest's handler (TorchServe's `handler=`), checked by the same
+        rule; one that does not load registers (with no worker) and fails its workers' starts,
+        as in TorchServe. Without a worker count from anywhere the version has none."""
         self._require_management("model registration")
         name = overrides.pop("name", None)
         spec = ModelSpec(
             archive=archive_name, name=name, overrides=SettingsOverrides(**overrides), loaded_at_startup=False
         )
         archive = await self._unpack(spec)
+        if handler:
+            try:
+                archive = with_handler(archive, handler)
+            except BaseException:
+                shutil.rmtree(archive.model_dir, ignore_errors=True)
+                raise
         await self._requirements(archive)
         v = self._install(archive, spec)
         # A new version's lock is free: taken without a wait, so nothing runs in between.
@@ -222,7 +251,7 @@ class ModelRegistry(ModelViews):
             v.lifecycle.release()
             await self._remove(v)
             raise
-        if not synchronous:
+        if not synchronous and added:
             task = asyncio.create_task(self._start_in_background(v, added))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -230,18 +259,20 @@ class ModelRegistry(ModelViews):
         await self._start_registered(v, added)
         return [self._info(v)]
 
-    async def _start_registered(self, v: Version, added: Sequence[Instance]) -> None:
-        """Wait for a just-installed version's first starts; on failure remove all of it and
-        raise. Releases the version's lifecycle lock `register` took."""
+    async def _start_registered(self, v: Version, added: Sequence[Instance], *, keep: bool = False) -> None:
+        """Wait for a just-installed version's first starts; on failure remove all of it (unless
+        `keep`: its workers go on retrying) and raise. Releases the version's lifecycle lock
+        `register` took."""
         try:
             try:
                 await self._changed()
-                await self._await_first(added)
+                await self._await_first(v, added)
                 # The ready workers reach every frontend before the caller hears "registered": a
                 # predict sent right after the answer must not meet a table still saying LOADING.
                 await self._changed()
             except BaseException:
-                await self._remove(v)
+                if not keep or v.removed:
+                    await self._remove(v)
                 raise
         finally:
             self._registering.discard((v.name, v.version))
@@ -249,14 +280,17 @@ class ModelRegistry(ModelViews):
         # A fixed archive registered under a name that failed at start-up supersedes that failure.
         if self._failed.clear(v.name):
             await self._changed()
+        self.on_management_change()
 
     async def _start_in_background(self, v: Version, added: Sequence[Instance]) -> None:
-        """An asynchronous register's second half: nobody waits for it, so a failure is logged."""
+        """An asynchronous register's second half: nobody waits for it, so a failure is logged
+        and the version stays registered, its workers retrying with backoff (TorchServe keeps a
+        model registered with `synchronous=false` whatever its workers do)."""
         try:
-            await self._start_registered(v, added)
-        except Exception as exc:
-            why = exc.message if isinstance(exc, ServingError) else repr(exc)
-            log.error("model %s version %s failed to start after registering: %s", v.name, v.version, why)
+            await self._start_registered(v, added, keep=True)
+        except Exception:  # each failed start was logged with its reason where it happened
+            log.error("model %s version %s: its first worker start after registering failed; its workers "
+                      "keep retrying", v.name, v.version)  # fmt: skip
 
     async def _remove(self, v: Version, why: str | None = None) -> None:
         """Stop serving `v`: out of the table first (frontends stop sending it batches and
@@ -293,6 +327,7 @@ class ModelRegistry(ModelViews):
             await self._changed()
             return
         await self._remove(self.resolve(model, version))
+        self.on_management_change()
 
     async def customized_metadata(
         self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
@@ -313,6 +348,7 @@ class ModelRegistry(ModelViews):
         self.resolve(model, version)
         self._defaults[model] = version
         await self._changed()
+        self.on_management_change()
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
         """Start or stop worker processes until the version has `min_workers` of them.
@@ -320,11 +356,16 @@ class ModelRegistry(ModelViews):
         Allowed without model management, as in TorchServe: it loads no new code, only more or
         fewer processes of an archive already served; the worker budget bounds how many (checked
         before any wait, so an asynchronous scale's refusal is still its caller's answer, and
-        again once it is this version's turn). One change of a version at a time: a scale waits
+        again once it is this version's turn); 0 stops every worker and keeps the version
+        registered (TorchServe's scale to 0). One change of a version at a time: a scale waits
         for the register or scale before it. Scaling down drains each worker it stops: out of
         the table first, then its frontends' batches there are answered, then it stops."""
-        if min_workers < 1:
-            raise ServingError(Code.INVALID_ARGUMENT, f"min_worker must be at least 1, got {min_workers}")
+        if min_workers < 0:
+            # TorchServe fails this with an internal error (500) after dropping the workers; here
+            # nothing changes and the answer says why.
+            raise ServingError(
+                Code.INTERNAL, f"min_worker must be 0 or more, got {min_workers}; the workers are unchanged"
+            )
         v = self.resolve(model, version)
         check_scale(self.budget, self._every(), v, min_workers)
         async with v.lifecycle:
@@ -342,7 +383,7 @@ class ModelRegistry(ModelViews):
                 added = self._workers.add(v, min_workers - len(live))
                 await self._changed()
                 try:
-                    await self._await_first(added)
+                    await self._await_first(v, added)
                     await self._changed()  # the new workers are in every frontend's table first
                 except BaseException:
                     if not v.removed:
@@ -370,3 +411,4 @@ class ModelRegistry(ModelViews):
                     v.instances.pop(inst.index, None)
                 await self._changed()
         log.info("model %s version %s scaled to %d workers", v.name, v.version, min_workers)
+        self.on_management_change()

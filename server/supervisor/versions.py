@@ -73,6 +73,8 @@ class Version:
         live = [i for i in self.instances.values() if not i.retired]
         if any(i.status == "READY" for i in live):
             return ModelState.READY
+        if not live and self.settings.min_workers == 0:
+            return ModelState.NO_WORKERS
         if self.ever_ready:
             return ModelState.RESTARTING
         if live and all(i.status == "FAILED" for i in live):

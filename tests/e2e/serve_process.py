@@ -55,8 +55,11 @@ class ServeProcess:
             *extra_args,
         ]  # fmt: skip
         self.log = log_path.open("wb")
+        # TorchServe's log files and config snapshots go beside the log, never into the repository
+        # (a snapshot there would be restored by the next server started without a config file).
+        env = {**os.environ, "LOG_LOCATION": str(log_path.parent / "logs")}
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def url(self, which: str = "http") -> str:

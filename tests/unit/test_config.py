@@ -90,8 +90,13 @@ def test_properties_continuations_and_comments() -> None:
 def test_model_list_forms(tmp_path: Path) -> None:
     for name in ("b.mar", "a.mar"):
         (tmp_path / name).write_bytes(b"")
-    cfg = load_config(["--model-store", str(tmp_path)], env={})
-    assert [s.archive for s in model_specs(cfg)] == ["a.mar", "b.mar"]
+    # TorchServe's default: no --models, no model at start-up; "all" (any case) loads the store.
+    cfg = load_config(["--model-store", str(tmp_path)], env={}, cwd=tmp_path)
+    assert cfg.models == ""
+    assert model_specs(cfg) == []
+    for every in ("all", "ALL", "All"):
+        cfg = load_config(["--model-store", str(tmp_path), "--models", every], env={}, cwd=tmp_path)
+        assert [s.archive for s in model_specs(cfg)] == ["a.mar", "b.mar"]
     cfg = load_config(["--model-store", str(tmp_path), "--models", "x=a.mar, b", "--batch-size", "8"], env={})
     specs = model_specs(cfg)
     assert [(s.name, s.archive, s.loaded_at_startup) for s in specs] == [

@@ -99,6 +99,7 @@ class FakePlane:
     )
     ready: set[str] = field(default_factory=set)
     seen: list[InferRequest] = field(default_factory=list)
+    registered: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     async def infer(self, req: InferRequest) -> InferResult:
         self.seen.append(req)
@@ -148,6 +149,7 @@ class FakePlane:
 
     async def register(self, archive_name: str, **overrides: Any) -> list[ModelInfo]:
         self._require_management()
+        self.registered.append((archive_name, overrides))
         info = _info(overrides.get("name") or Path(archive_name).stem, "1.0")
         self.infos.append(info)
         return [info]
@@ -572,18 +574,26 @@ def test_register_and_unregister_when_enabled_update_health(pb: SimpleNamespace)
 
     async def body(h: Harness) -> tuple[str, str, grpc.aio.AioRpcError, int]:
         m, stub = pb.management, h.mgmt_stub
-        registered = await stub.RegisterModel(m.RegisterModelRequest(url="extra.mar", batch_size=4))
+        registered = await stub.RegisterModel(
+            m.RegisterModelRequest(url="extra.mar", batch_size=4, initial_workers=1)
+        )
         plane.ready.add("extra")
         gone = await stub.UnregisterModel(m.UnregisterModelRequest(model_name="echo", model_version="2.0"))
-        override = await rpc_error(stub.RegisterModel(m.RegisterModelRequest(url="y.mar", handler="evil.py")))
+        # TorchServe's fields: the handler replaces the manifest's; a number <= 0 is "not given"
+        await stub.RegisterModel(
+            m.RegisterModelRequest(url="y.mar", handler="h.py", startup_timeout=30, max_batch_delay=-5)
+        )
         # register/unregister refreshed health: the new model is known and its status current
         check = await h.health_stub(h.inference).Check(pb.health.HealthCheckRequest(service="extra"))
-        return registered.msg, gone.msg, override, check.status
+        return registered.msg, gone.msg, check.status
 
-    registered, gone, override, extra_status = run_with(pb, plane, body)
+    registered, gone, extra_status = run_with(pb, plane, body)
     assert registered == 'Model "extra" Version: 1.0 registered with 1 initial workers'
     assert gone == 'Model "echo" unregistered'
-    assert override.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert plane.registered == [
+        ("extra.mar", {"batch_size": 4, "min_workers": 1, "max_workers": 1}),
+        ("y.mar", {"startup_timeout_s": 30.0, "handler": "h.py"}),
+    ]
     assert extra_status == pb.health.HealthCheckResponse.SERVING
 
 

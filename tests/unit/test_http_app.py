@@ -126,7 +126,10 @@ class FakePlane:
         self._require_management("model registration")
         self.management_calls.append(("register", archive_name, overrides))
         info = make_info(overrides.get("name", archive_name.removesuffix(".mar")), "3.0")
-        info = dataclasses.replace(info, loaded_at_startup=False)  # as the DataPlane marks it
+        workers = overrides.get("min_workers", 0)  # the registry's default for a register: none
+        info = dataclasses.replace(  # as the DataPlane marks it
+            info, loaded_at_startup=False, min_workers=workers, workers=info.workers[:workers]
+        )
         self.infos.append(info)
         return [info]
 
@@ -620,8 +623,11 @@ def test_changes_are_refused_unless_management_is_enabled(plane: FakePlane, mana
     ]:
         resp = requests.request(method, f"{management_url}{path}", timeout=TIMEOUT)
         assert resp.status_code == 405, resp.text
-        assert resp.json()["code"] == 405
-        assert "enable-model-management" in resp.json()["message"]
+        assert resp.json() == {  # TorchServe's body, word for word (its clients compare it)
+            "code": 405,
+            "type": "MethodNotAllowedException",
+            "message": "Requested method is not allowed, please refer to API document.",
+        }
     assert plane.management_calls == []
     # Scale and set-default load no code: TorchServe allows them with the model API off.
     resp = requests.put(f"{management_url}/models/digits?min_worker=2&synchronous=true", timeout=TIMEOUT)
@@ -632,12 +638,15 @@ def test_changes_are_refused_unless_management_is_enabled(plane: FakePlane, mana
 
 
 def test_register_from_url_is_always_refused(plane: FakePlane, management_url: str) -> None:
+    """TorchServe's answer to a URL no allowed_urls pattern matches: 404 ModelNotFoundException;
+    Mariner allows none, and never fetches one."""
     plane.management_enabled = True
     for url in ["https://example.com/digits.mar", "file:///etc/passwd", "s3://bucket/x.mar"]:
         resp = requests.post(f"{management_url}/models", params={"url": url}, timeout=TIMEOUT)
-        assert "model store" in assert_error(resp, 403, Code.PERMISSION_DENIED)["message"]
+        body = assert_error(resp, 404, Code.NOT_FOUND)
+        assert body["message"] == f"Given URL {url} does not match any allowed URL(s)"
     resp = requests.post(f"{management_url}/models", json={"url": "http://x/y.mar"}, timeout=TIMEOUT)
-    assert_error(resp, 403, Code.PERMISSION_DENIED)
+    assert_error(resp, 404, Code.NOT_FOUND)
     assert plane.management_calls == []
 
 
@@ -649,7 +658,9 @@ def test_register_when_enabled(plane: FakePlane, management_url: str) -> None:
         timeout=TIMEOUT,
     )
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"status": 'Model "fresh" Version: 3.0 registered with 1 initial workers'}
+    assert resp.json() == {
+        "status": 'Model "fresh" Version: 3.0 registered with 1 initial workers'
+    }  # READY ones
     assert plane.management_calls == [
         (
             "register",
@@ -660,15 +671,40 @@ def test_register_when_enabled(plane: FakePlane, management_url: str) -> None:
     (entry,) = requests.get(f"{management_url}/models/fresh", timeout=TIMEOUT).json()
     assert entry["loadedAtStartup"] is False
 
+    # TorchServe's register parameters, read as it reads them: the handler replaces the manifest's,
+    # a value that is no number is "not given", an unknown parameter is ignored; no worker count
+    # registers the model with none, answered at once (200) even when asynchronous.
+    plane.management_calls.clear()
     resp = requests.post(
-        f"{management_url}/models", params={"url": "x.mar", "handler": "h.py"}, timeout=TIMEOUT
+        f"{management_url}/models",
+        params={
+            "url": "x.mar",
+            "handler": "h.py",
+            "batch_size": "two",
+            "startup_timeout": "0",
+            "synchronous": "-1",
+            "number_gpu": "1",
+        },  # fmt: skip
+        timeout=TIMEOUT,
     )
-    assert "handler" in assert_error(resp, 400, Code.INVALID_ARGUMENT)["message"]
-    resp = requests.post(
-        f"{management_url}/models", params={"url": "x.mar", "batch_size": "two"}, timeout=TIMEOUT
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {
+        "status": 'Model "x" Version: 3.0 registered with 0 initial workers. '
+        "Use scale workers API to add workers for the model."
+    }
+    assert plane.management_calls == [
+        ("register", "x.mar", {"synchronous": False, "startup_timeout_s": 0.0, "handler": "h.py"})
+    ]
+    resp = requests.post(  # with workers, synchronous=false is TorchServe's 202
+        f"{management_url}/models",
+        params={"url": "y.mar", "initial_workers": "1", "synchronous": "false"},
+        timeout=TIMEOUT,
     )
-    assert_error(resp, 400, Code.INVALID_ARGUMENT)
-    assert_error(requests.post(f"{management_url}/models", timeout=TIMEOUT), 400, Code.INVALID_ARGUMENT)
+    assert resp.status_code == 202, resp.text
+    body = assert_error(
+        requests.post(f"{management_url}/models", timeout=TIMEOUT), 400, Code.INVALID_ARGUMENT
+    )
+    assert body["message"] == "Parameter url is required."
 
 
 def test_scale_unregister_set_default_when_enabled(plane: FakePlane, management_url: str) -> None:
@@ -687,6 +723,39 @@ def test_scale_unregister_set_default_when_enabled(plane: FakePlane, management_
         ("scale", "digits", None, 2, 3),
         ("set_default", "digits", "2.0"),
         ("unregister", "digits", "2.0"),
+    ]
+
+
+def test_management_paths_may_end_in_a_slash(plane: FakePlane, management_url: str) -> None:
+    """TorchServe's router drops trailing slashes: `DELETE /models/m/?synchronous=true` works."""
+    plane.management_enabled = True
+    resp = requests.delete(f"{management_url}/models/digits/?synchronous=true&timeout=true", timeout=TIMEOUT)
+    assert resp.json() == {"status": 'Model "digits" unregistered'}
+    resp = requests.get(f"{management_url}/models/digits/2.0//", timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()[0]["modelVersion"] == "2.0"
+    assert requests.get(f"{management_url}/models/", timeout=TIMEOUT).json()["models"]
+    resp = requests.put(f"{management_url}/models/digits/2.0/set-default/", timeout=TIMEOUT)
+    assert resp.status_code == 200, resp.text
+    assert plane.management_calls == [("unregister", "digits", None), ("set_default", "digits", "2.0")]
+
+
+def test_scale_reads_its_values_as_torchserve_does(plane: FakePlane, management_url: str) -> None:
+    """min_worker that is no number is 1 (getIntParameter); 0 scales to no worker (202 unless
+    synchronous); number_gpu and timeout are not TorchServe's scale parameters."""
+    url = f"{management_url}/models/digits"
+    assert requests.put(f"{url}?min_worker=nan&synchronous=nan", timeout=TIMEOUT).status_code == 202
+    assert requests.put(f"{url}?min_worker=0", timeout=TIMEOUT).status_code == 202
+    assert requests.put(f"{url}?number_gpu=-1&timeout=0", timeout=TIMEOUT).status_code == 202
+    resp = requests.put(f"{url}?min_worker=0&synchronous=true", timeout=TIMEOUT)
+    assert resp.json() == {"status": "Workers scaled to 0 for model: digits"}
+    body = assert_error(requests.put(f"{url}?max_worker=-1", timeout=TIMEOUT), 400, Code.INVALID_ARGUMENT)
+    assert body["message"] == "max_worker cannot be less than min_worker."
+    assert plane.management_calls == [
+        ("scale", "digits", None, 1, 1),
+        ("scale", "digits", None, 0, 0),
+        ("scale", "digits", None, 1, 1),
+        ("scale", "digits", None, 0, 0),
     ]
 
 

@@ -6,6 +6,8 @@ archive (nothing is loaded: the endpoint is built, its settings read back, its b
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 import json
 import zipfile
@@ -114,8 +116,8 @@ def test_max_workers_follows_a_higher_min_workers() -> None:
         ({"maxBatchDelay": "soon"}, "maxBatchDelay must be a number >= 0, got 'soon' (from archive x.mar)"),
         ({"responseTimeout": 0}, "responseTimeout must be a number > 0, got 0 (from archive x.mar)"),
         ({"responseTimeout": "nan"}, "responseTimeout must be a number > 0, got 'nan' (from archive x.mar)"),
-        ({"minWorkers": -2}, "minWorkers must be a positive integer, got -2 (from archive x.mar)"),
-        ({"maxWorkers": "many"}, "maxWorkers must be a positive integer, got 'many' (from archive x.mar)"),
+        ({"minWorkers": -2}, "minWorkers must be an integer >= 0, got -2 (from archive x.mar)"),
+        ({"maxWorkers": "many"}, "maxWorkers must be an integer >= 0, got 'many' (from archive x.mar)"),
         ({"deviceType": "tpu"}, "deviceType must be one of 'cpu', 'gpu', got 'tpu' (from archive x.mar)"),
     ],
 )
@@ -150,30 +152,41 @@ def test_typed_overrides_are_checked_too() -> None:
 
 def test_register_call_zero_or_empty_means_the_default_but_a_zero_delay_is_kept() -> None:
     assert (
-        register_call_overrides(batch_size=0, response_timeout="", initial_workers="0") == SettingsOverrides()
+        register_call_overrides(batch_size=-1, response_timeout="", initial_workers="0") == SettingsOverrides()
     )
     assert register_call_overrides(max_batch_delay="0") == SettingsOverrides(max_batch_delay_ms=0.0)
     assert register_call_overrides(initial_workers=3) == SettingsOverrides(min_workers=3, max_workers=3)
+    # startup_timeout 0 is TorchServe's too: the workers get no time to start (and fail)
+    assert register_call_overrides(startup_timeout="0") == SettingsOverrides(startup_timeout_s=0.0)
+    assert register_call_overrides(startup_timeout="-1") == SettingsOverrides()  # its "not given"
 
 
 @pytest.mark.parametrize(
-    ("param", "value", "message"),
+    ("param", "value", "instead"),
     [
-        ("batch_size", "two", "batch_size must be a positive integer, got 'two' (from the register call)"),
-        ("batch_size", "-1", "batch_size must be a positive integer, got '-1' (from the register call)"),
-        ("max_batch_delay", "-5", "max_batch_delay must be a number >= 0, got '-5' (from the register call)"),
-        ("response_timeout", "x", "response_timeout must be a number > 0, got 'x' (from the register call)"),
-        (
-            "initial_workers",
-            "1.5",
-            "initial_workers must be a positive integer, got '1.5' (from the register call)",
-        ),
+        ("batch_size", "dd", "batchSize (archive, models=, else 1)"),
+        ("batch_size", "0", "batchSize"),
+        ("batch_size", "2.0", "batchSize"),
+        ("max_batch_delay", "junk", "maxBatchDelay (archive, models=, else 100 ms)"),
+        ("max_batch_delay", "-5", "maxBatchDelay"),
+        ("response_timeout", "x", "responseTimeout"),
+        ("response_timeout", "0", "responseTimeout"),
+        ("startup_timeout", "soon", "startupTimeout"),
+        ("initial_workers", "-1", "minWorkers (archive, models=, default_workers_per_model, else no worker)"),
+        ("initial_workers", "1.5", "minWorkers"),
     ],
 )
-def test_register_call_errors_name_the_parameter_sent(param: str, value: str, message: str) -> None:
-    with pytest.raises(ServingError) as err:
-        register_call_overrides(**{param: value})
-    assert (err.value.code, err.value.message) == (Code.INVALID_ARGUMENT, message)
+def test_register_values_torchserve_accepts_are_ignored_with_one_warning(
+    param: str, value: str, instead: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TorchServe registers these (its getIntParameter reads a non-number as "not given"): so
+    does Mariner, leaving the setting to the lower layers and saying so once."""
+    with caplog.at_level(logging.WARNING, logger="mariner.management"):
+        assert register_call_overrides(**{param: value}) == SettingsOverrides()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert f"register parameter {param}={value!r}" in warnings[0]
+    assert instead in warnings[0]
 
 
 def test_properties_entry_is_chosen_by_mar_name_then_version_then_default() -> None:

@@ -145,9 +145,9 @@ def test_workers_default_to_gpus_else_cores_and_zero_means_unset(tmp_path: Path)
     assert resolve_model_settings(*layers).min_workers == 5
 
 
-def test_a_registered_model_starts_one_worker_unless_something_says_more(tmp_path: Path) -> None:
-    # TorchServe would start none (a register without initial_workers); Mariner starts one.
-    assert resolve(tmp_path, {}, startup=False).min_workers == 1
+def test_a_registered_model_starts_no_worker_unless_something_says_some(tmp_path: Path) -> None:
+    # TorchServe's register without initial_workers: default_workers_per_model, else no worker.
+    assert resolve(tmp_path, {}, startup=False).min_workers == 0
     assert resolve(tmp_path, {"default": {"min_workers": 3}}, startup=False).min_workers == 3
     assert resolve(tmp_path, {"call": {"min_workers": 2}}, startup=False).min_workers == 2
 

@@ -40,6 +40,7 @@ _INDEX_STATE = {
     ModelState.RESTARTING: "LOADING",
     ModelState.STOPPING: "UNLOADING",
     ModelState.FAILED: "UNAVAILABLE",
+    ModelState.NO_WORKERS: "UNAVAILABLE",
 }
 
 

@@ -1,0 +1,160 @@
+"""The supervisor's config snapshots: what goes into them and when they are written.
+
+TorchServe writes one at start (`startup`), after every management change that succeeded
+(`snapshot`: register, unregister, scale, set-default) and at a clean stop (`shutdown`). The
+settings part is a config.properties a later start can read: the TorchServe config file this
+server read (its keys as written, `$$VAR$$` substituted), with the keys Mariner maps set to what
+the server runs with (model store, listeners and their TLS, defaults, the model API); the models
+part is every version served (`ModelViews.snapshot_models`). Mariner's own settings (tokens,
+limits) are not TorchServe keys and are never written. The file format and which snapshot a
+start restores are `config_snapshots`'s.
+
+Writing never runs on the event loop (the file system may be slow or full) and never stops the
+server: a location that cannot be written is named in one warning and left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from mariner.server.config import ServerConfig
+from mariner.server.config_snapshots import snapshot_dir, write_snapshot
+from mariner.server.torchserve_properties import read_properties, substitute_env
+
+log = logging.getLogger("mariner.supervisor")
+
+Models = Mapping[str, Mapping[str, Mapping[str, Any]]]
+_HTTP = (
+    ("inference_address", "inference_address"),
+    ("management_address", "management_address"),
+    ("metrics_address", "metrics_address"),
+)
+_DEFAULTS = (
+    "default_workers_per_model",
+    "default_response_timeout",
+    "default_startup_timeout",
+    "job_queue_size",
+)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _read_file_props(cfg: ServerConfig, env: Mapping[str, str]) -> dict[str, str]:
+    """The TorchServe config file's own keys (none when the config is ours, YAML/JSON)."""
+    path = cfg.config_file
+    if path is None or Path(path).suffix not in (".properties", ".cfg"):
+        return {}
+    try:
+        props = substitute_env(read_properties(Path(path).read_text()), env)
+    except (OSError, ValueError) as exc:
+        log.warning("config snapshots: cannot re-read %s (%s); writing the server's settings only", path, exc)
+        return {}
+    return {k: v for k, v in props.items() if k not in ("model_snapshot", "tsConfigFile")}
+
+
+def snapshot_properties(cfg: ServerConfig, env: Mapping[str, str]) -> dict[str, str]:
+    """The settings part of every snapshot: the file's keys, with what the server runs with."""
+    props = _read_file_props(cfg, env)
+    tls = cfg.tls_cert_file is not None and cfg.tls_key_file is not None
+    covered = {n.strip() for n in cfg.tls_listeners.split(",")} if cfg.tls_listeners else None
+
+    def encrypted(listener: str) -> bool:
+        return tls and (covered is None or listener in covered)
+
+    for key, field in _HTTP:
+        if key not in props:  # the file's own value keeps its scheme; a flag's gets the TLS in force
+            scheme = "https" if encrypted(key.removesuffix("_address")) else "http"
+            props[key] = f"{scheme}://{getattr(cfg, field)}"
+    for which in ("inference", "management"):
+        if f"grpc_{which}_address" not in props and f"grpc_{which}_port" not in props:
+            host, _, port = str(getattr(cfg, f"grpc_{which}_address")).rpartition(":")
+            props[f"grpc_{which}_address"], props[f"grpc_{which}_port"] = host, port
+    if tls and "private_key_file" not in props:
+        props.update(private_key_file=str(cfg.tls_key_file), certificate_file=str(cfg.tls_cert_file))
+        if encrypted("grpc_inference") or encrypted("grpc_management"):
+            props["enable_grpc_ssl"] = "true"
+    props["model_store"] = str(cfg.model_store)
+    if cfg.models:
+        props["load_models"] = cfg.models
+    props.pop("enable_model_api", None)
+    if cfg.enable_model_management:
+        props["enable_model_api"] = "true"
+    for key in _DEFAULTS:
+        value = getattr(cfg, key)
+        if value is not None:
+            props[key] = _number(value)
+    if cfg.model_overrides:
+        props["models"] = json.dumps(cfg.model_overrides)
+    if cfg.install_py_dep_per_model:
+        props["install_py_dep_per_model"] = "true"
+    if cfg.service_envelope:
+        props["service_envelope"] = cfg.service_envelope
+    if cfg.metrics_config is not None:
+        props["metrics_config"] = str(cfg.metrics_config)
+    if getattr(cfg, "disable_token_auth", False):
+        props["disable_token_authorization"] = "true"
+    return props
+
+
+class ConfigSnapshots:
+    """Writes the supervisor's config snapshots, one at a time, off the event loop.
+
+    `models` answers the models part on the event loop (it reads the registry, which only the
+    loop changes); the file is written in a thread. `request` starts a write and returns (the
+    management call does not wait for the disk); `save` waits for it (start-up and shutdown)."""
+
+    def __init__(
+        self, cfg: ServerConfig, models: Callable[[], Models], env: Mapping[str, str] | None = None
+    ) -> None:
+        env = os.environ if env is None else env
+        self.enabled = cfg.config_snapshots
+        self.directory = snapshot_dir(env)
+        self._props = snapshot_properties(cfg, env) if self.enabled else {}
+        self._models = models
+        self._lock = asyncio.Lock()  # files in the order of the changes they record
+        self._pending: set[asyncio.Task[Path | None]] = set()
+        self._warned = False
+        if cfg.model_snapshot is not None:
+            log.info(
+                "restoring config snapshot %s: its settings and models, in place of --models "
+                "(no config file was given; --ncs starts without it)",
+                cfg.config_file,
+            )
+
+    def request(self, kind: str = "snapshot") -> None:
+        """Write a snapshot soon (after the ones already asked for)."""
+        if not self.enabled:
+            return
+        task = asyncio.create_task(self.save(kind))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def save(self, kind: str) -> Path | None:
+        """Write a snapshot of `kind` now; None when snapshots are off or it could not be written."""
+        if not self.enabled:
+            return None
+        models = self._models()  # on the loop: the registry as it is at this change
+        async with self._lock:
+            try:
+                path = await asyncio.to_thread(write_snapshot, self.directory, kind, self._props, models)
+            except OSError as exc:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("config snapshots cannot be written to %s (%s); the server goes on without "
+                                "them (--ncs turns them off)", self.directory, exc)  # fmt: skip
+                return None
+        log.debug("config snapshot %s written", path)
+        return path
+
+    async def close(self) -> None:
+        """Wait for the snapshots asked for, so the shutdown one is the last."""
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
