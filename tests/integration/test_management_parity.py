@@ -156,11 +156,15 @@ def test_without_management_only_register_and_unregister_are_refused(model_store
         register = requests.post(mgmt, params={"url": "digits_torchscript.mar"}, timeout=30)
         unregister = requests.delete(f"{mgmt}/{MODEL}", timeout=30)
         assert (register.status_code, unregister.status_code) == (405, 405)
-        assert register.json() == unregister.json() == {  # TorchServe's body, word for word
-            "code": 405,
-            "type": "MethodNotAllowedException",
-            "message": "Requested method is not allowed, please refer to API document.",
-        }
+        assert (
+            register.json()
+            == unregister.json()
+            == {  # TorchServe's body, word for word
+                "code": 405,
+                "type": "MethodNotAllowedException",
+                "message": "Requested method is not allowed, please refer to API document.",
+            }
+        )
         assert "--enable-model-management" in srv.log_text()  # how to turn it on: in the log
         default = requests.put(f"{mgmt}/{MODEL}/1.0/set-default", timeout=30)
         assert default.status_code == 200, default.text

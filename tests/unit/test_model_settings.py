@@ -6,10 +6,9 @@ archive (nothing is loaded: the endpoint is built, its settings read back, its b
 
 from __future__ import annotations
 
-import logging
-
 import asyncio
 import json
+import logging
 import zipfile
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -152,7 +151,8 @@ def test_typed_overrides_are_checked_too() -> None:
 
 def test_register_call_zero_or_empty_means_the_default_but_a_zero_delay_is_kept() -> None:
     assert (
-        register_call_overrides(batch_size=-1, response_timeout="", initial_workers="0") == SettingsOverrides()
+        register_call_overrides(batch_size=-1, response_timeout="", initial_workers="0")
+        == SettingsOverrides()
     )
     assert register_call_overrides(max_batch_delay="0") == SettingsOverrides(max_batch_delay_ms=0.0)
     assert register_call_overrides(initial_workers=3) == SettingsOverrides(min_workers=3, max_workers=3)
