@@ -90,10 +90,15 @@ METHOD_NOT_ALLOWED = {
 
 
 def _lenient_int(params: Mapping[str, str], key: str, default: int) -> int:
-    """TorchServe's getIntParameter: a missing or malformed value means the default."""
+    """TorchServe's getIntParameter: a missing or malformed value means the default (a malformed
+    one is named in a warning, as TorchServe accepts it silently)."""
+    if key not in params:
+        return default
     try:
         return int(params[key])
-    except (KeyError, ValueError, TypeError):
+    except (ValueError, TypeError):
+        log.warning("parameter %s=%r is not an integer (TorchServe accepts it): using %d instead",
+                    key, str(params[key])[:80], default)  # fmt: skip
         return default
 
 
@@ -114,14 +119,19 @@ def _path(request: Request) -> dict[str, str]:
 ACCEPTED_STATUS = "Processing worker updates..."
 
 
-def _true(value: object, default: bool) -> bool:
+def _true(value: object, default: bool, name: str = "synchronous") -> bool:
     """Java's Boolean.parseBoolean, as TorchServe reads `synchronous`: only "true" (any case) is
-    true; a JSON body may carry a real boolean."""
+    true; a JSON body may carry a real boolean. A value that is neither true nor false is named
+    in a warning (read as false, as TorchServe reads it)."""
     if value is None:
         return default
     if isinstance(value, bool):
         return value
-    return str(value).strip().lower() == "true"
+    text = str(value).strip().lower()
+    if text not in ("true", "false"):
+        log.warning("parameter %s=%r is not true or false (TorchServe accepts it): read as false",
+                    name, str(value)[:80])  # fmt: skip
+    return text == "true"
 
 
 def _not_allowed(what: str) -> Response:
@@ -208,7 +218,8 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
     async def describe(request: Request) -> Response:
         """Describe a model's default version, one version, or every version ("all")."""
         p = _path(request)
-        if _true(request.query_params.get("customized"), False):  # the handler's describe_handle
+        # customized=true: the handler's describe_handle
+        if _true(request.query_params.get("customized"), False, "customized"):
             doc, status = await describe_customized(
                 dataplane, p["name"], p.get("version"), request.headers, WireProtocol.TS_HTTP
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import threading
 import time
@@ -740,11 +741,20 @@ def test_management_paths_may_end_in_a_slash(plane: FakePlane, management_url: s
     assert plane.management_calls == [("unregister", "digits", None), ("set_default", "digits", "2.0")]
 
 
-def test_scale_reads_its_values_as_torchserve_does(plane: FakePlane, management_url: str) -> None:
+def test_scale_reads_its_values_as_torchserve_does(
+    plane: FakePlane, management_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """min_worker that is no number is 1 (getIntParameter); 0 scales to no worker (202 unless
-    synchronous); number_gpu and timeout are not TorchServe's scale parameters."""
+    synchronous); number_gpu and timeout are not TorchServe's scale parameters. A value TorchServe
+    reads silently as something else is named in one warning."""
     url = f"{management_url}/models/digits"
-    assert requests.put(f"{url}?min_worker=nan&synchronous=nan", timeout=TIMEOUT).status_code == 202
+    with caplog.at_level(logging.WARNING, logger="mariner.http"):
+        assert requests.put(f"{url}?min_worker=nan&synchronous=nan", timeout=TIMEOUT).status_code == 202
+    said = [r.getMessage() for r in caplog.records if r.name == "mariner.http"]
+    assert said == [
+        "parameter min_worker='nan' is not an integer (TorchServe accepts it): using 1 instead",
+        "parameter synchronous='nan' is not true or false (TorchServe accepts it): read as false",
+    ]
     assert requests.put(f"{url}?min_worker=0", timeout=TIMEOUT).status_code == 202
     assert requests.put(f"{url}?number_gpu=-1&timeout=0", timeout=TIMEOUT).status_code == 202
     resp = requests.put(f"{url}?min_worker=0&synchronous=true", timeout=TIMEOUT)
