@@ -34,7 +34,12 @@ from typing import Any
 from mariner.server import event_loop
 from mariner.server.control import channel
 from mariner.server.control.metrics import Metrics, MetricsConfig
-from mariner.server.core.batching import BatchRunner, RunnerRetired
+from mariner.server.core.batching import (
+    ASYNC_BATCHES_PER_RUNNER,
+    BatchRunner,
+    RunnerRetired,
+    async_communication,
+)
 from mariner.server.core.dataplane import DataPlane
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
 from mariner.server.core.errors import ServingError
@@ -72,8 +77,8 @@ MIN_GRPC_STOP_S = 2.0
 class _Worker:
     """One connection to one worker process (one generation of one instance), as a BatchRunner.
 
-    Tracks whether a batch is running so that a retired connection closes only once that batch
-    has its answer.
+    Counts the batches running (several at once for asyncCommunication) so that a retired
+    connection closes only once they have their answers.
     """
 
     def __init__(self, endpoint: WorkerEndpoint, conn: Any) -> None:
@@ -82,7 +87,7 @@ class _Worker:
         self.id = endpoint.id
         self.instance = endpoint.instance
         self.generation = endpoint.generation
-        self.busy = False
+        self.busy = 0
         self.retired = False
         self.batches = 0
 
@@ -93,14 +98,14 @@ class _Worker:
     async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
         if self.retired:  # retired while the batcher held it: the batch goes to another worker
             raise RunnerRetired(f"worker {self.id} was retired before it took the batch")
-        self.busy = True
+        self.busy += 1
         try:
             results = await self.conn.run(requests)
             self.batches += 1
             return results
         finally:
-            self.busy = False
-            if self.retired:
+            self.busy -= 1
+            if self.retired and not self.busy:
                 self.conn.close()
 
     def retire(self) -> None:
@@ -129,7 +134,19 @@ class RemoteEndpoint(ModelEndpoint):
         signature: ModelSignature | None,
         metrics: Metrics,
     ) -> None:
-        super().__init__(entry.name, entry.version, source, entry.settings, signature, metrics)
+        concurrent = async_communication(entry.model_config)
+        if isinstance(concurrent, str):  # TorchServe warns and ignores a value that is not a boolean
+            log.warning("model %s version %s: %s", entry.name, entry.version, concurrent)
+        super().__init__(
+            entry.name,
+            entry.version,
+            source,
+            entry.settings,
+            signature,
+            metrics,
+            runner_concurrency=ASYNC_BATCHES_PER_RUNNER if concurrent is True else 1,
+            envelope=entry.manifest.get("model", {}).get("envelope") or None,
+        )
         self.entry = entry
         self.token_counter = token_counter_or_none(
             entry.model_config, entry.archive_file, Path(entry.model_dir)

@@ -13,6 +13,9 @@ Semantics (DESIGN.md):
 - Requests whose deadline passed, or whose caller went away (future cancelled), are dropped
   before they reach the device.
 - Per-item outcomes come back per item; a whole-batch failure fails only that batch.
+- A runner holds one batch at a time, or up to `runner_concurrency` for a model whose worker
+  runs several calls at once (asyncCommunication): such a runner is offered batches again as
+  soon as it took one, while it has room.
 - With a token counter (the archive's tokenCounter, for models that pad a batch to its longest
   member), each request's cost (rows, longest row in tokens) is counted before it is queued, and
   a batch is formed by length: the oldest live request always goes first (FIFO fairness, no
@@ -89,6 +92,10 @@ class Batcher:
             self._idle.put_nowait(r)
         self._inflight: set[asyncio.Task[None]] = set()
         self._busy = 0  # batches running now; changes together with the idle-runner queue
+        # Batches each runner holds now; a runner is in the idle queue (once) while it has room.
+        # A runner that failed or hung leaves `_runners` at once: an entry of it still queued as
+        # idle (it had room) is dropped when taken.
+        self._load: dict[BatchRunner, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._running: list[list[_Pending]] = []  # the batches runners hold now
@@ -317,7 +324,10 @@ class Batcher:
             runner = await self._idle.get()
             if runner in self._retired:
                 self._retired.discard(runner)
-                self._runners.remove(runner)
+                if runner in self._runners:
+                    self._runners.remove(runner)
+                continue
+            if runner not in self._runners:  # failed or retired meanwhile, with batches in flight
                 continue
             # Wait to fill only while another instance is computing: then the model is busy and
             # requests keep arriving. With every instance idle, waiting would only add latency
@@ -338,6 +348,9 @@ class Batcher:
                 self._idle.put_nowait(runner)
                 continue
             self._busy += 1
+            load = self._load[runner] = self._load.get(runner, 0) + 1
+            if load < self.policy.runner_concurrency:
+                self._idle.put_nowait(runner)  # room for another batch at once
             self._running.append(batch)  # from now on the deadline watch sees it as running
             task = asyncio.get_running_loop().create_task(self._run(runner, batch))
             self._inflight.add(task)
@@ -410,16 +423,22 @@ class Batcher:
             # Busy count and idle queue change together, so the dispatcher never mistakes a
             # finished batch for another instance still computing.
             self._busy -= 1
+            load = self._load[runner] = self._load[runner] - 1
+            was_full = load == self.policy.runner_concurrency - 1  # not in the idle queue now
+            if not load:
+                del self._load[runner]
             if retried:
                 self._retired.discard(runner)
                 if runner in self._runners:
                     self._runners.remove(runner)
-            elif broken is None or self._replace_runner is None:
+            elif broken is not None and self._replace_runner is not None:
+                if runner in self._runners:  # the first of its batches to fail: replaced once
+                    self._runners.remove(runner)
+                    task = asyncio.get_running_loop().create_task(self._replace(runner, broken))
+                    self._replacing.add(task)
+                    task.add_done_callback(self._replacing.discard)
+            elif was_full and runner in self._runners:
                 self._idle.put_nowait(runner)
-            else:
-                task = asyncio.get_running_loop().create_task(self._replace(runner, broken))
-                self._replacing.add(task)
-                task.add_done_callback(self._replacing.discard)
             self._arrival.set()
 
     def _requeue(self, batch: list[_Pending]) -> None:
@@ -440,6 +459,7 @@ class Batcher:
             log.exception("replacing runner %s failed; the model has one instance fewer", runner.id)
             return
         if new is not None and not self._closed:
+            self._runners.append(new)
             self._idle.put_nowait(new)
             self._arrival.set()
 

@@ -4,9 +4,9 @@ the dispatcher itself)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from mariner.server.core.errors import ServingError
 from mariner.server.core.types import InferRequest, InferResult, TokenCost
@@ -22,7 +22,11 @@ class BatchObserver(Protocol):
     """Hooks for metrics; the batcher itself stays free of Prometheus."""
 
     def queue_depth(self, items: int) -> None: ...
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None: ...
+    def batch_started(
+        self, items: int, queue_waits: Sequence[float], versions: Sequence[str | None] = ()
+    ) -> None:
+        """A batch left the queue: its items, each request's wait and the version each asked
+        for (None: the default version)."""
     def batch_finished(self, seconds: float) -> None: ...
     def batch_tokens(self, padded: int, unpadded: int) -> None:
         """With a token counter: the batch's padded tokens (rows x longest row) and what its
@@ -44,7 +48,9 @@ class NullObserver:
     def queue_depth(self, items: int) -> None:
         pass
 
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+    def batch_started(
+        self, items: int, queue_waits: Sequence[float], versions: Sequence[str | None] = ()
+    ) -> None:
         pass
 
     def batch_finished(self, seconds: float) -> None:
@@ -62,10 +68,32 @@ class BatchPolicy:
     # A batch running longer than this is abandoned: its callers get DEADLINE_EXCEEDED and the
     # instance is replaced (a hung handler must not stall the model forever). None = no limit.
     batch_timeout_s: float | None = None
+    # Batches one runner may hold at once: 1 (it answers one before it gets the next), or more
+    # for a model whose worker runs several calls at once (asyncCommunication).
+    runner_concurrency: int = 1
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_queue < 1 or self.max_batch_delay_s < 0:
+        if (
+            self.max_batch_size < 1
+            or self.max_queue < 1
+            or self.max_batch_delay_s < 0
+            or self.runner_concurrency < 1
+        ):
             raise ValueError(f"invalid batch policy {self}")
+
+
+# Batches a frontend keeps in flight on one worker of a model with `asyncCommunication: true`
+# (TorchServe's model-config switch: its frontend sends each job without waiting for the last).
+ASYNC_BATCHES_PER_RUNNER = 64
+
+
+def async_communication(model_config: Mapping[str, Any]) -> bool | str:
+    """The model-config's `asyncCommunication`: True or False as TorchServe reads it (a YAML
+    boolean), or, for any other value, the warning TorchServe logs before it ignores it."""
+    value = model_config.get("asyncCommunication", False)
+    if isinstance(value, bool):
+        return value
+    return f"Invalid asyncCommunication: {value!r}, should be true or false; it is ignored (false)"
 
 
 class InstanceFailed(Exception):

@@ -4,18 +4,23 @@ Handlers written for TorchServe read `context.system_properties`, `context.manif
 `context.model_yaml_config`, and per request call `get_request_header`,
 `set_response_status` and `set_response_content_type`, and record metrics through
 `context.metrics` (TorchServe's metrics API, served on /metrics under the handler's names).
+A streaming handler passes the Context to `ts.handler_utils.utils.send_intermediate_predict_response`,
+which writes to `context.cl_socket`: here an `IntermediateChannel` that hands each part to
+whoever runs the handler (`core.intermediate`).
 This class offers the same surface so the same archive runs unchanged on stock TorchServe and
 on Mariner (and in our verification harness).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mariner.server.core.handler_metrics import HandlerMetrics
+from mariner.server.core.intermediate import Deliver, IntermediateChannel
 
 
 @dataclass
@@ -62,6 +67,9 @@ class Context:
         self.request_ids: dict[int, str] = {}
         self._request_headers: list[dict[str, str]] = []
         self._responses: list[ResponseMeta] = []
+        # What TorchServe's send_intermediate_predict_response writes to; its `deliver` is set
+        # by whoever runs the handler (a worker: to the frontend, ahead of the final result).
+        self.cl_socket = IntermediateChannel()
 
     @property
     def system_properties(self) -> dict[str, Any]:
@@ -72,6 +80,17 @@ class Context:
         self.request_ids = dict(enumerate(request_ids))
         self._request_headers = [{k.lower(): v for k, v in h.items()} for h in headers]
         self._responses = [ResponseMeta() for _ in request_ids]
+
+    def for_call(
+        self, request_ids: Sequence[str], headers: Sequence[Mapping[str, str]], deliver: Deliver | None
+    ) -> Context:
+        """A Context for one of several handler calls running at once (a coroutine handler):
+        the instance's properties, manifest and metrics shared, the per-request parts and the
+        intermediate channel its own, as TorchServe's async worker copies its Context per batch."""
+        call = copy.copy(self)
+        call.begin_batch(request_ids, headers)
+        call.cl_socket = IntermediateChannel(deliver)
+        return call
 
     def response_meta(self, idx: int) -> ResponseMeta:
         return self._responses[idx]

@@ -198,6 +198,9 @@ class ModelEndpoint:
         signature: ModelSignature | None,
         metrics: ServingMetrics,
         runners: Sequence[BatchRunner] = (),
+        *,
+        runner_concurrency: int = 1,
+        envelope: str | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -220,11 +223,15 @@ class ModelEndpoint:
         self.batcher: Batcher | None = None
         # Set by a subclass from the archive's tokenCounter: length-aware batching within a budget.
         self.token_counter: TokenCounter | None = None
+        # TorchServe's service_envelope the handler is wrapped in (kserve, kservev2, ...): KServe's
+        # and OIP's routes then hand it the request body, as TorchServe does, instead of their own.
+        self.envelope = envelope
         self.policy = BatchPolicy(
             self.batch_size,
             self.max_batch_delay_ms / 1e3,
             self.max_queue,
             batch_timeout_s=self.response_timeout_s,
+            runner_concurrency=runner_concurrency,
         )
 
     def _start_batcher(self, runners: Sequence[BatchRunner]) -> Batcher:

@@ -148,8 +148,10 @@ def load_entry_point(archive: ModelArchive) -> tuple[Any, Any]:
                 f"handler {archive.handler!r}: {module.__name__}.{function} is not callable",
             )
 
-        def initialize(context: Any) -> None:
-            entry(None, context)  # TorchServe initialises a function entry point this way
+        def initialize(context: Any) -> Any:
+            # TorchServe initialises a function entry point this way; what a coroutine function
+            # returns is awaited by the runner (TorchServe drops it unawaited).
+            return entry(None, context)
 
         return _envelope(archive, entry), initialize
     classes = _classes(module)

@@ -1,15 +1,21 @@
-"""A model instance's body: `ModelHost` loads one handler and runs its batches (synchronously).
+"""A model instance's body: `ModelHost` loads one handler and runs its batches.
 
 Each instance is a model worker process (`mariner.server.workers.main`) running one
 `ModelHost` on one thread for its whole life (CUDA context, stream and thread-local torch state
-stay put): the thread of the worker's event loop, which hides itself while a handler runs
-(`call_off_loop`), so a handler sees no running loop, as under TorchServe.
+stay put): the thread of the worker's event loop. A plain `handle` is called with the loop
+hidden (`call_off_loop`), so a handler sees no running loop, as under TorchServe (`run_batch`);
+a coroutine handler (`async def handle`) is awaited on that loop, several batches at once
+(`run_batch_async`), as TorchServe's asyncCommunication worker runs it. The batch logic is the
+same for both (`core.handler_calls`). A handler's intermediate answers
+(`send_intermediate_predict_response`) reach the caller's `deliver` as they are sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
+import inspect
 import logging
 import sys
 import time
@@ -25,12 +31,14 @@ from mariner.server.core.encoding import encode_output, pretty_json
 from mariner.server.core.entry_point import load_entry_point
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.failures import Failure, classify, fatal_reason
+from mariner.server.core.handler_calls import HandlerCall, Steps, drive, drive_async, run_awaitable
 from mariner.server.core.handler_errors import (
     bad_output,
     handler_failed,
     out_of_resources,
     prediction_exception,
 )
+from mariner.server.core.intermediate import STREAM_NEXT_HEADER, Deliver
 from mariner.server.core.rows import join_rows, max_rows_for, split_rows, splittable
 from mariner.server.core.types import InferRequest, InferResult
 
@@ -147,6 +155,9 @@ class ModelHost:
         self._handle: Any = None
         self._context: Context | None = None
         self._stream: Any = None
+        self._private_loop: asyncio.AbstractEventLoop | None = None
+        # A coroutine handler (`async def handle`): run_batch_async serves it, calls overlapping.
+        self.is_async = False
 
     def load(self) -> float:
         """Set threads and device, import the handler and initialise it; returns the seconds taken."""
@@ -170,8 +181,13 @@ class ModelHost:
         # Handlers that pick their own device read this: True means "never fall back to the CPU".
         self._context.system_properties["require_gpu"] = self.placement.require_gpu
         handle, initialize = load_entry_point(self.archive)
-        self._run_on_stream(initialize, self._context)
+        context = self._context
+        self._run_on_stream(lambda: self._settled(initialize(context)))
         self._handle = handle
+        self.is_async = inspect.iscoroutinefunction(handle)
+        if self.is_async and self._stream is not None:
+            # Calls interleave on this thread: each cannot enter and leave the stream in turn.
+            torch.cuda.set_stream(self._stream)
         self.load_seconds = time.perf_counter() - t0
         log.info("instance %s ready on %s in %.2f s", self.id, self.placement.device, self.load_seconds)
         return self.load_seconds
@@ -204,6 +220,9 @@ class ModelHost:
         self._handle = None
         self._context = None
         self._stream = None
+        if self._private_loop is not None:
+            self._private_loop.close()
+            self._private_loop = None
         # The archive's modules' globals may hold the model too: forget every module loaded from it.
         root = self.archive.model_dir.resolve()
         for name, module in list(sys.modules.items()):
@@ -230,14 +249,46 @@ class ModelHost:
         self._stream.synchronize()
         return out
 
-    def run_batch(self, requests: list[InferRequest]) -> list[InferResult]:
-        """Run a batch; on out-of-memory, split it in halves and retry each (down to one request,
-        then a tensor request's rows). A tensor request of more than `max_rows` rows runs in
-        chunks of `max_rows`.
+    def _settled(self, value: Any) -> Any:
+        """`value`, or what it gives once awaited when the handler returned an awaitable from a
+        call made synchronously (a coroutine is run to its end on a private loop)."""
+        if not inspect.isawaitable(value):
+            return value
+        if self._private_loop is None:
+            self._private_loop = asyncio.new_event_loop()
+        return run_awaitable(self._private_loop, value)
+
+    def _call_sync(self, call: HandlerCall) -> Any:
+        return self._run_on_stream(lambda: self._settled(self._handle(call.data, call.context)))
+
+    def _call_async(self, call: HandlerCall) -> Any:
+        return self._handle(call.data, call.context)  # the driver awaits what it returns
+
+    def run_batch(self, requests: list[InferRequest], deliver: Deliver | None = None) -> list[InferResult]:
+        """Run a batch on this thread; on out-of-memory, split it in halves and retry each (down
+        to one request, then a tensor request's rows). A tensor request of more than `max_rows`
+        rows runs in chunks of `max_rows`. `deliver(request_id, part)` gets each intermediate
+        answer the handler sends.
 
         Raises ServingError for a whole-batch failure, InstanceFailed when the handler ended
         the instance (SystemExit & co, or a fatal device error).
         """
+        return drive(self._batch_steps(requests, deliver, shared=True), self._call_sync)
+
+    async def run_batch_async(
+        self, requests: list[InferRequest], deliver: Deliver | None = None
+    ) -> list[InferResult]:
+        """`run_batch` for a coroutine handler, awaited on the running loop: several may run at
+        once, each with a Context of its own (`Context.for_call`)."""
+        steps = self._batch_steps(requests, deliver, shared=False)
+        out = await drive_async(steps, self._call_async)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return out
+
+    def _batch_steps(
+        self, requests: list[InferRequest], deliver: Deliver | None, *, shared: bool
+    ) -> Steps[list[InferResult]]:
         explain = [r.headers.get("explain") == "True" for r in requests]
         if any(explain) and not all(explain):
             # TorchServe handlers ask request 0 whether the whole batch explains (BaseHandler's
@@ -245,28 +296,37 @@ class ModelHost:
             out: list[InferResult | None] = [None] * len(requests)
             for want in (False, True):
                 idx = [i for i, e in enumerate(explain) if e is want]
-                for i, res in zip(idx, self.run_batch([requests[i] for i in idx]), strict=True):
+                part = yield from self._batch_steps([requests[i] for i in idx], deliver, shared=shared)
+                for i, res in zip(idx, part, strict=True):
                     out[i] = res
             return [r for r in out if r is not None]
         big = [r.tensors is not None and r.items > self.max_rows for r in requests]
         if not any(big):
-            return self._run_split(requests)
+            return (yield from self._split_steps(requests, deliver, shared))
         results: list[InferResult | None] = [None] * len(requests)
         small = [i for i, b in enumerate(big) if not b]
         if small:
-            for i, res in zip(small, self._run_split([requests[i] for i in small]), strict=True):
+            part = yield from self._split_steps([requests[i] for i in small], deliver, shared)
+            for i, res in zip(small, part, strict=True):
                 results[i] = res
         for i, b in enumerate(big):
             if b:
-                results[i] = self._run_rows(requests[i], self.max_rows)
+                results[i] = yield from self._rows_steps(requests[i], self.max_rows, deliver, shared)
         return [r for r in results if r is not None]
 
-    def _run_rows(self, req: InferRequest, rows: int) -> InferResult:
+    def _rows_steps(
+        self, req: InferRequest, rows: int, deliver: Deliver | None, shared: bool
+    ) -> Steps[InferResult]:
         chunks = split_rows(req, rows)
-        return join_rows([self._run_split([c])[0] for c in chunks], [c.items for c in chunks])
+        parts = []
+        for c in chunks:
+            parts.append((yield from self._split_steps([c], deliver, shared))[0])
+        return join_rows(parts, [c.items for c in chunks])
 
-    def _run_split(self, requests: list[InferRequest]) -> list[InferResult]:
-        outcome = self._handle_batch(requests)
+    def _split_steps(
+        self, requests: list[InferRequest], deliver: Deliver | None, shared: bool
+    ) -> Steps[list[InferResult]]:
+        outcome = yield from self._handle_steps(requests, deliver, shared)
         if not isinstance(outcome, Failure):
             return outcome
         # Here the handler's exception and its traceback are gone (PyTorch's FAQ: frames the
@@ -282,13 +342,16 @@ class ModelHost:
             req = requests[0]
             log.warning("instance %s out of memory on one request of %d rows: retrying in halves",
                         self.id, req.items)  # fmt: skip
-            return [self._run_rows(req, (req.items + 1) // 2)]
+            return [(yield from self._rows_steps(req, (req.items + 1) // 2, deliver, shared))]
         mid = len(requests) // 2
         log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
                     len(requests), mid, len(requests) - mid)  # fmt: skip
-        return self._run_split(requests[:mid]) + self._run_split(requests[mid:])
+        first = yield from self._split_steps(requests[:mid], deliver, shared)
+        return first + (yield from self._split_steps(requests[mid:], deliver, shared))
 
-    def _handle_batch(self, requests: list[InferRequest]) -> list[InferResult] | Failure:
+    def _handle_steps(
+        self, requests: list[InferRequest], deliver: Deliver | None, shared: bool
+    ) -> Steps[list[InferResult] | Failure]:
         """The handler's results, or the out-of-memory kind it failed with (returned, not raised,
         so the caller recovers outside the `except` block)."""
         ctx = self._context
@@ -297,10 +360,14 @@ class ModelHost:
         data = [handler_input(req) for req in requests]
         request_ids = [req.request_id for req in requests]
         headers = [req.headers for req in requests]
-        ctx.begin_batch(request_ids, headers)
+        if shared:  # one call at a time: the instance's own Context, as handlers that keep it expect
+            ctx.begin_batch(request_ids, headers)
+            ctx.cl_socket.deliver = deliver
+        else:
+            ctx = ctx.for_call(request_ids, headers, deliver)
         failure: Failure | None = None
         try:
-            outputs = self._run_on_stream(self._handle, data, ctx)
+            outputs = (yield HandlerCall(data, ctx)).unwrap()
         except ServingError:
             raise
         except Exception as exc:
@@ -333,6 +400,8 @@ class ModelHost:
             raise InstanceFailed(f"handler raised {type(exc).__name__}") from None
         finally:
             self.batches += 1
+            if shared:
+                ctx.cl_socket.deliver = None  # a part sent after the call has no request to go to
         if failure is not None:
             return failure
         if not isinstance(outputs, list) or len(outputs) != len(data):
@@ -350,8 +419,13 @@ class ModelHost:
                     status=meta.status,
                     phrase=meta.phrase,
                     content_type=meta.headers.get("content-type"),
-                    headers={k: v for k, v in meta.headers.items() if k != "content-type"},
+                    headers={k: v for k, v in meta.headers.items() if k not in _NOT_PASSED_ON},
                     model_version=self.archive.version,
                 )
             )
         return results
+
+
+# Response headers a handler's Context holds that are not passed on as the answer's headers: the
+# content type travels apart, and TorchServe's stream marker is the codec's, not the client's.
+_NOT_PASSED_ON = frozenset({"content-type", STREAM_NEXT_HEADER})

@@ -4,6 +4,11 @@ Several batches may be in flight on one connection (the worker merges what waits
 matched to its `Result` by id. When the connection drops (the worker died: segfault, abort,
 killed for memory or by us) every batch in flight fails with `InstanceFailed`, which the batcher
 answers with INTERNAL and a message that says the worker died, and replaces the runner.
+
+A handler's intermediate answers arrive as `Partial` frames before their batch's `Result`: each
+goes to the sink its request's adapter opened (`core.streams`), at once, whatever the other
+requests of the batch do; a request without one gets its parts in front of its final body.
+The reader never waits for a sink, so a slow client stalls nobody else on this worker.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from mariner.server.core.batching import InstanceFailed
-from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
+from mariner.server.core.errors import STATUS, Code, ServingError, TorchServeAnswer
+from mariner.server.core.streams import MAX_HELD_BYTES, STREAMS, takes_sinks, too_much_held
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.workers import protocol
 from mariner.server.workers.api import WorkerEndpoint
@@ -36,6 +43,42 @@ def worker_died(pid: int) -> ServingError:
         Code.INTERNAL,
         f"the model's worker process (pid {pid}) died while running this batch; it is being restarted",
     )
+
+
+class _Collected:
+    """The parts of a request without a sink, joined in front of its final body: what an HTTP
+    client reading the whole streamed answer gets (the first part's status and headers)."""
+
+    __slots__ = ("chunks", "first", "held")
+
+    def __init__(self, first: InferResult) -> None:
+        self.first = first
+        self.chunks: list[bytes] = [first.body]
+        self.held = len(first.body)
+
+    def add(self, part: InferResult) -> None:
+        if self.ended:
+            return
+        self.held += len(part.body)
+        if self.held > MAX_HELD_BYTES:
+            log.warning("intermediate answers dropped: %s", too_much_held(self.held))
+            self.first = InferResult(
+                body=b"", status=STATUS[Code.INTERNAL].http, phrase=too_much_held(self.held)
+            )
+            self.chunks = []
+            return
+        self.chunks.append(part.body)
+
+    @property
+    def ended(self) -> bool:
+        """An error part (or too much held) is the answer: nothing after it counts."""
+        return not 100 <= self.first.status < 400
+
+    def answer(self, final: InferResult) -> InferResult:
+        if self.ended:
+            return self.first
+        body = b"".join([*self.chunks, final.body])
+        return replace(self.first, body=body, model_version=final.model_version)
 
 
 def kill_worker(pid: int) -> None:
@@ -71,6 +114,8 @@ class WorkerConnection:
         self._on_oom = on_oom
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[protocol.Result]] = {}
+        self._requests: dict[int, Sequence[InferRequest]] = {}  # the batches in flight
+        self._collected: dict[tuple[int, int], _Collected] = {}  # (batch, index) -> parts
         self._segments: dict[int, list[protocol.ShmRef]] = {}
         self._sent = protocol.SentSegments()
         self._reader: asyncio.StreamReader | None = None
@@ -116,6 +161,7 @@ class WorkerConnection:
         batch_id = next(self._ids)
         fut: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
         self._pending[batch_id] = fut
+        self._requests[batch_id] = requests
         try:
             refs = await protocol.write_message(
                 self._writer, protocol.Batch(batch_id, tuple(requests)), sent=self._sent
@@ -127,7 +173,9 @@ class WorkerConnection:
             raise InstanceFailed(f"worker {self.id} connection lost", error=worker_died(self.pid)) from None
         finally:
             self._pending.pop(batch_id, None)
+            self._requests.pop(batch_id, None)
             self._sent.discard(self._segments.pop(batch_id, ()))
+            collected = self._take_collected(batch_id) if self._collected else None
         self.batches += 1
         if result.oom_splits and self._on_oom is not None:
             self._on_oom(result.oom_splits)
@@ -141,7 +189,34 @@ class WorkerConnection:
                 result.error.message,
                 torchserve=None if ts is None else TorchServeAnswer(*ts),
             )
+        if collected:
+            results = list(result.results)
+            for index, parts in collected.items():
+                if index < len(results):
+                    results[index] = parts.answer(results[index])
+            return results
         return list(result.results)
+
+    def _take_collected(self, batch_id: int) -> dict[int, _Collected]:
+        mine = [key for key in self._collected if key[0] == batch_id]
+        return {key[1]: self._collected.pop(key) for key in mine}
+
+    def _on_partial(self, msg: protocol.Partial) -> None:
+        """An intermediate answer: to its request's sink, else collected (module docstring)."""
+        requests = self._requests.get(msg.id)
+        if requests is None or not 0 <= msg.index < len(requests):
+            return  # its batch was answered or abandoned meanwhile
+        req = requests[msg.index]
+        sink = STREAMS.get(req.request_id) if takes_sinks(req.protocol) else None
+        if sink is not None:
+            sink.partial(msg.result)
+            return
+        key = (msg.id, msg.index)
+        parts = self._collected.get(key)
+        if parts is None:
+            self._collected[key] = _Collected(msg.result)
+        else:
+            parts.add(msg.result)
 
     async def _read_loop(self) -> None:
         assert self._reader is not None
@@ -149,9 +224,13 @@ class WorkerConnection:
         try:
             while True:
                 msg = await protocol.read_message(self._reader)
+                if isinstance(msg, protocol.Partial):
+                    self._on_partial(msg)
+                    continue
                 if not isinstance(msg, protocol.Result):
                     raise protocol.FrameError(f"unexpected message {type(msg).__name__}")
                 fut = self._pending.get(msg.id)
+                self._requests.pop(msg.id, None)  # answered: a part that follows is dropped
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
         except asyncio.CancelledError:
@@ -175,6 +254,7 @@ class WorkerConnection:
                     InstanceFailed(f"worker {self.id} (pid {self.pid}): {why}", error=worker_died(self.pid))
                 )
         self._pending.clear()
+        self._collected.clear()
         self._sent.release()  # batches the worker will never read
         if self._writer is not None:
             self._writer.close()

@@ -4,12 +4,19 @@ Frames are split and decoded in `data_received` itself (`protocol.FrameSplitter`
 reading task: the worker runs its handler on the event loop's thread, so between two batches it
 gives the loop one turn, and in that turn every frame the socket held becomes a job. A reading
 task would only be woken in that turn and read in the next, one batch late.
+
+An intermediate answer is sent while the handler runs, when the loop cannot write for it:
+`send_now` writes it to the socket before returning (waiting for room when the frontend reads
+slower than the handler sends, which slows the handler down instead of buffering for it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
+import threading
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -38,6 +45,8 @@ class FrontendLink(asyncio.Protocol):
         self._on_lost = on_lost
         self._splitter = protocol.FrameSplitter()
         self._transport: asyncio.Transport | None = None
+        self._fd = -1
+        self._direct = threading.Lock()  # send_now's writes, from the handler's threads
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -47,6 +56,8 @@ class FrontendLink(asyncio.Protocol):
             log.error("%s: refusing a connection: %s", self.what, exc)
             self.close()
             return
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
         self.open = True
 
     def data_received(self, data: bytes) -> None:
@@ -75,6 +86,33 @@ class FrontendLink(asyncio.Protocol):
             return
         self.sent.add(refs)
         self._transport.write(frame)
+
+    def send_now(self, frame: bytes, refs: list[protocol.ShmRef]) -> bool:
+        """Write `frame` to the socket before returning, waiting for room if the frontend is
+        behind: for a sender the event loop cannot serve now (the handler runs on its thread).
+        False, and nothing written, when the transport still holds earlier frames unsent: the
+        caller then queues it behind them (`send`) to keep the order."""
+        transport = self._transport
+        if not self.open or transport is None or self._fd < 0:
+            protocol.unlink_segments(r.name for r in refs)
+            return True
+        with self._direct:
+            if transport.get_write_buffer_size():
+                return False
+            self.sent.add(refs)
+            view = memoryview(frame)
+            poller: Any = None
+            while view and self.open:
+                try:
+                    view = view[os.write(self._fd, view) :]
+                except BlockingIOError:
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(self._fd, select.POLLOUT)
+                    poller.poll(1000)
+                except OSError:  # the frontend is gone: the loop sees it once the handler returns
+                    return True
+        return True
 
     def end(self) -> None:
         """End the connection from this side once what is buffered is sent (the frontend then

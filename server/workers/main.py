@@ -19,18 +19,29 @@ runs `asyncio.run` itself still works.
 Batches from every connection wait in one queue; when the handler is free the worker takes what
 waits, merges batches up to `batch_size` items into one handler call and splits the results back
 per batch. SIGTERM: finish the batch in hand, exit 0.
+
+A coroutine handler (`async def handle`) is awaited on the loop instead, as TorchServe's
+asyncCommunication worker runs it: each merged batch becomes a task, up to
+`MAX_CONCURRENT_CALLS` at once, so one call's awaits let others run.
+
+Intermediate answers (`send_intermediate_predict_response`) go to the frontend that sent the
+request as `protocol.Partial` frames while the handler runs, ahead of the batch's `Result`; with
+the loop busy in a plain handler they are written before the handler's call returns
+(`FrontendLink.send_now`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +56,9 @@ log = logging.getLogger("mariner.worker")
 EXIT_LOAD_FAILED = 3
 EXIT_INSTANCE_ENDED = 4  # the handler ended the instance (SystemExit & co)
 _PARENT_POLL_S = 1.0
+# Calls of a coroutine handler running at once in one worker (each a merged batch); what
+# arrives beyond waits in the worker's queue.
+MAX_CONCURRENT_CALLS = 256
 
 
 def spec_to_json(spec: WorkerSpec) -> str:
@@ -77,6 +91,24 @@ class _Job:
     solo: bool = False  # a describe call: its own handler call, never merged with a batch
 
 
+class _Call:
+    """One handler call's jobs, and where each request's intermediate answers go: the batch
+    and position in it of a request id (found on the first part; most calls send none)."""
+
+    def __init__(self, jobs: Sequence[_Job]) -> None:
+        self.jobs = jobs
+        self.done = False
+        self._routes: dict[str, tuple[_Job, int]] | None = None
+
+    def route(self, request_id: str) -> tuple[_Job, int] | None:
+        if self._routes is None:
+            self._routes = {}
+            for job in self.jobs:
+                for index, req in enumerate(job.batch.requests):
+                    self._routes.setdefault(req.request_id, (job, index))
+        return self._routes.get(request_id)
+
+
 class Worker:
     """Serves one loaded `ModelHost` on a Unix socket to every frontend that connects."""
 
@@ -89,6 +121,9 @@ class Worker:
         self._conns: set[FrontendLink] = set()
         self._oom_splits = 0
         self.exit_code = 0
+        self._calls: set[asyncio.Task[None]] = set()  # a coroutine handler's calls in flight
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.get_ident()
         from mariner.server.core.model_settings import token_settings
 
         # Batches merged from several frontends keep the model's token budget too (each frontend
@@ -103,7 +138,8 @@ class Worker:
         self._oom_splits += 1
 
     async def serve(self, ready_out: IO[str], load_seconds: float) -> int:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         path = self.spec.socket_path
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket of an earlier worker
@@ -228,30 +264,89 @@ class Worker:
         return jobs
 
     async def _dispatch(self) -> None:
-        while not self._stopping:
-            jobs = self._take()
+        concurrent = bool(self.host.is_async)
+        while not self._stopping and not self.exit_code:
+            jobs = self._take() if len(self._calls) < MAX_CONCURRENT_CALLS else []
             if not jobs:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             requests = [r for job in jobs for r in job.batch.requests]
-            self._oom_splits = 0
+            call = _Call(jobs)
+            if concurrent:
+                task = asyncio.get_running_loop().create_task(self._run_async(call, requests))
+                self._calls.add(task)
+                task.add_done_callback(self._call_ended)
+                await _one_turn()
+                continue
             outcome: Any
             try:
-                outcome = call_off_loop(self.host.run_batch, requests)
+                deliver = functools.partial(self._deliver, call, True)
+                outcome = call_off_loop(self.host.run_batch, requests, deliver)
             except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
                 outcome = exc
+            call.done = True
             self._answer(jobs, outcome)
             self._gpu_gauge.sample()
             if self.exit_code:
                 return
             await _one_turn()
+        if self._calls:  # stopping: the calls in flight are answered first
+            await asyncio.gather(*self._calls, return_exceptions=True)
+
+    async def _run_async(self, call: _Call, requests: list[Any]) -> None:
+        """One call of a coroutine handler, awaited on the loop beside the others."""
+        outcome: Any
+        try:
+            outcome = await self.host.run_batch_async(requests, functools.partial(self._deliver, call, False))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
+            outcome = exc
+        call.done = True
+        self._answer(call.jobs, outcome)
+        self._gpu_gauge.sample()
+
+    def _call_ended(self, task: asyncio.Task[None]) -> None:
+        self._calls.discard(task)
+        self._wake.set()
+
+    def _deliver(self, call: _Call, loop_blocked: bool, request_id: str, part: Any) -> None:
+        """An intermediate answer of `call` for `request_id`: to its frontend, now.
+        `loop_blocked`: the handler runs on the loop's thread (a plain handler), so the loop
+        cannot write for it before the call returns."""
+        from mariner.server.workers import protocol
+
+        if call.done:
+            log.warning("worker %s: an intermediate answer sent after its call returned is dropped",
+                        self.spec.id)  # fmt: skip
+            return
+        found = call.route(request_id)
+        if found is None:
+            log.warning("worker %s: an intermediate answer names request %r, which is not one of "
+                        "its call's; dropped", self.spec.id, request_id[:100])  # fmt: skip
+            return
+        job, index = found
+        if not job.conn.open:
+            return
+        frame, refs = protocol.encode(protocol.Partial(job.batch.id, index, part))
+        here = threading.get_ident() == self._thread
+        if loop_blocked and job.conn.send_now(frame, refs):
+            return
+        if here:
+            job.conn.send(frame, refs)
+        elif self._loop is not None:
+            # Another thread of the handler's: the loop writes it, after what it holds already.
+            self._loop.call_soon_threadsafe(job.conn.send, frame, refs)
 
     def _answer(self, jobs: Sequence[_Job], outcome: Any) -> None:
         from mariner.server.core.batching import InstanceFailed
         from mariner.server.core.errors import ServingError
         from mariner.server.workers import protocol
 
+        # Counted since the last answer (calls of a coroutine handler overlap: each split is
+        # reported once, with whichever answer goes next).
+        splits, self._oom_splits = self._oom_splits, 0
         error: protocol.BatchError | None = None
         if isinstance(outcome, ServingError):
             ts = outcome.torchserve
@@ -274,8 +369,8 @@ class Worker:
                 start += count
             else:
                 msg = protocol.Result(job.batch.id, error=error)
-            if n == 0 and self._oom_splits:
-                msg = protocol.Result(msg.id, msg.results, msg.error, oom_splits=self._oom_splits)
+            if n == 0 and splits:
+                msg = protocol.Result(msg.id, msg.results, msg.error, oom_splits=splits)
             if not job.conn.open:
                 continue
             try:

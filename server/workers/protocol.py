@@ -85,6 +85,17 @@ class Result:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """An intermediate answer to request `index` of `Batch(id)`, sent by the worker while the
+    handler still runs (TorchServe's `send_intermediate_predict_response`), before the batch's
+    `Result`. Parts of one request arrive in the order the handler sent them."""
+
+    id: int
+    index: int
+    result: InferResult
+
+
+@dataclass(frozen=True)
 class ShmRef:
     name: str
     size: int
@@ -123,6 +134,8 @@ def _prepare(msg: Any) -> Any:
             for r in msg.requests
         )
         return replace(msg, requests=reqs)
+    if isinstance(msg, Partial) and len(msg.result.body) >= SHM_THRESHOLD:
+        return replace(msg, result=replace(msg.result, body=_Big(msg.result.body)))  # type: ignore[arg-type]
     if isinstance(msg, Result) and any(len(r.body) >= SHM_THRESHOLD for r in msg.results):
         return replace(
             msg,

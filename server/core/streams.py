@@ -1,0 +1,73 @@
+"""Where a handler's intermediate answers go in a frontend: a sink per request that streams them.
+
+A TorchServe handler may send intermediate answers before its final one
+(`send_intermediate_predict_response`); the worker forwards each as it is sent, and the
+frontend's worker connection hands it to the sink the request's adapter opened here, by the
+request's id: HTTP writes it as one chunk of a chunked answer, gRPC `StreamPredictions` as one
+message. The final result still comes back through the batcher as every result does, so the
+batcher, the deadline and the drain account for a streamed request exactly as for any other.
+
+Only TorchServe's adapters open sinks, under request ids the server made (`request_ids`), so no
+client-chosen id (an OIP request's `id`) can reach another request's sink: the worker
+connection looks sinks up for TorchServe's protocols only (`takes_sinks`). A request without a
+sink (OIP, KServe, unary gRPC `Predictions`) gets its parts in front of its final body, as an
+HTTP client that reads the whole chunked answer would (`MAX_HELD_BYTES` at most).
+
+Bytes held per request are bounded: a sink holds at most `MAX_HELD_BYTES` of parts its client
+has not taken yet, and past that it ends its stream with a clear error rather than buffer for a
+client that reads slower than the handler writes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mariner.server.core.types import InferResult, WireProtocol
+
+# Bytes of intermediate answers one request may have waiting in a frontend for its client.
+MAX_HELD_BYTES = 16 * 1024 * 1024
+
+_SINK_PROTOCOLS = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
+
+
+class PartialSink(Protocol):
+    """Takes a request's intermediate answers as they arrive; never blocks (it is called from
+    the worker connection's reader, which serves every request on that worker)."""
+
+    def partial(self, part: InferResult) -> None: ...
+
+
+def takes_sinks(protocol: WireProtocol) -> bool:
+    """Whether requests of `protocol` may have a sink (their ids are the server's own)."""
+    return protocol in _SINK_PROTOCOLS
+
+
+def too_much_held(held: int) -> str:
+    """Why a stream was ended for holding `held` bytes its client had not read."""
+    return (
+        f"the client read the streamed answer slower than the model wrote it: {held} bytes were "
+        f"waiting, more than the {MAX_HELD_BYTES} a streamed answer may hold"
+    )
+
+
+class StreamTable:
+    """The open sinks of one frontend process, by request id."""
+
+    def __init__(self) -> None:
+        self._sinks: dict[str, PartialSink] = {}
+
+    def open(self, request_id: str, sink: PartialSink) -> None:
+        self._sinks[request_id] = sink
+
+    def close(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
+    def get(self, request_id: str) -> PartialSink | None:
+        return self._sinks.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._sinks)
+
+
+# The frontend process's table: its adapters open sinks, its worker connections fill them.
+STREAMS = StreamTable()

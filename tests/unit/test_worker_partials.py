@@ -1,0 +1,163 @@
+"""A frontend's worker connection and a handler's intermediate answers, against a fake worker.
+
+The fake worker is a Unix socket served in this process (so the peer check sees our own pid): it
+answers each batch with scripted `Partial` frames, then the batch's `Result`. Parts of a
+TorchServe request go to the sink its adapter opened, as they arrive; a request without one
+(or of a protocol whose ids clients choose) gets them joined in front of its final body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from mariner.server.core.streams import STREAMS
+from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.workers import connection as connection_mod
+from mariner.server.workers import protocol
+from mariner.server.workers.api import WorkerEndpoint
+from mariner.server.workers.connection import WorkerConnection
+
+pytestmark = pytest.mark.unit
+
+Script = Callable[[protocol.Batch], list[object]]
+
+
+def part(body: bytes, status: int = 200, **kw: object) -> InferResult:
+    return InferResult(body=body, status=status, **kw)  # type: ignore[arg-type]
+
+
+def ts(rid: str, protocol_: WireProtocol = WireProtocol.TS_HTTP) -> InferRequest:
+    return InferRequest("m", "1", {"body": rid}, protocol_, rid)
+
+
+async def with_worker(
+    tmp_path: Path, script: Script, test: Callable[[WorkerConnection], Awaitable[None]]
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                batch = await protocol.read_message(reader)
+            except (asyncio.IncompleteReadError, asyncio.CancelledError):  # the test is over
+                return
+            for msg in script(batch):
+                await protocol.write_message(writer, msg)
+
+    path = str(tmp_path / "w.sock")
+    server = await asyncio.start_unix_server(serve, path=path)
+    conn = WorkerConnection(WorkerEndpoint("m-1-0", 0, 0, path, os.getpid(), "cpu", "READY"), batch_size=4)
+    await conn.start()
+    try:
+        await test(conn)
+    finally:
+        conn.close()
+        server.close()
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def partial(self, p: InferResult) -> None:
+        self.parts.append(p.body)
+
+
+def test_parts_go_to_their_requests_sink_and_the_batch_mate_is_untouched(tmp_path: Path) -> None:
+    def script(batch: protocol.Batch) -> list[object]:
+        return [
+            protocol.Partial(batch.id, 0, part(b"p0")),
+            protocol.Partial(batch.id, 0, part(b"p1")),
+            protocol.Result(batch.id, (part(b"end"), part(b"mate"))),
+        ]
+
+    async def test(conn: WorkerConnection) -> None:
+        sink = Sink()
+        STREAMS.open("s1", sink)
+        try:
+            results = await conn.run([ts("s1"), ts("plain")])
+        finally:
+            STREAMS.close("s1")
+        assert sink.parts == [b"p0", b"p1"]
+        assert [r.body for r in results] == [b"end", b"mate"]
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
+def test_without_a_sink_parts_are_joined_in_front_of_the_final_body(tmp_path: Path) -> None:
+    def script(batch: protocol.Batch) -> list[object]:
+        return [
+            protocol.Partial(batch.id, 1, part(b"a", content_type="text/plain", headers={"x": "1"})),
+            protocol.Partial(batch.id, 1, part(b"b")),
+            protocol.Result(batch.id, (part(b"first"), part(b"end", status=201))),
+        ]
+
+    async def test(conn: WorkerConnection) -> None:
+        results = await conn.run([ts("x0", WireProtocol.TS_GRPC), ts("x1", WireProtocol.TS_GRPC)])
+        assert results[0] == part(b"first")
+        joined = results[1]
+        # What an HTTP client reading the whole streamed answer gets: the first part opened it.
+        assert (joined.body, joined.status, joined.content_type) == (b"abend", 200, "text/plain")
+        assert joined.headers == {"x": "1"}
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
+def test_a_client_chosen_id_never_reaches_another_requests_sink(tmp_path: Path) -> None:
+    def script(batch: protocol.Batch) -> list[object]:
+        return [protocol.Partial(batch.id, 0, part(b"leak")), protocol.Result(batch.id, (part(b"end"),))]
+
+    async def test(conn: WorkerConnection) -> None:
+        victim = Sink()
+        STREAMS.open("same-id", victim)  # a TorchServe request in flight under this id
+        try:
+            (answer,) = await conn.run([ts("same-id", WireProtocol.OIP_HTTP)])  # an OIP id says the same
+        finally:
+            STREAMS.close("same-id")
+        assert victim.parts == []
+        assert answer.body == b"leakend"
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
+def test_an_error_part_is_the_answer_and_too_many_bytes_fail_the_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connection_mod, "MAX_HELD_BYTES", 10)
+
+    def script(batch: protocol.Batch) -> list[object]:
+        return [
+            protocol.Partial(batch.id, 0, part(b"no", status=503)),
+            protocol.Partial(batch.id, 0, part(b"after")),
+            protocol.Partial(batch.id, 1, part(b"123456")),
+            protocol.Partial(batch.id, 1, part(b"789012")),
+            protocol.Result(batch.id, (part(b"end"), part(b"end"))),
+        ]
+
+    async def test(conn: WorkerConnection) -> None:
+        failed, too_big = await conn.run([ts("e0", WireProtocol.TS_GRPC), ts("e1", WireProtocol.TS_GRPC)])
+        assert (failed.status, failed.body) == (503, b"no")
+        assert too_big.status == 500
+        assert "slower than the model wrote it" in too_big.phrase
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
+def test_parts_of_a_batch_already_answered_are_dropped(tmp_path: Path) -> None:
+    def script(batch: protocol.Batch) -> list[object]:
+        return [protocol.Result(batch.id, (part(b"end"),)), protocol.Partial(batch.id, 0, part(b"late"))]
+
+    async def test(conn: WorkerConnection) -> None:
+        sink = Sink()
+        STREAMS.open("r", sink)
+        try:
+            assert [r.body for r in await conn.run([ts("r")])] == [b"end"]
+            assert [r.body for r in await conn.run([ts("r")])] == [b"end"]  # the connection goes on
+        finally:
+            STREAMS.close("r")
+        assert sink.parts == []
+
+    asyncio.run(with_worker(tmp_path, script, test))
