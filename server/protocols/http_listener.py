@@ -7,7 +7,7 @@ TorchServe's `/ping`, `/predictions`, `/explanations` and `/invocations`
 `/readyz` (mariner.server.control.health) share the port and the DataPlane. Management (8081)
 and metrics (8082) are apps of their own in mariner.server.control.
 
-TorchServe's `POST|PUT /predictions/{model}[/{version}]`, the route most traffic takes, goes
+TorchServe's `POST|PUT /predictions/{model}[/{version}[/{url_path}]]`, the route most traffic takes, goes
 straight to its endpoint: Starlette's error middleware, router and per-route exception wrapper
 cost 40-47 µs of the ~197 µs a call takes in-process (`python -m mariner.loadtest.percall`,
 the three ways in interleaved), and the endpoint needs none of them: every failure is answered
@@ -49,12 +49,23 @@ _PREDICT_METHODS = frozenset({"POST", "PUT"})
 
 
 def prediction_params(path: str) -> dict[str, str] | None:
-    """The path parameters of `/predictions/{model}[/{version}]`, as Starlette's routes match it
-    (each part non-empty, no trailing slash), or None for any other path."""
+    """The path parameters of `/predictions/{model}[/{version}[/{url_path}]]`, as Starlette's
+    routes match it (model and version non-empty, no trailing slash after them; the rest, even
+    empty, is the url_path), or None for any other path."""
     parts = path.split("/")
-    if len(parts) not in (3, 4) or parts[0] or parts[1] != "predictions" or not all(parts[2:]):
+    n = len(parts)
+    if n < 3 or parts[0] or parts[1] != "predictions" or not parts[2]:
         return None
-    return {"model": parts[2]} if len(parts) == 3 else {"model": parts[2], "version": parts[3]}
+    if n == 3:
+        return {"model": parts[2]}
+    if not parts[3]:
+        return None
+    if n == 4:
+        return {"model": parts[2], "version": parts[3]}
+    url_path = "/".join(parts[4:])
+    if "\n" in url_path:  # the route's `.*` stops at a newline: no route matches it (404)
+        return None
+    return {"model": parts[2], "version": parts[3], "url_path": url_path}
 
 
 class InferenceApp:

@@ -22,6 +22,11 @@ Each handler answer that is JSON is decoded into the list; text stays text; othe
 `{"b64": ...}`. The call fails as a whole when any instance fails (KServe v1 has no per-instance
 error): `{"error": message}` with the status from `mariner.server.core.errors.STATUS`.
 Versions do not exist in v1: the default version answers.
+
+A model served with TorchServe's `service_envelope` (config.properties: `kserve`, `kservev2`)
+is answered as TorchServe answers it: the request body goes to the handler whole (the envelope
+unwraps `instances` and wraps the answer itself), and the handler's answer is the response, byte
+for byte (`torchserve.http.Predictions`), errors in TorchServe's shape.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from mariner.server.protocols.http_common import (
     read_body,
     request_headers,
 )
+from mariner.server.protocols.torchserve.http import Predictions, enveloped
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane
@@ -132,11 +138,15 @@ def routes(
         ready = dataplane.model_ready(model)
         return compact_json_response({"name": model, "ready": ready}, 200 if ready else NOT_READY_STATUS)
 
+    predictions = Predictions(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
+
     def call(explain: bool) -> Any:
         key = "explanations" if explain else "predictions"
 
         async def endpoint(request: Request) -> Response:
             model: str = request.path_params["model"]
+            if enveloped(dataplane, model):
+                return await predictions.answer(request, model, None, explain=explain, protocol=PROTOCOL)
             request_id = new_request_id()
 
             async def work(infer: Infer) -> Response:

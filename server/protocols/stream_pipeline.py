@@ -16,6 +16,10 @@ request: that is answered in-stream), and yield what `StreamPipeline.responses()
   never reads its answers therefore stops the server reading after `window` requests.
 - One writer: answers leave through the one generator the servicer yields from (grpc.aio
   allows one writer per call).
+- Intermediate answers: a request's answer function may `emit` extra messages ahead of its own
+  answer (a handler's intermediate answers); they are written in turn, do not count against
+  the window, and at most `core.streams.MAX_HELD_BYTES` of them wait unwritten per stream
+  (`emit` refuses more, and the request then fails in-stream).
 - Half-close: every request in flight is answered, then the stream ends (`Ending.DONE`).
 - Cancellation (the client went away, or grpc stopped the call): the reader and every
   in-flight task are cancelled and awaited before the generator finishes, so no task is left.
@@ -38,6 +42,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, runtime_checkable
+
+from mariner.server.core.streams import MAX_HELD_BYTES
 
 log = logging.getLogger("mariner.stream")
 
@@ -79,6 +85,14 @@ class StreamStats:
         self.peak = max(self.peak, self.in_flight)
 
 
+@dataclass(frozen=True)
+class _Extra(Generic[Resp]):
+    """An emitted message (not a request's own answer) and the bytes it holds."""
+
+    response: Resp
+    size: int
+
+
 @dataclass
 class _State:
     in_flight: int = 0
@@ -109,7 +123,8 @@ class StreamPipeline(Generic[Req, Resp]):
         self._admission = admission if isinstance(admission, Admission) else None
         self._window = window
         self._stats = stats if stats is not None else StreamStats()
-        self._done: asyncio.Queue[Resp | None] = asyncio.Queue()
+        self._done: asyncio.Queue[Resp | _Extra[Resp] | None] = asyncio.Queue()
+        self._extra_bytes = 0  # emitted and not yet written
         self._tasks: set[asyncio.Task[None]] = set()
         self._tails: dict[str, asyncio.Task[None]] = {}
         self._state = _State()
@@ -126,11 +141,24 @@ class StreamPipeline(Generic[Req, Resp]):
             tasks.append(asyncio.create_task(self._watch(reader), name="stream-drain-watch"))
         try:
             while (resp := await self._done.get()) is not None:
+                if isinstance(resp, _Extra):
+                    self._extra_bytes -= resp.size
+                    yield resp.response
+                    continue
                 self._release(1)
                 yield resp
         finally:
             self._stats.streams -= 1
             await self._shutdown(tasks)
+
+    def emit(self, response: Resp, size: int) -> bool:
+        """Write `response` (holding `size` bytes) ahead of its request's own answer; False, and
+        nothing queued, when the stream already holds too much unwritten (module docstring)."""
+        if self._extra_bytes + size > MAX_HELD_BYTES:
+            return False
+        self._extra_bytes += size
+        self._done.put_nowait(_Extra(response, size))
+        return True
 
     # -- reading --------------------------------------------------------------------------------
     async def _read(self) -> None:

@@ -489,8 +489,16 @@ def test_prediction_paths_are_matched_as_starlettes_routes_match_them() -> None:
 
     assert prediction_params("/predictions/digits") == {"model": "digits"}
     assert prediction_params("/predictions/digits/2.0") == {"model": "digits", "version": "2.0"}
-    others = ("/predictions", "/predictions/", "/predictions/digits/", "/predictions//1")
-    others += ("/predictions/a/b/c", "/explanations/digits", "predictions/digits", "//predictions/x")
+    # What follows the version is the url_path, as the route's path convertor takes it.
+    assert prediction_params("/predictions/a/b/c") == {"model": "a", "version": "b", "url_path": "c"}
+    assert prediction_params("/predictions/a/b/v1/chat/") == {
+        "model": "a",
+        "version": "b",
+        "url_path": "v1/chat/",
+    }
+    assert prediction_params("/predictions/a/b/") == {"model": "a", "version": "b", "url_path": ""}
+    others = ("/predictions", "/predictions/", "/predictions/digits/", "/predictions//1", "/predictions/a//c")
+    others += ("/explanations/digits", "predictions/digits", "//predictions/x")
     for other in others:
         assert prediction_params(other) is None, other
 
@@ -511,7 +519,8 @@ def test_the_fast_path_answers_what_starlette_answers(
             raise RuntimeError("secret")
         if body == {"status": 507}:
             return InferResult(body=b"handler says no", status=507, content_type="text/x-mine")
-        return InferResult(body=json.dumps({"got": body, "v": req.version}).encode(), model_version="1.0")
+        answer = {"got": body, "v": req.version, "url_path": req.headers.get("url_path")}
+        return InferResult(body=json.dumps(answer).encode(), model_version="1.0")
 
     json_type = {"content-type": "application/json"}
     cases: list[tuple[str, str, bytes, dict[str, str]]] = [
@@ -529,6 +538,12 @@ def test_the_fast_path_answers_what_starlette_answers(
         ("GET", "/predictions/digits", b"", {}),
         ("DELETE", "/predictions/digits", b"", {}),
         ("POST", "/predictions/digits?x=1", b"1", {}),
+        ("POST", "/predictions/digits/2.0/v1/chat/completion", b"1", {}),
+        ("POST", "/predictions/digits/2.0/v1/", b"1", {}),
+        ("POST", "/predictions/digits/2.0/", b"1", {}),
+        ("POST", "/predictions/digits/2.0/a%0Ab", b"1", {}),
+        ("POST", "/predictions/digits/2.0/a%01b", b"1", {}),
+        ("POST", "/predictions/digits//v1", b"1", {}),
     ]
     plane.answer = by_body
     for method, path, body, headers in cases:

@@ -202,6 +202,39 @@ def test_cancelling_the_stream_cancels_every_task_in_flight() -> None:
     asyncio.run(main())
 
 
+def test_emitted_messages_come_ahead_of_their_requests_answer_within_a_byte_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mariner.server.protocols import stream_pipeline
+
+    monkeypatch.setattr(stream_pipeline, "MAX_HELD_BYTES", 10)
+
+    async def main() -> None:
+        accepted: list[bool] = []
+        written = asyncio.Event()
+
+        async def answer(request: str) -> str:
+            if request == "talker":
+                accepted.append(pipe.emit("part0", 4))
+                accepted.append(pipe.emit("part1", 4))
+                accepted.append(pipe.emit("refused", 8))  # 8 bytes unwritten already: over 10
+                await written.wait()
+                accepted.append(pipe.emit("part2", 8))  # the first two were written meanwhile
+            return f"answer:{request}"
+
+        pipe = StreamPipeline(Source(["talker", "other"]).__aiter__(), answer, on_crash=str, window=1)
+        got: list[str] = []
+        async for resp in pipe.responses():
+            got.append(resp)
+            if resp == "part1":
+                written.set()
+        assert accepted == [True, True, False, True]
+        # The window (1) counts requests: "other" is read once "talker" has its own answer.
+        assert got == ["part0", "part1", "part2", "answer:talker", "answer:other"]
+
+    asyncio.run(main())
+
+
 # -- over grpc.aio --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ts() -> Any:

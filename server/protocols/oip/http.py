@@ -20,6 +20,11 @@ speaks it (binary is its default):
   responses are never compressed, which the protocol allows.
 
 Decoding and checks are those of `mariner.server.protocols.oip.codec`, shared with the gRPC adapter.
+
+A model served with TorchServe's `service_envelope=kservev2` that declares no tensor signature
+is answered as TorchServe answers `/v2/models/{m}/infer`: the request body goes to the handler
+(TorchServe's KServe v2 envelope decodes it and shapes the answer) and its answer is the
+response byte for byte (`torchserve.http.Predictions`, errors in TorchServe's shape).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature, bad, decode_raw, decode_values, encode_raw
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
@@ -52,6 +58,7 @@ from mariner.server.protocols.http_common import (
     request_headers,
 )
 from mariner.server.protocols.oip import codec as oip
+from mariner.server.protocols.torchserve.http import Predictions
 
 log = logging.getLogger("mariner.http.oip")
 
@@ -255,6 +262,17 @@ def encode_response(
     return b"".join([head, *parts]), len(head)
 
 
+def _through_envelope(dataplane: oip.OipPlane, model: str, version: str | None) -> bool:
+    """A model with a TorchServe service_envelope (kservev2) and no tensor signature of its own:
+    its handler answers /infer through the envelope, as on TorchServe (module docstring)."""
+    try:
+        handle = dataplane.resolve(model, version)
+    except ServingError:
+        return False
+    sig = handle.signature
+    return bool(getattr(handle, "envelope", None)) and (sig is None or not sig.inputs)
+
+
 # -- routes -----------------------------------------------------------------------------------
 def routes(
     dataplane: oip.OipPlane, *, max_body_bytes: int, max_headers: int = DEFAULT_MAX_HEADERS
@@ -324,8 +342,12 @@ def routes(
             content, 200, {"inference-header-content-length": str(json_length)}, media_type=_OCTETS
         )
 
+    predictions = Predictions(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
+
     async def infer(request: Request) -> Response:
         p = request.path_params
+        if _through_envelope(dataplane, p["model"], p.get("version")):
+            return await predictions.answer(request, p["model"], p.get("version"), protocol=PROTOCOL)
         outcome = await run_call(
             dataplane,
             PROTOCOL,

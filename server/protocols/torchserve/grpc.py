@@ -8,14 +8,23 @@ sanitized message, because grpc.aio would otherwise answer UNKNOWN with the exce
 The `input` map is parsed as opaque entries first (`ShallowPredictionsRequest`): protobuf
 building a 650,000-entry map took 4 s of event loop. Its size is checked against
 `MAX_INPUT_ENTRIES` before an entry is read.
+
+A handler's intermediate answers (`send_intermediate_predict_response`) are messages of their
+own on the streaming RPCs, as TorchServe sends them: `StreamPredictions` writes each part, then
+the final result, then ends; `StreamPredictions2` writes each part ahead of the request's own
+answer (with its `sequence_id`). Unary `Predictions` answers once: the parts joined in front of
+the final body (`core.streams`), the bytes an HTTP client reading the whole answer gets.
+TorchServe answers the first part there, then fails the worker thread on the next part.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -29,6 +38,7 @@ from mariner.server.core.errors import (
     torchserve_grpc,
 )
 from mariner.server.core.request_ids import new_request_id
+from mariner.server.core.streams import MAX_HELD_BYTES, STREAMS, too_much_held
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
 from mariner.server.protocols.grpc_decoding import register, shallow_class
@@ -67,6 +77,8 @@ ShallowPredictionsRequest = shallow_class(
     {"org.pytorch.serve.grpc.inference.PredictionsRequest": ("input",)},
 )
 _InputEntry = inference_pb2.PredictionsRequest.InputEntry
+# Writes a message ahead of a request's own answer on a StreamPredictions2 stream (its bytes).
+Emit = Callable[[inference_pb2.PredictionResponse, int], bool]
 
 
 class InferencePlane(Protocol):
@@ -132,6 +144,7 @@ def to_infer_request(
     metadata: Sequence[tuple[str, str | bytes]] | None,
     time_remaining: float | None,
     headers: dict[str, str] | None = None,
+    request_id: str | None = None,
 ) -> InferRequest:
     """The protocol-neutral request: `data` is the `input` map, as TorchServe hands it to handlers."""
     if not request.model_name:
@@ -142,10 +155,59 @@ def to_infer_request(
         version=request.model_version or None,
         data=input_map(request),
         protocol=PROTOCOL,
-        request_id=new_request_id(),
+        request_id=request_id or new_request_id(),
         headers=request_headers(metadata) if headers is None else headers,
         deadline=deadline,
     )
+
+
+class _Parts:
+    """A StreamPredictions call's intermediate answers, waiting for its writer (a sink,
+    `core.streams`); past MAX_HELD_BYTES it keeps none and says why (`overflow`)."""
+
+    def __init__(self) -> None:
+        self.queue: deque[InferResult] = deque()
+        self.held = 0
+        self.overflow = ""
+        self.wake = asyncio.Event()
+
+    def predicted(self, task: asyncio.Future[Any]) -> None:
+        """The call's prediction is done: wake the writer (which reads its outcome, unless the
+        call ended first: then it is only marked read here)."""
+        if not task.cancelled():
+            task.exception()
+        self.wake.set()
+
+    def partial(self, part: InferResult) -> None:
+        if self.overflow:
+            return
+        self.held += len(part.body)
+        if self.held > MAX_HELD_BYTES:
+            self.overflow = too_much_held(self.held)
+            self.queue.clear()
+        else:
+            self.queue.append(part)
+        self.wake.set()
+
+
+class _Emitter:
+    """A StreamPredictions2 request's sink: each intermediate answer becomes a message of the
+    stream, ahead of the request's own; the stream refusing one (too much unwritten) fails it."""
+
+    def __init__(self, emit: Emit, sequence_id: str) -> None:
+        self._emit = emit
+        self._sequence_id = sequence_id
+        self.overflow = ""
+
+    def partial(self, part: InferResult) -> None:
+        if self.overflow:
+            return
+        message = inference_pb2.PredictionResponse(prediction=part.body, sequence_id=self._sequence_id)
+        if not self._emit(message, len(part.body)):
+            self.overflow = (
+                "the client read the stream slower than the model wrote it: more than "
+                f"{MAX_HELD_BYTES} bytes of intermediate answers were waiting to be written"
+            )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
@@ -174,12 +236,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
     async def StreamPredictions(
         self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.PredictionResponse]:
-        """Server streaming. Mariner handlers do not stream yet, so the answer is one message.
+        """Server streaming: one message per intermediate answer the handler sends, then the
+        final result, then the end (a handler that sends none: the one message, as TorchServe).
 
-        That is what stock TorchServe sends for a non-streaming handler too: the single
-        response, then the end of the stream.
+        The parts are written while the request still waits for its final result; more than
+        `MAX_HELD_BYTES` of them waiting for a client that does not read ends the call
+        RESOURCE_EXHAUSTED. A failure after parts were written ends it with the failure's status.
         """
-        result = await self._predict(request, context)
+        request_id = new_request_id()
+        parts = _Parts()
+        STREAMS.open(request_id, parts)
+        predicting = asyncio.ensure_future(self._predict(request, context, request_id=request_id))
+        predicting.add_done_callback(parts.predicted)
+        try:
+            while True:
+                while parts.queue:
+                    part = parts.queue.popleft()
+                    parts.held -= len(part.body)
+                    yield inference_pb2.PredictionResponse(prediction=part.body)
+                if parts.overflow:
+                    predicting.cancel()
+                    await abort(context, ServingError(Code.RESOURCE_EXHAUSTED, parts.overflow))
+                if predicting.done():
+                    break
+                parts.wake.clear()
+                await parts.wake.wait()
+            result = predicting.result()  # an abort inside it ends the call here
+        finally:
+            STREAMS.close(request_id)
+            predicting.cancel()
         yield inference_pb2.PredictionResponse(prediction=result.body)
 
     async def StreamPredictions2(
@@ -201,7 +286,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         }
 
         async def answer(request: Any) -> inference_pb2.PredictionResponse:
-            return await self._stream2_one(request, kept, context.time_remaining())
+            return await self._stream2_one(request, kept, context.time_remaining(), pipe.emit)
 
         def key(request: Any) -> str | None:
             return request.sequence_id or None  # a generated id is new each time: no order to keep
@@ -222,9 +307,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         await end_stream(context, pipe)
 
     async def _stream2_one(
-        self, request: Any, kept: dict[str, str], time_remaining: float | None
+        self,
+        request: Any,
+        kept: dict[str, str],
+        time_remaining: float | None,
+        emit: Emit,
     ) -> inference_pb2.PredictionResponse:
-        """One StreamPredictions2 request through the call path (counted as a Predictions call)."""
+        """One StreamPredictions2 request through the call path (counted as a Predictions call);
+        the handler's intermediate answers are `emit`ted ahead of its own."""
         echo = request.sequence_id
 
         async def work(infer: Infer) -> tuple[str, InferResult]:
@@ -233,7 +323,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             seq = stream2.sequence_of(request.sequence_id, request.model_name, inputs)
             headers = {**kept, **seq.headers}
             req = to_infer_request(request, metadata=None, time_remaining=time_remaining, headers=headers)
-            return seq.sequence_id, await infer(req)
+            sink = _Emitter(emit, seq.sequence_id)
+            STREAMS.open(req.request_id, sink)
+            try:
+                result = await infer(req)
+            finally:
+                STREAMS.close(req.request_id)
+            if sink.overflow:
+                raise ServingError(Code.RESOURCE_EXHAUSTED, sink.overflow)
+            return seq.sequence_id, result
 
         model, version = request.model_name, request.model_version or None
         outcome = await run_call(self._plane, PROTOCOL, model, version, work, what="running the prediction")
@@ -252,7 +350,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         return response
 
     async def _predict(
-        self, request: inference_pb2.PredictionsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: inference_pb2.PredictionsRequest,
+        context: grpc.aio.ServicerContext,
+        *,
+        request_id: str | None = None,
     ) -> InferResult:
         """Run one prediction through the call path; aborts the call with the mapped status on failure.
 
@@ -263,7 +365,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
 
         async def work(infer: Infer) -> InferResult:
             req = to_infer_request(
-                request, metadata=context.invocation_metadata(), time_remaining=context.time_remaining()
+                request,
+                metadata=context.invocation_metadata(),
+                time_remaining=context.time_remaining(),
+                request_id=request_id,
             )
             return await infer(req)
 
