@@ -101,6 +101,9 @@ class ServerConfig:
     open_health: bool = True
     open_metrics: bool = True
     insecure: bool = False
+    # Started as KServe's TorchServe ServingRuntime starts TorchServe's KServe image (see
+    # torchserve_command): authentication is KServe's ingress's, as for that image's wrapper.
+    kserve_runtime: bool = False
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
@@ -185,6 +188,9 @@ _HELP = {
     "open_health": "health checks (/ping, /healthz, /readyz, /v2/health/*, grpc.health.v1) need no token",
     "open_metrics": "/metrics needs no token",
     "insecure": "allow listening beyond loopback without tokens (not recommended)",
+    "kserve_runtime": "serve as TorchServe's KServe image (`mariner serve torchserve ...` sets it): with "
+    "TorchServe's token authorization turned off, listeners beyond loopback start without credentials, "
+    "as that image's KServe wrapper does (authentication is KServe's ingress's)",
     "tls_cert_file": "PEM certificate: serve gRPC and HTTP over TLS",
     "tls_key_file": "PEM private key for --tls-cert-file",
     "tls_client_ca_file": "PEM CA bundle: require client certificates signed by it (mTLS)",

@@ -260,7 +260,11 @@ def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
             )
     protected = {label: (address, guarded) for label, (_, address, guarded) in listeners.items()}
     problems = exposure_problems(protected)
-    if problems and not cfg.insecure:
+    # KServe's TorchServe runtime puts authentication in front of the pod (its ingress); its
+    # config.properties turns TorchServe's keys off, and TorchServe's KServe image then serves
+    # unauthenticated. That explicit choice counts only there, never for `mariner serve` alone.
+    consent = cfg.insecure or (cfg.kserve_runtime and cfg.disable_token_auth)
+    if problems and not consent:
         raise ServingError(
             Code.PERMISSION_DENIED,
             "refusing to listen beyond loopback without authentication ("
@@ -270,5 +274,6 @@ def check_exposure(cfg: ServerConfig) -> tuple[Tokens, Tokens]:
             "or pass --insecure if something in front of Mariner authenticates callers",
         )
     if problems:
-        log.warning("listening beyond loopback WITHOUT authentication (--insecure): %s", "; ".join(problems))
+        why = "--insecure" if cfg.insecure else "a KServe runtime with TorchServe's token authorization off"
+        log.warning("listening beyond loopback WITHOUT authentication (%s): %s", why, "; ".join(problems))
     return inference, management

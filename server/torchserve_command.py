@@ -64,7 +64,7 @@ def parse(argv: Sequence[str], *, pid1: bool = False, kserve: bool = False) -> L
     foreground = "--foreground" in args or pid1 or kserve
     serve_args = tuple(a for a in args if a not in _LAUNCHER_ONLY)
     if kserve:
-        serve_args = (*serve_args, "--inference-address", KSERVE_WRAPPER_ADDRESS)
+        serve_args = (*serve_args, "--inference-address", KSERVE_WRAPPER_ADDRESS, "--kserve-runtime")
     return Launch("stop" if "--stop" in args else "start", foreground, serve_args)
 
 

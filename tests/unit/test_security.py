@@ -6,6 +6,7 @@ while every honest client keeps working, so these tests present near-misses on p
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,19 @@ def test_closed_metrics_beyond_loopback_need_tokens_like_every_other_listener(tm
     check_exposure(load_config(["--metrics-address", "127.0.0.1:8082", "--no-open-metrics"], env={}))
     for env in ({"MARINER_MANAGEMENT_TOKEN": "m"}, {"MARINER_INFERENCE_TOKEN": "i"}):
         check_exposure(load_config(exposed, env=env))
+
+
+def test_only_a_kserve_runtime_takes_torchserve_auth_off_as_consent(caplog: pytest.LogCaptureFixture) -> None:
+    """KServe's TorchServe runtime authenticates at its ingress and its config.properties turns
+    TorchServe's keys off: started that way (`mariner serve torchserve ...` sets --kserve-runtime)
+    the exposed listeners start, with a warning; `mariner serve` alone still refuses."""
+    exposed = ["--inference-address", "0.0.0.0:8080", "--management-address", "0.0.0.0:8085"]
+    with pytest.raises(ServingError) as info:
+        check_exposure(load_config([*exposed, "--disable-token-auth"], env={}))
+    assert "HTTP management on 0.0.0.0:8085" in info.value.message
+    with caplog.at_level(logging.WARNING, logger="mariner"):
+        check_exposure(load_config([*exposed, "--disable-token-auth", "--kserve-runtime"], env={}))
+    assert "KServe runtime with TorchServe's token authorization off" in caplog.text
+    assert "HTTP inference on 0.0.0.0:8080" in caplog.text
+    # TorchServe's keys on: protected, nothing to consent to.
+    check_exposure(load_config([*exposed, "--kserve-runtime"], env={}))

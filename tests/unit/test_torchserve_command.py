@@ -33,7 +33,7 @@ def test_a_kserve_runtime_gets_the_inference_api_where_kserve_routes() -> None:
     wrapper; its config.properties moves TorchServe's own listeners to 8085."""
     launch = tc.parse(["--start", "--ts-config=/mnt/models/config/config.properties"], kserve=True)
     assert launch.foreground
-    assert launch.serve_args[-2:] == ("--inference-address", "0.0.0.0:8080")
+    assert launch.serve_args[-3:] == ("--inference-address", "0.0.0.0:8080", "--kserve-runtime")
 
 
 def test_the_server_runs_under_this_interpreter() -> None:
