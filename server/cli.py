@@ -83,9 +83,10 @@ def _supervise(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(argv)
         frontend_count(cfg)
-        from mariner.server.control.ts_metrics import use_metrics_config
+        from mariner.server.control.ts_metrics import use_metrics_config, use_metrics_mode
 
         use_metrics_config(cfg.metrics_config)  # checked now; children inherit it
+        use_metrics_mode(cfg.metrics_mode, cfg.model_metrics_auto_detect, cfg.disable_system_metrics)
     except (ValueError, OSError) as exc:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2

@@ -87,6 +87,17 @@ class ServerConfig:
     enable_model_management: bool = False
     log_level: str = "INFO"
     access_log: bool = False
+    # TorchServe's log files (logs/ or $LOG_LOCATION, $METRICS_LOCATION) and console (see ts_logging).
+    ts_console: bool = True
+    ts_log_files: bool = True
+    ts_log_max_bytes: int = 100 * 1024 * 1024
+    ts_log_backups: int = 5
+    async_logging: bool = False
+    # TorchServe's metrics: where they go (see control.ts_metrics) and what is collected.
+    metrics_mode: str = "log"
+    model_metrics_auto_detect: bool = False
+    disable_system_metrics: bool = False
+    metric_time_interval: int = 60
     pin_index: bool = False
     require_gpu: bool = False
     install_py_dep_per_model: bool = False
@@ -174,6 +185,24 @@ _HELP = {
     "enable_model_management": "allow register/unregister (archives from the model store only)",
     "log_level": "DEBUG, INFO, WARNING, ERROR",
     "access_log": "log one line per HTTP request",
+    "ts_console": "print TorchServe's console on stdout: its log lines (worker output, worker lifecycle, "
+    "access and metric lines) and 'Model server started.'; off, a worker's output goes to the JSON log on "
+    "stderr instead (TorchServe's log files are written either way, see ts_log_files)",
+    "ts_log_files": "write TorchServe's log files (ts_log.log, model_log.log, access_log.log under "
+    "$LOG_LOCATION, ts_metrics.log, model_metrics.log under $METRICS_LOCATION; default ./logs)",
+    "ts_log_max_bytes": "size at which each of TorchServe's log files (ts_log.log, model_log.log, "
+    "access_log.log, ts_metrics.log, model_metrics.log) is rotated (default 100 MiB, as TorchServe's log4j)",
+    "ts_log_backups": "rotated files kept per TorchServe log file (default 5; 0 keeps none)",
+    "async_logging": "TorchServe's async_logging: write its log files in batches (flushed every second) "
+    "instead of after every batch of lines",
+    "metrics_mode": "TorchServe's metrics_mode: log (its default: ts_metrics.log and model_metrics.log), "
+    "prometheus (its metrics on /metrics) or legacy (three counters on /metrics, the rest logged); "
+    "mariner_* metrics are on /metrics in every mode",
+    "model_metrics_auto_detect": "keep handler metrics that metrics.yaml does not declare (TorchServe drops "
+    "them unless this is on)",
+    "disable_system_metrics": "collect no host metrics (CPU, memory, disk)",
+    "metric_time_interval": "seconds between host metric samples in the log metrics modes (TorchServe's "
+    "metric_time_interval; default 60)",
     "pin_index": "refuse archives not listed with their sha256 in MODEL_STORE/index.json",
     "require_gpu": "never serve a model on the CPU unless its model-config says deviceType: cpu: without a "
     "usable GPU such a model fails to load, with the reason, instead of falling back",
@@ -218,7 +247,7 @@ _HELP = {
 }
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {}
+_CHOICES: dict[str, tuple[str, ...]] = {"metrics_mode": ("log", "prometheus", "legacy")}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -346,10 +375,14 @@ def load_config(
         "max_total_workers",
         "grpc_max_connections",
         "grpc_max_concurrent_streams",
+        "ts_log_max_bytes",
+        "metric_time_interval",
     }
     for f in fields(cfg):
         if (f.name.startswith("http_") or f.name in positive) and not getattr(cfg, f.name) > 0:
             raise ValueError(f"{f.name} must be positive, got {getattr(cfg, f.name)!r}")
+    if cfg.ts_log_backups < 0:
+        raise ValueError(f"ts_log_backups must be 0 or more, got {cfg.ts_log_backups!r}")
     return cfg
 
 

@@ -63,6 +63,10 @@ from mariner.server.protocols.http_drain import DrainAware
 from mariner.server.protocols.http_listener import inference_app
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
 from mariner.server.torchserve_tokens import KeyCheck
+from mariner.server.ts_logging import emit as ts_emit
+from mariner.server.ts_logging import words
+from mariner.server.ts_logging.access import HttpAccessLog, grpc_access_log
+from mariner.server.ts_logging.records import RecordPipe
 from mariner.server.workers import parent_death
 from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 from mariner.server.workers.peer import PeerRefused
@@ -153,6 +157,7 @@ class RemoteEndpoint(ModelEndpoint):
         )
         self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
         self._ever_ready = False
+        self._timeouts = 0  # batches past responseTimeout since one last came back (TorchServe counts them)
         self._t0 = time.perf_counter()
 
     @classmethod
@@ -227,6 +232,9 @@ class RemoteEndpoint(ModelEndpoint):
             self.runners.remove(old)
         if reason == "hung":
             old.abandon()  # no thread and no CPU are left behind: the process goes
+            # TorchServe's words for it (its WorkerThread's), counted since a batch last came back.
+            self._timeouts = 1 if old.batches else self._timeouts + 1
+            words.worker_timed_out(old.endpoint.ts_name or old.id, self._timeouts)
         else:
             old.retire()
         self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
@@ -275,19 +283,26 @@ class Frontend:
             inference_address=f"{grpc_host}:{init.grpc_port}",
             management_address=None,
             max_message_bytes=cfg.max_request_bytes,
-            inference_interceptors=[*auth.grpc(open_health=cfg.open_health), GrpcDrainGate(self.dataplane)],
+            inference_interceptors=[
+                *auth.grpc(open_health=cfg.open_health),
+                grpc_access_log(f"frontend-{self.index}"),
+                GrpcDrainGate(self.dataplane),
+            ],
             limits=GrpcLimits(budget.grpc, cfg.grpc_max_concurrent_streams, cfg.grpc_idle_timeout_s),
             credentials=grpc_tls(cfg, "grpc_inference"),
             reuse_port=True,
         )
         host, _ = split_address(cfg.inference_address)
         self._http_host, self._http_port = host, init.http_port
-        app = DrainAware(
-            auth.http(
-                inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
-                open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
+        app = HttpAccessLog(  # TorchServe's access_log.log: every answer, 401s and draining 503s too
+            DrainAware(
+                auth.http(
+                    inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
+                    open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
+                ),
+                self.dataplane,
             ),
-            self.dataplane,
+            f"frontend-{self.index}",
         )
         http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
         self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, http_cfg, listener="inference"))
@@ -407,7 +422,9 @@ class Frontend:
             await channel.send(writer, channel.Drained(dp.accepted, dp.answered, dp.answered_ok))
 
 
-async def _run(init: channel.FrontendInit, control: socket.socket) -> int:
+async def _run(init: channel.FrontendInit, control: socket.socket, records: RecordPipe | None = None) -> int:
+    if records is not None:
+        records.attach(asyncio.get_running_loop())  # written once per loop turn from now on
     # Built inside the running loop: grpc.aio servers belong to the loop they are created in.
     return await Frontend(init, control).run()
 
@@ -416,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parent_death.arm_from_env()
     parser = argparse.ArgumentParser(prog="mariner.server.frontend")
     parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--log-fd", type=int, help="the record pipe to the supervisor (TorchServe's logs)")
     args = parser.parse_args(argv)
     control = socket.socket(fileno=args.control_fd)
     try:
@@ -427,14 +445,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("frontend: no start message from the supervisor", file=sys.stderr)
         return 2
     setup_logging(init.cfg.log_level)
+    records = RecordPipe(args.log_fd) if args.log_fd is not None else None
+    if records is not None:  # TorchServe's log lines and this process's log records, to the supervisor
+        ts_emit.set_target(records.put_fields)
+        logging.getLogger().addHandler(ts_emit.ServerRecords(f"frontend-{init.index}"))
     control.setblocking(False)
     try:
-        return event_loop.run(_run(init, control))
+        return event_loop.run(_run(init, control, records))
     except (ServingError, OSError, RuntimeError) as exc:
         logging.getLogger("mariner").error(
             "frontend %d cannot start: %s", init.index, getattr(exc, "message", exc)
         )
         return 2
+    finally:
+        if records is not None:
+            records.close()
 
 
 if __name__ == "__main__":

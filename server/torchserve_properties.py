@@ -44,7 +44,6 @@ _DIFFERENT = {
     "allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "use_env_allowed_urls": "Mariner loads archives from the model store only, never from a URL",
     "enable_metrics_api": "Mariner always serves /metrics on metrics_address (see --open-metrics)",
-    "metrics_mode": "Mariner serves metrics in Prometheus mode only (TorchServe's names on /metrics)",
     "cors_allowed_origin": "Mariner sends no CORS headers: browsers on other origins are refused",
     "max_request_size": "use --max-request-bytes",
     "max_response_size": "use --max-request-bytes (it bounds gRPC messages both ways)",
@@ -143,6 +142,9 @@ FIELDS_OF_KEY: dict[str, tuple[str, ...]] = {
     "job_queue_size": ("job_queue_size",),
     "enable_model_api": ("enable_model_management",),
     "metrics_config": ("metrics_config",),
+    "metrics_mode": ("metrics_mode",),
+    "model_metrics_auto_detect": ("model_metrics_auto_detect",),
+    "disable_system_metrics": ("disable_system_metrics",),
     "install_py_dep_per_model": ("install_py_dep_per_model",),
     "private_key_file": ("tls_key_file",),
     "certificate_file": ("tls_cert_file",),
@@ -404,8 +406,8 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
             raise ValueError(f"config.properties model_snapshot is not valid JSON: {exc}") from None
         used.add("model_snapshot")
     used.add("tsConfigFile")  # TorchServe's own snapshots record the file they came from
-    if props.get("metrics_mode", "prometheus").strip().lower() == "prometheus":
-        used.add("metrics_mode")  # what Mariner serves; "log"/"legacy" are warned about below
+    out.update(_logs_and_metrics(props))
+    used |= {k for k in _LOG_KEYS if k in props}
     if "disable_token_authorization" in props:
         out["disable_token_auth"] = _true(props["disable_token_authorization"])
         used.add("disable_token_authorization")

@@ -104,7 +104,12 @@ class MarinerServe:
         # TorchServe's log files and config snapshots (LOG_LOCATION) go to this server's own
         # directory unless a test says otherwise, never into the working directory.
         self.log_location = tmp / "logs"
-        self._env = {**inherited, "LOG_LOCATION": str(self.log_location), **(env or {})}
+        self._env = {
+            **inherited,
+            "LOG_LOCATION": str(self.log_location),
+            "METRICS_LOCATION": str(self.log_location),
+            **(env or {}),
+        }
         self._args = args
         # The server's working directory (where TorchServe's key_file.json goes): the repository
         # unless a test says otherwise.

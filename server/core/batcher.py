@@ -45,7 +45,7 @@ from mariner.server.core.batching import (
     TokenBudget,
 )
 from mariner.server.core.deadlines import DeadlineWatch
-from mariner.server.core.errors import Code, ServingError, internal
+from mariner.server.core.errors import WORKER_DIED, Code, ServingError, internal
 from mariner.server.core.token_groups import group_by_length, padded_tokens
 from mariner.server.core.types import InferRequest, InferResult, TokenCost
 
@@ -212,7 +212,7 @@ class Batcher:
                 if d is None or p.future.done():
                     continue
                 if d <= now:
-                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s))
+                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s, running=True))
                 elif earliest is None or d < earliest:
                     earliest = d
         return earliest
@@ -367,7 +367,9 @@ class Batcher:
         retried = False  # the runner was retired before it took the batch: queued again
         try:
             self._observer.batch_started(
-                sum(p.req.items for p in batch), [started - p.enqueued for p in batch]
+                sum(p.req.items for p in batch),
+                [started - p.enqueued for p in batch],
+                [p.req.version for p in batch],
             )
             if self._tokens is not None:
                 costs = [_cost(p.req) for p in batch]
@@ -394,6 +396,7 @@ class Batcher:
                     Code.DEADLINE_EXCEEDED,
                     "the model did not answer within its responseTimeout "
                     f"({self.policy.batch_timeout_s:g} s); its instance is being replaced",
+                    torchserve=WORKER_DIED,
                 ),
             )
         except InstanceFailed as exc:
@@ -464,12 +467,18 @@ class Batcher:
             self._arrival.set()
 
 
-def _expired(req: InferRequest, response_timeout_s: float | None) -> ServingError:
+def _expired(req: InferRequest, response_timeout_s: float | None, *, running: bool = False) -> ServingError:
+    """A request past its deadline. One its worker was running is answered on TorchServe's
+    endpoints as TorchServe answers a response timeout (500 "Worker died."); the only deadline
+    TorchServe's REST API has is that timeout, and a gRPC client whose own deadline passed has
+    already been told DEADLINE_EXCEEDED by its library."""
     limit = (
         f"responseTimeout {response_timeout_s:g} s or the client's" if response_timeout_s else "the client's"
     )
     return ServingError(
-        Code.DEADLINE_EXCEEDED, f"model {req.model} did not answer within the deadline ({limit})"
+        Code.DEADLINE_EXCEEDED,
+        f"model {req.model} did not answer within the deadline ({limit})",
+        torchserve=WORKER_DIED if running else None,
     )
 
 

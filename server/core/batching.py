@@ -27,6 +27,7 @@ class BatchObserver(Protocol):
     ) -> None:
         """A batch left the queue: its items, each request's wait and the version each asked
         for (None: the default version)."""
+
     def batch_finished(self, seconds: float) -> None: ...
     def batch_tokens(self, padded: int, unpadded: int) -> None:
         """With a token counter: the batch's padded tokens (rows x longest row) and what its

@@ -157,11 +157,13 @@ class MetricsObserver:
     def queue_depth(self, items: int) -> None:
         self._depth.set(items)
 
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+    def batch_started(
+        self, items: int, queue_waits: Sequence[float], versions: Sequence[str | None] = ()
+    ) -> None:
         self._size.observe(items)
         for w in queue_waits:
             self._queue.observe(w)
-        self._ts.record_batch(self._model, self._version, queue_waits)
+        self._ts.record_batch(self._model, self._version, queue_waits, versions)
 
     def batch_finished(self, seconds: float) -> None:
         self._compute.observe(seconds)

@@ -79,6 +79,9 @@ TORCHSERVE_TYPES: dict[Code, str] = {
 }
 # A failure inside the handler, on TorchServe's endpoints (its worker's `sendError`).
 HANDLER_EXCEPTION = "InternalServerException"
+# A batch past its responseTimeout on TorchServe's endpoints: its WorkerThread kills the worker
+# and answers the batch's requests 500 "Worker died." (REST; gRPC INTERNAL with that text).
+WORKER_DIED = TorchServeAnswer(500, HANDLER_EXCEPTION, "Worker died.")
 
 # Seconds a client should wait before retrying an overloaded endpoint (HTTP Retry-After).
 RETRY_AFTER_SECONDS = 1

@@ -2,11 +2,17 @@
 
 A TorchServe handler records its own metrics through `context.metrics` (`add_counter`,
 `add_time`, `add_size`, `add_percent`, `add_metric`, and the newer `add_metric_to_cache` /
-`get_metric(...).add_or_update(value, dimension_values)`). TorchServe prints them to its log
-and its frontend turns them into Prometheus metrics labelled by the metric's dimension names
-plus `Hostname`. Here they become prometheus_client metrics directly: in a worker process they
-are written to the multiprocess files and appear in the supervisor's merged /metrics; in the
-single-process server they live in `HANDLER_REGISTRY`, which `Metrics` renders.
+`get_metric(...).add_or_update(value, dimension_values)`). TorchServe's backend prints each
+update as a `[METRICS]` line on its stdout and its frontend either logs it to model_metrics.log
+(metrics_mode `log`, its default, and `legacy`) or turns it into a Prometheus metric labelled by
+the metric's dimension names plus `Hostname` (`prometheus`). Here, in the log modes, the worker
+prints the same line (the supervisor reads its stdout and writes model_metrics.log); in
+prometheus mode the update goes to a prometheus_client metric directly: in a worker process it
+is written to the multiprocess files and appears in the supervisor's merged /metrics; in a
+single process it lives in `handler_registry()`, which `Metrics` renders.
+
+A metric the metrics.yaml does not declare is dropped, as TorchServe drops it, unless
+`model_metrics_auto_detect` is on.
 
 A bad call (wrong number of dimension values, a negative counter increment, a name Prometheus
 cannot carry) is logged and dropped, as TorchServe does: a metric never fails an inference.
@@ -21,7 +27,16 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mariner.server.core.metrics_spec import HOSTNAME, MetricSpec, TsMetricsSpec, current_spec, make_metric
+from mariner.server.core.metrics_spec import (
+    HOSTNAME,
+    MetricSpec,
+    TsMetricsSpec,
+    backend_metric_line,
+    current_spec,
+    make_metric,
+    metrics_mode,
+    model_metrics_auto_detect,
+)
 
 log = logging.getLogger("mariner.handler_metrics")
 
@@ -91,18 +106,26 @@ def _prometheus_name(name: str) -> str:
 
 
 class HandlerMetric:
-    """One metric as `get_metric` / `add_metric_to_cache` return it."""
+    """One metric as `get_metric` / `add_metric_to_cache` return it. `logged`: printed as
+    TorchServe's backend prints it (the log metrics modes), else a prometheus_client metric."""
 
-    def __init__(self, name: str, unit: str, dimension_names: Sequence[str], kind: str) -> None:
+    def __init__(
+        self, name: str, unit: str, dimension_names: Sequence[str], kind: str, *, logged: bool = False
+    ) -> None:
         self.metric_name = name
         self.unit = unit
         self.dimension_names = list(dimension_names)
         self.metric_type = MetricTypes(kind)
+        self._logged = logged
+        self._unit_name = _UNITS.get(unit, unit)
+        self._metric: Any = None
+        if logged:
+            return
         # Prometheus names are [a-zA-Z_][a-zA-Z0-9_]*: other characters become "_" (as the
         # exposition would escape them), so every format shows the same names.
-        spec = MetricSpec(_prometheus_name(name), kind, _UNITS.get(unit, unit), tuple(self.dimension_names))
+        spec = MetricSpec(_prometheus_name(name), kind, self._unit_name, tuple(self.dimension_names))
         labels = (*(_prometheus_name(d) for d in self.dimension_names), "Hostname")
-        self._metric: Any = make_metric(spec, labels, handler_registry())
+        self._metric = make_metric(spec, labels, handler_registry())
 
     def add_or_update(self, value: float, dimension_values: Sequence[str] = (), request_id: str = "") -> None:
         """Counters add `value`, gauges are set to it, histograms observe it."""
@@ -111,11 +134,18 @@ class HandlerMetric:
             log.error("metric %s: dimension values %s do not match its dimensions %s; dropped",
                       self.metric_name, values, self.dimension_names)  # fmt: skip
             return
+        if self.metric_type is MetricTypes.COUNTER and value < 0:
+            log.error("metric %s: a counter cannot decrease (%s); dropped", self.metric_name, value)
+            return
+        if self._logged:
+            dims = list(zip(self.dimension_names, values, strict=True))
+            line = backend_metric_line(
+                self.metric_name, self._unit_name, value, dims, self.metric_type.name, request_id
+            )
+            _print_line(line)
+            return
         child = self._metric.labels(*values, HOSTNAME)
         if self.metric_type is MetricTypes.COUNTER:
-            if value < 0:
-                log.error("metric %s: a counter cannot decrease (%s); dropped", self.metric_name, value)
-                return
             child.inc(value)
         elif self.metric_type is MetricTypes.GAUGE:
             child.set(value)
@@ -159,8 +189,14 @@ class HandlerMetrics:
             self._put(m.name, m.unit, m.dimensions, m.kind)
 
     def _put(self, name: str, unit: str, dims: Sequence[str], kind: str) -> HandlerMetric | DroppedMetric:
+        spec = self._spec or current_spec()
+        if spec.model_metric(name) is None and not model_metrics_auto_detect():
+            # Not in metrics.yaml: TorchServe's frontend drops it (model_metrics_auto_detect off).
+            metric: HandlerMetric | DroppedMetric = DroppedMetric(name, list(dims))
+            self._cache[(kind, name)] = metric
+            return metric
         try:
-            metric: HandlerMetric | DroppedMetric = _shared(name, unit, tuple(dims), kind)
+            metric = _shared(name, unit, tuple(dims), kind)
         except ValueError as exc:  # an invalid Prometheus name or a clash with another type
             log.error("metric %s (%s) cannot be exposed: %s; dropped", name, kind, exc)
             metric = DroppedMetric(name, list(dims))
@@ -274,18 +310,35 @@ class HandlerMetrics:
         metric.add_or_update(value, [dims[n] for n in metric.dimension_names])
 
 
-_shared_metrics: dict[tuple[str, str], HandlerMetric] = {}
+_shared_metrics: dict[tuple[str, str, bool], HandlerMetric] = {}
 
 
 def _shared(name: str, unit: str, dims: tuple[str, ...], kind: str) -> HandlerMetric:
-    """One prometheus_client metric per name and type in a process (instances of one model, or
-    a re-declared metric, share it); a re-declaration with other dimensions is refused."""
+    """One metric per name and type in a process (instances of one model, or a re-declared
+    metric, share it); a re-declaration with other dimensions is refused. Printed or Prometheus
+    as the metrics mode says (one mode per server; a process that changes it gets new ones)."""
+    logged = metrics_mode() != "prometheus"
     with _lock:
-        existing = _shared_metrics.get((kind, name))
+        existing = _shared_metrics.get((kind, name, logged))
         if existing is not None:
             if tuple(existing.dimension_names) != dims:
                 raise ValueError(f"already declared with dimensions {existing.dimension_names}")
             return existing
-        metric = HandlerMetric(name, unit, dims, kind)
-        _shared_metrics[(kind, name)] = metric
+        metric = HandlerMetric(name, unit, dims, kind, logged=logged)
+        _shared_metrics[(kind, name, logged)] = metric
         return metric
+
+
+def _print_line(line: str) -> None:
+    """A `[METRICS]` line on the worker's own stdout (whatever the handler did to sys.stdout),
+    where the supervisor reads it."""
+    import sys
+
+    out = sys.__stdout__
+    if out is None:
+        return
+    try:
+        out.write(line + "\n")
+        out.flush()
+    except (OSError, ValueError):
+        pass  # no stdout to write to: the metric is lost, never the inference

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +21,18 @@ from typing import Any
 # Set by the supervisor (from --metrics-config / metrics_config) so frontends and workers, which
 # inherit the environment, read the same file.
 METRICS_CONFIG_ENV = "MARINER_METRICS_CONFIG"
+# Likewise TorchServe's metrics_mode and model_metrics_auto_detect (also the settings' own
+# MARINER_* variables: the supervisor writes back the value it resolved).
+METRICS_MODE_ENV = "MARINER_METRICS_MODE"
+AUTO_DETECT_ENV = "MARINER_MODEL_METRICS_AUTO_DETECT"
+NO_SYSTEM_METRICS_ENV = "MARINER_DISABLE_SYSTEM_METRICS"
+# TorchServe's modes: `log` (its default) writes its metrics to ts_metrics.log and
+# model_metrics.log, `prometheus` serves them on /metrics, `legacy` serves only these three on
+# /metrics and logs the rest.
+METRICS_MODES = ("log", "prometheus", "legacy")
+LEGACY_PROMETHEUS = frozenset(
+    {"ts_inference_requests_total", "ts_inference_latency_microseconds", "ts_queue_latency_microseconds"}
+)
 COUNTER_SUFFIX = ":ts"
 HOSTNAME = socket.gethostname()
 KINDS = ("counter", "gauge", "histogram")
@@ -155,3 +168,46 @@ def make_metric(spec: MetricSpec, labelnames: Sequence[str], registry: Any) -> A
     if spec.kind == "gauge":
         return Gauge(spec.name, spec.help, labelnames, multiprocess_mode="mostrecent", registry=registry)
     return Histogram(spec.name, spec.help, labelnames, registry=registry)
+
+
+def use_metrics_mode(mode: str, auto_detect: bool = False, disable_system: bool = False) -> None:
+    """Serve TorchServe's metrics in `mode`, with or without auto-detected handler metrics and
+    host metrics; the frontends and workers started later inherit this through the environment."""
+    if mode not in METRICS_MODES:
+        raise ValueError(f"metrics_mode must be one of {', '.join(METRICS_MODES)}, got {mode!r}")
+    os.environ[METRICS_MODE_ENV] = mode
+    os.environ[AUTO_DETECT_ENV] = "true" if auto_detect else "false"
+    os.environ[NO_SYSTEM_METRICS_ENV] = "true" if disable_system else "false"
+
+
+def metrics_mode() -> str:
+    """The mode this process serves TorchServe's metrics in (TorchServe's default: log)."""
+    mode = os.environ.get(METRICS_MODE_ENV, "log").strip().lower()
+    return mode if mode in METRICS_MODES else "log"
+
+
+def model_metrics_auto_detect() -> bool:
+    """Whether a handler metric metrics.yaml does not declare is kept (TorchServe drops it)."""
+    return os.environ.get(AUTO_DETECT_ENV, "false").strip().lower() == "true"
+
+
+def system_metrics_disabled() -> bool:
+    """TorchServe's `disable_system_metrics`: no CPU, memory, disk or GPU samples at all."""
+    return os.environ.get(NO_SYSTEM_METRICS_ENV, "false").strip().lower() == "true"
+
+
+def on_prometheus(name: str, mode: str) -> bool:
+    """Whether TorchServe's metric `name` is served on /metrics in `mode` (else it is logged)."""
+    return mode == "prometheus" or (mode == "legacy" and name in LEGACY_PROMETHEUS)
+
+
+def backend_metric_line(
+    name: str, unit: str, value: float, dimensions: Sequence[tuple[str, str]], kind: str, request_id: str = ""
+) -> str:
+    """The line a TorchServe backend prints on its stdout for one metric update (its
+    `CachingMetric.emit_metrics`): `[METRICS]name.unit:value|#dims|#type:GAUGE|#hostname:h,time`
+    and the request id; the server reads it from the worker's output in the log modes."""
+    dims = ",".join(f"{k}:{v}" for k, v in dimensions)
+    head = f"[METRICS]{name}.{unit}:{value}|#{dims}|#type:{kind.upper()}"
+    line = f"{head}|#hostname:{HOSTNAME},{int(time.time())}"
+    return f"{line},{request_id}" if request_id else line

@@ -175,7 +175,8 @@ def _record(
     seconds = time.perf_counter() - start
     duration.observe(seconds)
     book_of(plane.metrics).record(label_model, label_version, code == "200", seconds)
-    plane.metrics.ts.record_call(label_model, label_version, code, seconds)  # TorchServe's names
+    # TorchServe's names; its model_version label is the version asked for, "default" for none.
+    plane.metrics.ts.record_call(label_model, label_version if version else "default", code, seconds)
 
 
 async def run_call(

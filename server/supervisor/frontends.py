@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mariner.server.child_process import ChildProcess
@@ -54,8 +56,18 @@ class FrontendPool:
     table version it follows) and, when it has drained, its accounting.
     """
 
-    def __init__(self, cfg: ServerConfig, count: int, http_port: int, grpc_port: int) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        count: int,
+        http_port: int,
+        grpc_port: int,
+        records: Callable[[], int] | None = None,
+    ) -> None:
         self.cfg = cfg
+        # A new record pipe per frontend start (TorchServe's logs: ts_logs.frontend_pipe); its
+        # write end is the frontend's `--log-fd`.
+        self._records = records
         self.count = count
         self.http_port = http_port
         self.grpc_port = grpc_port
@@ -97,13 +109,19 @@ class FrontendPool:
 
     async def _spawn(self, f: _Frontend) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        log_fd = self._records() if self._records is not None else None
+        argv = [sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno())]
+        if log_fd is not None:
+            argv += ["--log-fd", str(log_fd)]
         try:
             proc = ChildProcess.start(
-                [sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno())],
-                pass_fds=(child.fileno(),), env=parent_death.env_for_this_parent(child_env()),
+                argv, pass_fds=(child.fileno(), *(() if log_fd is None else (log_fd,))),
+                env=parent_death.env_for_this_parent(child_env()),
             )  # fmt: skip
         finally:
             child.close()
+            if log_fd is not None:
+                os.close(log_fd)  # the frontend holds the only write end: EOF when it exits
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         f.process, f.writer, f.listening = proc, writer, False
         await channel.send(writer, channel.FrontendInit(self.cfg, f.index, self.http_port, self.grpc_port))

@@ -57,7 +57,9 @@ from mariner.server.supervisor.frontends import FrontendPool
 from mariner.server.supervisor.ports import reserve_port
 from mariner.server.supervisor.registry import ModelRegistry
 from mariner.server.supervisor.snapshots import ConfigSnapshots
+from mariner.server.supervisor.ts_logs import TsLogs
 from mariner.server.torchserve_tokens import KEY_FILE_NAME, Key, KeyKind, TokenApi, TorchServeKeys, start_keys
+from mariner.server.ts_logging.access import HttpAccessLog, grpc_access_log
 from mariner.server.workers.child_env import forget_secrets
 from mariner.server.workers.process import socket_dir_for
 
@@ -87,8 +89,16 @@ class Supervisor:
         # Unix socket paths are limited to 107 bytes: the workers' sockets go where they stay short.
         self._socket_dir, self._socket_dir_is_temp = socket_dir_for(self.work_dir)
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
+        # TorchServe's log files and console: written from here, workers' output read here.
+        self.ts_logs = TsLogs(cfg)
         self.registry = ModelRegistry(
-            cfg, self.work_dir, self._socket_dir, self.metrics, self._publish, frontends_ok=self._frontends_ok
+            cfg,
+            self.work_dir,
+            self._socket_dir,
+            self.metrics,
+            self._publish,
+            frontends_ok=self._frontends_ok,
+            worker_output=self.ts_logs,
         )
         # TorchServe's config snapshots: at start, after each management change, at a clean stop.
         self.snapshots = ConfigSnapshots(cfg, self.registry.snapshot_models)
@@ -154,6 +164,7 @@ class Supervisor:
 
     async def start(self) -> None:
         cfg = self.cfg
+        self.ts_logs.start()
         inference_tokens, management_tokens = check_exposure(cfg)
         # TorchServe's key_file.json is written before any listener takes a call, as TorchServe does.
         if not cfg.disable_token_auth:
@@ -172,7 +183,7 @@ class Supervisor:
             max_message_bytes=cfg.max_request_bytes,
             health=self._health,
             on_change=self.refresh_health,
-            interceptors=management_auth.grpc(open_health=cfg.open_health),
+            interceptors=[*management_auth.grpc(open_health=cfg.open_health), grpc_access_log("management")],
         )
         grpc_mgmt_port = bind_port(
             self._grpc, cfg.grpc_management_address, "management", grpc_tls(cfg, "grpc_management")
@@ -192,8 +203,12 @@ class Supervisor:
         if self.keys is not None:  # TorchServe's token API, authorised by its API key alone
             mgmt_app = TokenApi(mgmt_app, self.keys, self._publish_inference_key)
         for app, address, listener in (
-            (mgmt_app, cfg.management_address, "management"),
-            (metrics_auth.http(metrics_app(self.registry)), cfg.metrics_address, "metrics"),
+            (HttpAccessLog(mgmt_app, "management"), cfg.management_address, "management"),
+            (
+                HttpAccessLog(metrics_auth.http(metrics_app(self.registry)), "metrics"),
+                cfg.metrics_address,
+                "metrics",
+            ),
         ):
             # Bound here, so a port in use is an OSError naming it (uvicorn would sys.exit).
             sock = listen_on(address)
@@ -227,7 +242,9 @@ class Supervisor:
         # Archives are checked here, once; workers and frontends then start in parallel.
         pinned = pinned_digests(cfg.model_store) if cfg.pin_index else None
         versions = await self.registry.open_models(model_specs(cfg, pinned))
-        self.frontends = FrontendPool(cfg, self.frontend_count, http_port, grpc_port)
+        self.frontends = FrontendPool(
+            cfg, self.frontend_count, http_port, grpc_port, records=self.ts_logs.frontend_pipe
+        )
         if self.keys is not None:
             self.frontends.inference_key = self.keys.current(KeyKind.INFERENCE)
         await self.registry.start_workers(versions)
@@ -259,6 +276,10 @@ class Supervisor:
             "models ready: %s%s (all ready: %s, %.2f s after the listeners)", ", ".join(ready) or "none",
             f"; not ready: {', '.join(failed)}" if failed else "", reg.is_ready(), time.perf_counter() - t0,
         )  # fmt: skip
+        # TorchServe's line for launchers and its tests; printed once the listeners are up and the
+        # models asked for at start-up had their first start (a model still loading answers 503
+        # here, where TorchServe would queue the request until a worker is up).
+        self.ts_logs.server_started()
 
     async def shutdown(self) -> None:
         """Not ready; frontends drain and exit; workers stop; listeners close."""
@@ -296,6 +317,7 @@ class Supervisor:
         if self.keys is not None:  # TorchServe's launcher removes it on --stop; nothing else would
             self.keys.remove_file()
         log.info("stopped")
+        await self.ts_logs.close()  # last: everything above is in the files
 
 
 async def run(cfg: ServerConfig) -> int:

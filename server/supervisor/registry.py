@@ -43,6 +43,7 @@ from mariner.server.supervisor.requirements import requirements_step
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import Limits, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool
+from mariner.server.workers.process import WorkerOutputs
 from mariner.server.workers.protocol import ask_describe, describe_request
 
 log = logging.getLogger("mariner.supervisor")
@@ -66,6 +67,7 @@ class ModelRegistry(ModelViews):
         metrics: Metrics,
         on_change: Callable[[], Awaitable[None]],
         frontends_ok: Callable[[], bool] = lambda: True,
+        worker_output: WorkerOutputs | None = None,
     ) -> None:
         super().__init__(frontends_ok)
         self.cfg = cfg
@@ -85,6 +87,7 @@ class ModelRegistry(ModelViews):
             draining=lambda: self.draining,
             require_gpu=cfg.require_gpu,
             budget=self.budget,
+            output=worker_output,
         )
         self._layers = server_layers(cfg, gpus=allocator().count)  # default: a worker per GPU, else core
         self._limits = ArchiveLimits()

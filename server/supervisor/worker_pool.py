@@ -7,6 +7,13 @@ thread"), MemoryError...) fails that start (the slot is FAILED, its first start'
 why) and is retried with backoff; anything else a slot's task raises is logged and reflected
 the same way, never left to end the task silently.
 
+Retries follow TorchServe's policy in time: a slot whose worker keeps failing (start failures
+and exits alike, since its last ready start) is retried with the backoff until it has been
+failing for the archive's `maxRetryTimeoutInSec` (TorchServe's model-config key, default 300 s),
+then left FAILED. Each retry is told in TorchServe's words too (`ts_logging.words`: "Worker
+disconnected", "Auto recovery start timestamp", "Retry worker"...), a start past its
+startupTimeout as TorchServe's "Backend worker error", for the tools that wait for them.
+
 Stopping a slot never leaves its process behind, whatever the slot is doing: a slot's task is
 not cancelled while it creates a process (a fork the zygote made after the caller went away
 would be an orphan); `stop` retires the slot, kills the process as soon as it exists, and
@@ -27,14 +34,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from mariner.server.control.metrics import Metrics
+from mariner.server.control.ts_metrics import log_worker_load
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.supervisor.children import MAX_BACKOFF_S, Backoff, mark_dead
 from mariner.server.supervisor.devices import allocator, device_ids_of
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import WorkerBudget
+from mariner.server.ts_logging import words
 from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import START_ENV, worker_spec
+from mariner.server.workers.process import (
+    START_ENV,
+    WorkerLoadFailed,
+    WorkerOutputs,
+    WorkerStartTimeout,
+    worker_spec,
+)
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -44,6 +59,22 @@ MIN_STOP_GRACE_S = 1.0  # SIGTERM to SIGKILL, at least, after a drain that took 
 KILL_WAIT_S = 10.0  # for a SIGKILLed process to be reaped
 STOP_SLACK_S = 10.0  # past the grace, for a slot's task to end before it is cancelled
 _RESOURCE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+DEFAULT_MAX_RETRY_S = 300.0  # TorchServe's maxRetryTimeoutInSec
+
+
+def max_retry_s(model_config: dict[str, object]) -> float:
+    """How long a failing slot is retried: the archive's `maxRetryTimeoutInSec` (an integer of
+    seconds, as TorchServe reads it; 0 never retries), else TorchServe's 300 s. A value that is not
+    one is TorchServe's default, with a warning naming it."""
+    value = model_config.get("maxRetryTimeoutInSec")
+    if value is None:
+        return DEFAULT_MAX_RETRY_S
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    log.warning(
+        "maxRetryTimeoutInSec %r is not a whole number of seconds; using %g", value, DEFAULT_MAX_RETRY_S
+    )
+    return DEFAULT_MAX_RETRY_S
 
 
 def unix_connections(socket_path: str, table: str = "/proc/net/unix") -> int | None:
@@ -91,6 +122,16 @@ def start_error(v: Version, exc: BaseException) -> ServingError:
     )
 
 
+def logged_reason(v: Version, exc: BaseException) -> str:
+    """What the supervisor's log says of a failed start: the error, except for a handler that
+    raised while loading, whose exception and traceback are the worker's last lines of output
+    (TorchServe's MODEL_LOG): the line points there instead of repeating them."""
+    if isinstance(exc, WorkerLoadFailed) and exc.traceback:
+        where = "the traceback is in the worker's output"
+        return f"model {v.name} version {v.version}: its handler raised while loading ({where})"
+    return start_error(v, exc).message
+
+
 class WorkerPool:
     """Keeps every worker slot it was given running until it is retired or the server drains.
 
@@ -110,6 +151,7 @@ class WorkerPool:
         draining: Callable[[], bool],
         require_gpu: bool = False,
         budget: WorkerBudget | None = None,
+        output: WorkerOutputs | None = None,
     ) -> None:
         self._torch_threads_flag = torch_threads
         self._socket_dir = socket_dir
@@ -119,6 +161,8 @@ class WorkerPool:
         self._draining = draining
         self._require_gpu = require_gpu
         self._budget = budget
+        self._output = output  # who reads the workers' stdout and stderr (TorchServe's MODEL_LOG)
+        self._next_port = words.FIRST_WORKER_PORT  # TorchServe's number per slot, as its ports
 
     def _torch_threads(self) -> int:
         if self._torch_threads_flag:
@@ -149,7 +193,7 @@ class WorkerPool:
         needs_gpu = settings.device_type == "gpu" or (self._require_gpu and settings.device_type != "cpu")
         return on_gpu or needs_gpu or os.environ.get(START_ENV, "zygote") == "spawn"
 
-    def _spec(self, v: Version, inst: Instance, gpu: int | None) -> WorkerSpec:
+    def _spec(self, v: Version, inst: Instance, gpu: int | None, port: int) -> WorkerSpec:
         return worker_spec(
             v.archive,
             instance=inst.index,
@@ -159,6 +203,7 @@ class WorkerPool:
             torch_threads=self._torch_threads(),
             socket_dir=self._socket_dir,
             require_gpu=self._needs_gpu(v),
+            ts_port=port,
         )
 
     def add(self, v: Version, count: int) -> list[Instance]:
@@ -175,9 +220,11 @@ class WorkerPool:
             v.instances[index] = inst
             added.append(inst)
         for inst in added:
+            recovery = words.Recovery(self._next_port, v.name, v.version)
+            self._next_port += 1
             try:
                 inst.task = asyncio.create_task(
-                    self._keep_running(v, inst), name=f"worker-{v.name}-{inst.index}"
+                    self._keep_running(v, inst, recovery), name=f"worker-{v.name}-{inst.index}"
                 )
             except Exception as exc:  # noqa: BLE001 - e.g. MemoryError: this slot fails, not the caller
                 err = start_error(v, exc)
@@ -205,7 +252,7 @@ class WorkerPool:
             await asyncio.wait_for(inst.retired_event.wait(), delay)
         backoff.delay = min(delay * 2, MAX_BACKOFF_S)
 
-    async def _keep_running(self, v: Version, inst: Instance) -> None:
+    async def _keep_running(self, v: Version, inst: Instance, recovery: words.Recovery) -> None:
         """Run the slot (`_run_slot`); whatever escapes it is logged and reflected (FAILED, its
         first start's future), then the slot carries on after a backoff. The first start's
         future is resolved however the task ends."""
@@ -213,7 +260,7 @@ class WorkerPool:
         try:
             while self._wanted(inst):
                 try:
-                    await self._run_slot(v, inst)
+                    await self._run_slot(v, inst, recovery)
                     return
                 except Exception as exc:  # noqa: BLE001 - never end the slot, nor the supervisor, silently
                     err = start_error(v, exc)
@@ -229,18 +276,21 @@ class WorkerPool:
             why = "the server is shutting down" if self._draining() else None
             _fail_first(inst, stopped_error(inst, why and f"model {v.name} version {v.version}: {why}"))
 
-    async def _run_slot(self, v: Version, inst: Instance) -> None:
-        """Start the instance's worker; whenever it exits, restart it with exponential backoff."""
+    async def _run_slot(self, v: Version, inst: Instance, recovery: words.Recovery) -> None:
+        """Start the instance's worker; whenever it fails to start or exits, restart it with
+        exponential backoff, until it has been failing for maxRetryTimeoutInSec."""
         from mariner.server.workers.process import WorkerProcess
 
         gpu = self._gpu_for(v)
         backoff = Backoff()
+        give_up_after = max_retry_s(v.archive.model_config)
+        timeouts = 0  # consecutive starts past the startupTimeout (TorchServe counts them)
         while self._wanted(inst):
             proc: WorkerProcess | None = None
             t0 = time.perf_counter()
             try:
-                spec = self._spec(v, inst, gpu)
-                proc = WorkerProcess(spec)
+                spec = self._spec(v, inst, gpu, recovery.port)
+                proc = WorkerProcess(spec, output=self._output)
                 # A slot whose last start failed stays FAILED (with its reason) while it retries:
                 # the version does not flicker FAILED/LOADING with each backoff.
                 inst.process, inst.endpoint = proc, None
@@ -252,13 +302,20 @@ class WorkerPool:
                     return  # stopped while starting: not a failure
                 err = start_error(v, exc)
                 worker = proc.spec.id if proc is not None else f"{v.name}/{v.version}#{inst.index}"
-                log.error(
-                    "worker %s failed to start: %s; retrying in %.1f s", worker, err.message, backoff.delay
-                )
+                if isinstance(exc, WorkerStartTimeout):
+                    timeouts += 1
+                    words.worker_timed_out(recovery.thread, timeouts)
+                said = logged_reason(v, exc)
                 inst.status, inst.error = "FAILED", err.message
                 _fail_first(inst, err)
                 if proc is not None:
                     mark_dead(proc.pid)
+                recovery.stopped("WORKER_STARTED")
+                if self._gave_up(v, inst, recovery, give_up_after, f"failed to start: {said}"):
+                    await self._changed()
+                    return
+                log.error("worker %s failed to start: %s; retrying in %.1f s", worker, said, backoff.delay)
+                recovery.retry(backoff.delay)
                 await self._changed()
                 await self._pause(inst, backoff)
                 inst.generation += 1
@@ -266,6 +323,9 @@ class WorkerPool:
             if not self._wanted(inst):  # retired while it loaded: it never serves
                 await _kill(proc)
                 return
+            timeouts = 0
+            recovery.loaded()
+            log_worker_load(spec.ts_name, time.perf_counter() - t0)  # TorchServe's WorkerLoadTime line
             inst.endpoint = endpoint
             inst.status, inst.started_at, inst.error = "READY", time.time(), None
             if not v.ever_ready:
@@ -284,12 +344,31 @@ class WorkerPool:
             if not self._wanted(inst):
                 return
             delay = backoff.after_run(time.time() - (inst.started_at or time.time()))
-            log.error("worker %s (pid %d) exited with %s; restarting in %.1f s", spec.id, proc.pid, rc, delay)
             self._metrics.instance_restarts.labels(v.name, v.version, "exited").inc()
             inst.status, inst.endpoint = "LOADING", None
+            recovery.stopped("WORKER_MODEL_LOADED")
+            if self._gave_up(v, inst, recovery, give_up_after, f"exited with {rc}"):
+                await self._changed()
+                return
+            log.error("worker %s (pid %d) exited with %s; restarting in %.1f s", spec.id, proc.pid, rc, delay)
+            recovery.retry(delay)
             await self._changed()
             await self._pause(inst, backoff)
             inst.generation += 1
+
+    def _gave_up(self, v: Version, inst: Instance, recovery: words.Recovery, limit: float, what: str) -> bool:
+        """Whether the slot stops retrying: it has been failing (since its last ready start) for
+        the archive's maxRetryTimeoutInSec. It is then left FAILED, saying so."""
+        failing = recovery.failing_for_s()
+        if failing < limit:
+            return False
+        why = (
+            f"model {v.name} version {v.version}: worker slot {inst.index} {what}; it has been failing for "
+            f"{failing:.0f} s (maxRetryTimeoutInSec {limit:g}) and is no longer retried"
+        )
+        log.error("%s", why)
+        inst.status, inst.error, inst.endpoint = "FAILED", why, None
+        return True
 
     async def stop(
         self, instances: Sequence[Instance], grace: float, *, drain: bool = False, why: str | None = None

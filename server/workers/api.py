@@ -37,6 +37,9 @@ class WorkerSpec:
     torch_threads: int | None
     socket_path: str
     require_gpu: bool = False
+    # TorchServe's number for this worker slot (its backend port; ours listen on Unix sockets),
+    # kept across restarts: its log lines name the worker `W-<ts_port>-<model>_<version>`.
+    ts_port: int = 0
 
     @property
     def id(self) -> str:
@@ -45,6 +48,11 @@ class WorkerSpec:
     @property
     def device(self) -> str:
         return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
+
+    @property
+    def ts_name(self) -> str:
+        """The worker as TorchServe names it in its logs and WorkerLoadTime: `W-9000-mnist_1.0`."""
+        return f"W-{self.ts_port}-{self.model}_{self.version}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class WorkerEndpoint:
     status: str  # LOADING | READY | FAILED | STOPPED
     start_time: float | None = None  # time.time() when it became ready
     load_seconds: float | None = None
+    ts_name: str = ""  # as TorchServe names the worker in its logs (WorkerSpec.ts_name)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@ when no path is given).
 
 It puts only its archive's directory on `sys.path`, loads the handler (a `ModelHost`, the same
 code the in-process runner uses), listens on the spec's Unix socket, and writes one JSON line to
-its stdout: `{"ready": true, "pid", "device", "load_seconds"}`, or `{"ready": false, "error"}`
-followed by exit code 3 when loading failed. Anything else the handler prints goes to stderr:
-stdout carries only that line.
+its ready pipe (`--ready-fd N`; without it, its stdout, which then points at stderr):
+`{"ready": true, "pid", "device", "load_seconds"}`, or `{"ready": false, "error"}` followed by
+exit code 3 when loading failed. Its stdout and stderr are the handler's, line-buffered, and its
+own log goes to stdout in TorchServe's backend format (the bare message): the supervisor reads
+both as TorchServe's frontend reads a backend's (`ts_logging.worker_output`).
 
 One thread: the handler is loaded and called on the main thread, which also runs the worker's
 event loop, so its CUDA stream and thread-local torch state (OpenMP's thread count is set per
@@ -406,11 +408,20 @@ async def _one_turn() -> None:
     await asyncio.sleep(0)
 
 
-def _ready_stream() -> IO[str]:
-    """Keep the real stdout for the ready line only; fd 1 then points at stderr, so whatever the
-    handler prints lands in the log, not in the parent's ready-line reader."""
-    ready = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+def _ready_stream(ready_fd: int) -> IO[str]:
+    """The ready line's stream: its own pipe (no child of the handler inherits it), or, given
+    fd 1, the real stdout kept for that line alone while fd 1 then points at stderr, so whatever
+    the handler prints lands in the log, not in the parent's ready-line reader. Either way the
+    handler's stdout and stderr are line-buffered: a `print()` reaches the log when made."""
+    if ready_fd == 1:
+        ready = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+    else:
+        os.set_inheritable(ready_fd, False)
+        ready = os.fdopen(ready_fd, "w")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     return ready
 
 
@@ -441,12 +452,17 @@ def _load(spec: WorkerSpec) -> tuple[Any, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
     from mariner.server.workers import parent_death
 
     parent_death.arm_from_env()
-    args = list(sys.argv[1:] if argv is None else argv)
-    spec = spec_from_json(Path(args[0]).read_text() if args else sys.stdin.read())
-    return run_worker(spec)
+    parser = argparse.ArgumentParser(prog="mariner.server.workers.main")
+    parser.add_argument("spec", nargs="?", help="the WorkerSpec as JSON (default: stdin)")
+    parser.add_argument("--ready-fd", type=int, default=1, help="where the ready line goes (default: stdout)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    spec = spec_from_json(Path(args.spec).read_text() if args.spec else sys.stdin.read())
+    return run_worker(spec, args.ready_fd)
 
 
 def _event_loop_runner() -> Any:
@@ -459,15 +475,14 @@ def _event_loop_runner() -> Any:
     return uvloop.run
 
 
-def run_worker(spec: WorkerSpec) -> NoReturn:
-    """Load and serve `spec`, then exit; the ready line goes to fd 1. The entry both for a fresh interpreter
-    (`main`) and for a child forked by the zygote (`zygote.py`), which has set up fds 0-2 first."""
-    ready_out = _ready_stream()
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s worker {spec.id} pid {os.getpid()}: %(message)s",
-    )
+def run_worker(spec: WorkerSpec, ready_fd: int = 1) -> NoReturn:
+    """Load and serve `spec`, then exit; the ready line goes to `ready_fd`. The entry both for a
+    fresh interpreter (`main`) and for a child forked by the zygote (`zygote.py`), which has set
+    up its fds first."""
+    ready_out = _ready_stream(ready_fd)
+    # TorchServe's backend logs the bare message to stdout; its frontend adds the time, the
+    # worker's name and the level when it logs the line (here the supervisor does).
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s", force=True)
     isolate_sys_path(spec.model_dir)
     # SIGINT is not how a worker is stopped (the supervisor or its runner sends SIGTERM) and a
     # worker has its own session, so no terminal sends it one. Set it explicitly rather than
@@ -479,15 +494,20 @@ def run_worker(spec: WorkerSpec) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - any failure to load is reported, then exit 3
         from mariner.server.core.errors import ServingError
 
+        ours = isinstance(exc, ServingError)
         reason = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
-        log.error("loading failed: %s", reason, exc_info=not isinstance(exc, ServingError))
-        ready_out.write(json.dumps({"ready": False, "error": reason[:2000]}) + "\n")
+        if ours:
+            log.error("worker %s: loading failed: %s", spec.id, reason)
+        else:  # the traceback says what was raised; the supervisor's line points here
+            log.error("worker %s: loading the handler failed", spec.id, exc_info=True)
+        ready = {"ready": False, "error": reason[:2000], "traceback": not ours}
+        ready_out.write(json.dumps(ready) + "\n")
         ready_out.flush()
         _end(EXIT_LOAD_FAILED)
     worker = Worker(spec, host)
     from mariner.server.control.ts_metrics import record_worker_load
 
-    record_worker_load(f"W-{spec.id}", load_seconds)  # TorchServe's WorkerLoadTime
+    record_worker_load(spec.ts_name, load_seconds)  # TorchServe's WorkerLoadTime (prometheus mode)
     host.on_oom = worker.count_oom
     # torch and the model leave a large heap of long-lived objects; every batch allocates many
     # short-lived ones, so without freezing the former, each full collection walks them all

@@ -6,9 +6,11 @@ or, with `MARINER_WORKER_START=spawn` or when no zygote can fork it, a fresh int
 mariner.server.workers.main`). A worker placed on a GPU (or required to have one) is always a
 fresh interpreter: it initialises CUDA itself, with nothing inherited from a fork. Either way
 it runs in a session of its own (a signal to the parent's process group does not reach it; we
-stop it ourselves, and SIGKILL its whole group), its fd 1 carries exactly one line, the ready
-line, and its stderr is the parent's. Its environment is the supervisor's less every secret
-(`child_env`), and it is SIGKILLed by the kernel when its parent dies (`parent_death`).
+stop it ourselves, and SIGKILL its whole group), one pipe of its own carries exactly one line,
+the ready line, and its stdout and stderr are pipes the supervisor reads (`output`: TorchServe's
+`MODEL_LOG`, see `ts_logging.worker_output`), or, without an output, the parent's stderr. Its
+environment is the supervisor's less every secret (`child_env`), and it is SIGKILLed by the
+kernel when its parent dies (`parent_death`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 from mariner.server.child_process import start_child, wait_exit
 from mariner.server.core.archive import ModelArchive
@@ -46,17 +49,40 @@ MAX_SOCKET_PATH = 100
 START_ENV = "MARINER_WORKER_START"
 
 
+class WorkerLoadFailed(ServingError):
+    """The worker refused or failed to load its model; `traceback`: it printed the handler's
+    traceback to its output (the supervisor's log line then points there instead of repeating it)."""
+
+    def __init__(self, code: Code, message: str, *, traceback: bool = False) -> None:
+        super().__init__(code, message)
+        self.traceback = traceback
+
+
+class WorkerStartTimeout(ServingError):
+    """The worker was not ready within its startupTimeout and was killed."""
+
+
+class WorkerOutputs(Protocol):
+    """Who reads a worker's stdout and stderr (the supervisor's `ts_logging.WorkerOutput`)."""
+
+    def attach(self, worker: str, stdout_fd: int, stderr_fd: int) -> None: ...
+
+
 class WorkerProcess:
     """Starts, watches and stops one worker process."""
 
-    def __init__(self, spec: WorkerSpec, *, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, spec: WorkerSpec, *, env: Mapping[str, str] | None = None, output: WorkerOutputs | None = None
+    ) -> None:
         self._spec = spec
+        self._output = output
         # Handler code reads its environment: no token may be in it.
         self._env = child_env(os.environ if env is None else env)
         self._proc: subprocess.Popen[bytes] | None = None  # spawned
         self._forked: zygote.ZygoteChild | None = None  # forked by the zygote
         self._endpoint: WorkerEndpoint | None = None
         self._exited: asyncio.Event | None = None
+        self._output_ends: tuple[int, int] | None = None  # read ends of its stdout, stderr
 
     @property
     def spec(self) -> WorkerSpec:
@@ -90,10 +116,11 @@ class WorkerProcess:
             raise ServingError(Code.INTERNAL, f"worker socket path too long: {self._spec.socket_path}")
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
+        deadline = loop.time() + timeout  # one clock for the fork and the load (startupTimeout)
         ready_fd: int | None = None
         if start_method(self._spec, self._env) == "zygote":
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout_at(deadline):
                     ready_fd = await self._fork()
             except zygote.ZygoteUnavailable as exc:
                 log.warning("worker %s: %s; starting a fresh interpreter instead", self._spec.id, exc)
@@ -102,29 +129,31 @@ class WorkerProcess:
                             "interpreter instead", self._spec.id, timeout)  # fmt: skip
         if ready_fd is None:
             ready_fd = self._spawn()
+        self._attach_output()
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(ready_fd, "rb")
         )
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 line = await reader.readline()
                 ready = _parse_ready(line)
                 if ready is None or not ready.get("ready"):
                     code = await self.wait()
                     exited = f"exited with {_describe_exit(code)} before it was ready"
                     reason = (ready or {}).get("error") or exited
-                    raise ServingError(
+                    raise WorkerLoadFailed(
                         Code.INVALID_ARGUMENT if code == EXIT_LOAD_FAILED else Code.INTERNAL,
                         f"model {self._spec.model} version {self._spec.version} failed to load: {reason}",
+                        traceback=bool((ready or {}).get("traceback")),
                     )
         except TimeoutError:
             self.kill()
             await self.wait()
-            raise ServingError(
+            raise WorkerStartTimeout(
                 Code.INTERNAL,
                 f"model {self._spec.model} version {self._spec.version}: its worker was not ready "
-                f"within {timeout:g} s and was killed",
+                f"within its startupTimeout ({timeout:g} s) and was killed",
             ) from None
         except BaseException:
             self.kill()
@@ -143,48 +172,80 @@ class WorkerProcess:
             status="READY",
             start_time=time.time(),
             load_seconds=float(ready.get("load_seconds") or (time.monotonic() - t0)),
+            ts_name=self._spec.ts_name,
         )
         return self._endpoint
+
+    def _output_pipes(self) -> tuple[int, int]:
+        """The write ends the worker gets as its stdout and stderr: pipes for `output` to read
+        (their read ends kept until the process exists), or the parent's stderr (duplicated)."""
+        if self._output is None:
+            return os.dup(2), os.dup(2)
+        (out_r, out_w), (err_r, err_w) = os.pipe2(os.O_CLOEXEC), os.pipe2(os.O_CLOEXEC)
+        self._output_ends = (out_r, err_r)
+        return out_w, err_w
+
+    def _attach_output(self) -> None:
+        """The worker exists: hand the read ends of its stdout and stderr to `output`."""
+        ends, self._output_ends = self._output_ends, None
+        if ends is not None and self._output is not None:
+            self._output.attach(self._spec.ts_name, *ends)
+
+    def _drop_output(self) -> None:
+        ends, self._output_ends = self._output_ends, None
+        for fd in ends or ():
+            os.close(fd)
 
     async def _fork(self) -> int:
         """Have the zygote fork the worker; returns the read end of its ready-line pipe."""
         client = zygote.client_for(self._env)
-        read_fd, write_fd = os.pipe()
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        out_w, err_w = self._output_pipes()
         try:
             self._forked = await client.fork(
-                spec_to_json(self._spec), write_fd, env=self._env, cwd=os.getcwd()
+                spec_to_json(self._spec), (write_fd, out_w, err_w), env=self._env, cwd=os.getcwd()
             )
         except BaseException:
             os.close(read_fd)
+            self._drop_output()
             zygote.note_result(client, ok=False)
             raise
         finally:
-            os.close(write_fd)  # the worker holds the only write end now: EOF when it dies
+            for fd in (write_fd, out_w, err_w):
+                os.close(fd)  # the worker holds the only write ends now: EOF when it dies
         zygote.note_result(client, ok=True)
         return read_fd
 
     def _spawn(self) -> int:
-        """A fresh interpreter; returns the read end of its stdout (the ready line)."""
-        # Popen on the loop's own thread: the child must not be tied to a thread that ends.
-        self._proc = start_child(
-            [sys.executable, "-m", "mariner.server.workers.main"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            env=parent_death.env_for_this_parent(self._env),
-            start_new_session=True,
-            close_fds=True,
-        )
+        """A fresh interpreter; returns the read end of its ready-line pipe."""
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        out_w, err_w = self._output_pipes()
+        try:
+            # Popen on the loop's own thread: the child must not be tied to a thread that ends.
+            self._proc = start_child(
+                [sys.executable, "-m", "mariner.server.workers.main", "--ready-fd", str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(write_fd,),
+                env=parent_death.env_for_this_parent(self._env),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(read_fd)
+            self._drop_output()
+            raise
+        finally:
+            for fd in (write_fd, out_w, err_w):
+                os.close(fd)
         proc = self._proc
         assert proc.stdin is not None
-        assert proc.stdout is not None
         try:
             proc.stdin.write(spec_to_json(self._spec).encode())
             proc.stdin.close()
         except BrokenPipeError:
             pass  # it died at once: the ready line says nothing and wait() tells why
-        read_fd = os.dup(proc.stdout.fileno())
-        proc.stdout.close()
         return read_fd
 
     def kill(self) -> None:
@@ -277,6 +338,7 @@ def worker_spec(
     torch_threads: int | None,
     socket_dir: Path,
     require_gpu: bool = False,
+    ts_port: int = 0,
 ) -> WorkerSpec:
     """What a worker needs to load one instance of an opened, checked archive: the one place a
     WorkerSpec is built (the supervisor's worker pool; tests that start a worker alone)."""
@@ -295,4 +357,5 @@ def worker_spec(
         torch_threads=torch_threads,
         socket_path=socket_path_for(socket_dir, archive.name, archive.version, instance, generation),
         require_gpu=require_gpu,
+        ts_port=ts_port,
     )

@@ -12,8 +12,9 @@ a fresh one would. The zygote holds no fd but its control socket (a Unix SOCK_SE
 with the supervisor), runs no asyncio loop and no thread of its own.
 
 The control socket carries JSON messages:
-  supervisor → zygote  {"op": "fork", "req": n, "spec": ..., "env": {...}, "cwd": ...} with two fds
-                       (SCM_RIGHTS): the write end of the ready-line pipe and the stderr to use
+  supervisor → zygote  {"op": "fork", "req": n, "spec": ..., "env": {...}, "cwd": ...} with three
+                       fds (SCM_RIGHTS): the write ends of the ready-line pipe and of the pipes
+                       (or the stderr) the worker's stdout and stderr are
   zygote → supervisor  {"hello": pid, "cuda_initialized": false} once imported;
                        {"req": n, "pid": p} or {"req": n, "error"};
                        {"exited": p, "code": c} when a worker ends (negative: killed by signal c)
@@ -21,8 +22,8 @@ The zygote is the workers' parent: it reaps them and reports each exit status, s
 still seen as -SIGSEGV. The supervisor going away (EOF) makes the zygote SIGKILL its workers and
 exit; the zygote going away makes the supervisor SIGKILL them and report -SIGKILL (a worker also
 notices its parent changing and exits by itself). A forked child becomes what a fresh worker is:
-its own session, signal handlers at their defaults, fds 0-2 only (0 /dev/null, 1 the ready pipe,
-2 the supervisor's stderr), the requested environment and cwd, `sys.path` of the library paths
+its own session, signal handlers at their defaults, fds 0-3 only (0 /dev/null, 1 and 2 its
+stdout and stderr, 3 the ready pipe), the requested environment and cwd, `sys.path` of the library paths
 plus (set by the worker) its archive's directory, reseeded RNGs, and the command line
 `python -m mariner.server.workers.main`, which is how operators and tests recognise workers.
 """
@@ -45,7 +46,8 @@ from typing import Any
 
 # Messages are small (a spec is a few kB); a recv buffer well above any of them.
 MAX_MESSAGE = 1 << 20
-FDS_PER_FORK = 2
+FDS_PER_FORK = 3  # the ready pipe, stdout, stderr
+READY_FD = 3  # where a forked worker finds its ready pipe
 WORKER_CMDLINE_MODULE = "mariner.server.workers.main"
 # What a worker imports before it loads its handler: imported once here, shared by every fork.
 PRELOAD = (
@@ -151,8 +153,11 @@ class ZygoteClient:
         with self._lock:
             return sum(1 for c in self._children.values() if c.returncode is None)
 
-    async def fork(self, spec_json: str, ready_w: int, *, env: Mapping[str, str], cwd: str) -> ZygoteChild:
-        """Ask for a worker; `ready_w` becomes its fd 1 (the caller closes its own copy)."""
+    async def fork(
+        self, spec_json: str, fds: tuple[int, int, int], *, env: Mapping[str, str], cwd: str
+    ) -> ZygoteChild:
+        """Ask for a worker; `fds` (the ready pipe's, its stdout's and its stderr's write ends)
+        become its fds 3, 1 and 2 (the caller closes its own copies)."""
         fut: Future[ZygoteChild] = Future()
         with self._lock:
             if not self.alive:
@@ -164,7 +169,7 @@ class ZygoteClient:
         msg = json.dumps({"op": "fork", "req": req, "spec": spec_json, "env": child_env(env), "cwd": cwd})
         try:
             with self._send_lock:
-                socket.send_fds(self._sock, [msg.encode()], [ready_w, 2])
+                socket.send_fds(self._sock, [msg.encode()], list(fds))
         except OSError as exc:
             with self._lock:
                 self._pending.pop(req, None)

@@ -20,6 +20,7 @@ from mariner.server.workers.zygote import (
     FDS_PER_FORK,
     MAX_MESSAGE,
     PRELOAD,
+    READY_FD,
     WORKER_CMDLINE_MODULE,
     kill_group,
     to_stderr,
@@ -82,7 +83,8 @@ def serve(fd: int) -> int:
                 if len(fds) != FDS_PER_FORK:
                     for received in fds:
                         os.close(received)
-                    sock.send(json.dumps({"req": request.get("req"), "error": "expected 2 fds"}).encode())
+                    error = f"expected {FDS_PER_FORK} fds"
+                    sock.send(json.dumps({"req": request.get("req"), "error": error}).encode())
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -133,12 +135,15 @@ def _become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> 
         for sig in _RESET:  # as exec leaves them: ignored stays ignored (nohup), else default
             signal.signal(sig, signal.SIG_IGN if _INHERITED_IGNORED.get(sig) else signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        ready_w, err = fds
+        ready_w, out, err = fds
         devnull = os.open(os.devnull, os.O_RDWR)
+        # Out of the way of 0-3 first: a received fd may have any of those numbers.
+        ready_w, out, err = (os.dup(fd) for fd in (ready_w, out, err))
         os.dup2(devnull, 0)
-        os.dup2(ready_w, 1)
+        os.dup2(out, 1)
         os.dup2(err, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the control socket, the pipes, the rest
+        os.dup2(ready_w, READY_FD)
+        os.closerange(READY_FD + 1, os.sysconf("SC_OPEN_MAX"))  # the control socket, the pipes, the rest
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -146,7 +151,7 @@ def _become_worker(request: dict[str, Any], fds: list[int], zygote_pid: int) -> 
         sys.argv[:] = [str(main.__file__)]
         _set_cmdline([sys.executable, "-m", WORKER_CMDLINE_MODULE])
         _reseed()
-        code = main.run_worker(main.spec_from_json(request["spec"]))
+        code = main.run_worker(main.spec_from_json(request["spec"]), READY_FD)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - whatever happens, the child must never return to the loop

@@ -57,7 +57,8 @@ class ServeProcess:
         self.log = log_path.open("wb")
         # TorchServe's log files and config snapshots go beside the log, never into the repository
         # (a snapshot there would be restored by the next server started without a config file).
-        env = {**os.environ, "LOG_LOCATION": str(log_path.parent / "logs")}
+        logs = str(log_path.parent / "logs")
+        env = {**os.environ, "LOG_LOCATION": logs, "METRICS_LOCATION": logs}
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -69,7 +69,7 @@ def promtool() -> str:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerProcess]:
     store = tmp_path_factory.mktemp("store")
     build_metered_archive(store)
-    with MarinerProcess(store, NAME, log_level="INFO") as srv:
+    with MarinerProcess(store, NAME, log_level="INFO", extra_args=["--metrics-mode", "prometheus"]) as srv:
         for _ in range(3):
             ok = requests.post(f"{srv.http_url}/predictions/{NAME}", data=b"{}", timeout=TIMEOUT)
             assert ok.status_code == 200, ok.text

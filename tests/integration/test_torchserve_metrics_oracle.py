@@ -86,7 +86,10 @@ def torchserve_metrics(setup: tuple[Path, Path]) -> dict[str, Family]:
 @pytest.fixture(scope="module")
 def mariner_metrics(setup: tuple[Path, Path]) -> Iterator[dict[str, Family]]:
     store, config = setup
-    with MarinerProcess(store, NAME, extra_args=["--metrics-config", str(config)]) as srv:
+    # TorchServe's names on /metrics: its prometheus metrics mode on both (StockTorchServe sets it).
+    with MarinerProcess(
+        store, NAME, extra_args=["--metrics-config", str(config), "--metrics-mode", "prometheus"]
+    ) as srv:
         traffic(srv.http_url)
         yield scrape_when_answered(srv.metrics_url)
 

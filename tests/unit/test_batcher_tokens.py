@@ -48,7 +48,9 @@ class RecordingObserver:
     def queue_depth(self, items: int) -> None:
         pass
 
-    def batch_started(self, items: int, queue_waits: Sequence[float]) -> None:
+    def batch_started(
+        self, items: int, queue_waits: Sequence[float], versions: Sequence[str | None] = ()
+    ) -> None:
         pass
 
     def batch_finished(self, seconds: float) -> None:
