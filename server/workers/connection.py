@@ -75,6 +75,8 @@ class _Collected:
         return not 100 <= self.first.status < 400
 
     def answer(self, final: InferResult) -> InferResult:
+        if final.tensors is not None:  # a tensor answer has no body to put parts in front of
+            return final
         if self.ended:
             return self.first
         body = b"".join([*self.chunks, final.body])

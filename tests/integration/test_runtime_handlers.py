@@ -209,6 +209,26 @@ def test_each_part_is_one_chunk_written_while_the_handler_still_runs(
         raw.close()
 
 
+def test_a_client_that_goes_away_ends_its_stream_and_the_model_serves_on(
+    server: MarinerServe, tmp_path: Path
+) -> None:
+    before = counter(server, "mariner_requests_total", model="streamer", code="499")
+    raw = RawResponse(
+        server.http, "/predictions/streamer", {"op": "stream", "parts": 50, "gate": str(tmp_path)}
+    )
+    assert raw.chunk() == b"p0"
+    raw.close()  # gone while the handler still sends
+    wait_for(
+        lambda: counter(server, "mariner_requests_total", model="streamer", code="499") > before,
+        "the call to be counted as the client's going away",
+    )
+    (tmp_path / "read").touch()  # the handler sends its 49 other parts to nobody, then returns
+    after = requests.post(
+        f"{server.http}/predictions/streamer", json={"op": "plain", "value": 1}, timeout=TIMEOUT
+    )
+    assert after.json() == {"plain": 1, "batch": 1}
+
+
 def test_torchserves_own_streaming_test_reads_four_chunks(server: MarinerServe) -> None:
     """What TorchServe's test_send_intermediate_prediction_response checks, with requests."""
     for stream, chunks in ((True, 4), (False, 1)):

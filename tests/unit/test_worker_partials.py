@@ -146,6 +146,25 @@ def test_an_error_part_is_the_answer_and_too_many_bytes_fail_the_request(
     asyncio.run(with_worker(tmp_path, script, test))
 
 
+def test_a_tensor_answer_is_kept_whole(tmp_path: Path) -> None:
+    import numpy as np
+
+    tensors = {"y": np.arange(3, dtype=np.float32)}
+
+    def script(batch: protocol.Batch) -> list[object]:
+        return [
+            protocol.Partial(batch.id, 0, part(b"progress")),
+            protocol.Result(batch.id, (InferResult(body=b"", tensors=tensors),)),
+        ]
+
+    async def test(conn: WorkerConnection) -> None:
+        (answer,) = await conn.run([ts("t", WireProtocol.OIP_HTTP)])
+        assert answer.tensors is not None
+        assert answer.tensors["y"].tolist() == [0.0, 1.0, 2.0]
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
 def test_parts_of_a_batch_already_answered_are_dropped(tmp_path: Path) -> None:
     def script(batch: protocol.Batch) -> list[object]:
         return [protocol.Result(batch.id, (part(b"end"),)), protocol.Partial(batch.id, 0, part(b"late"))]
