@@ -174,6 +174,27 @@ def _http_scope(path: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def http_receiver() -> Callable[[], Any]:
+    """An ASGI `receive` for one call: the request's body, then nothing until cancelled."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": BODY, "more_body": False}
+        await asyncio.Event().wait()  # the disconnect watcher waits here until cancelled
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+async def http_send(message: MutableMapping[str, Any]) -> None:
+    """An ASGI `send` that checks the answer is a 200."""
+    if message["type"] == "http.response.start" and message["status"] != 200:
+        raise RuntimeError(f"answered {message['status']}")
+
+
 def http_pieces(calls: int, rounds: int) -> list[Piece]:
     """TorchServe's `/predictions` over the inference listener's real ASGI app, driven directly
     (no uvicorn, no socket): the listener's app (which sends predictions straight to their
@@ -184,22 +205,7 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     from mariner.server.protocols.http_limits import DISCONNECT_HOOK
     from mariner.server.protocols.http_listener import inference_app
 
-    def receiver() -> Callable[[], Any]:
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": BODY, "more_body": False}
-            await asyncio.Event().wait()  # the disconnect watcher waits here until cancelled
-            raise AssertionError("unreachable")
-
-        return receive
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        if message["type"] == "http.response.start" and message["status"] != 200:
-            raise RuntimeError(f"answered {message['status']}")
+    receiver, send = http_receiver, http_send
 
     async def interleaved() -> dict[str, float]:
         """One plane for all three ways in, taken in turn in small blocks, so the drift of a
@@ -314,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mariner-percall-") as tmp:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tmp)  # metrics as a frontend writes them
+        # TorchServe's names on Prometheus, as the benchmark serves them (its log mode's lines are
+        # measured by ts_logs_cost).
+        os.environ.setdefault("MARINER_METRICS_MODE", "prometheus")
         pieces = [
             *servicer_pieces(a.calls, a.rounds),
             *http_pieces(a.calls, a.rounds),

@@ -27,7 +27,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mariner.loadtest.percall import BODY, CONCURRENCY, Piece, _drive, _http_scope, _plane, table
+from mariner.loadtest.percall import (
+    CONCURRENCY,
+    Piece,
+    _drive,
+    _http_scope,
+    _plane,
+    http_receiver,
+    http_send,
+    table,
+)
 
 MODES = (("none", "prometheus", False), ("access", "prometheus", True), ("log mode", "log", True),
          ("legacy", "legacy", True))  # fmt: skip
@@ -62,23 +71,6 @@ async def _interleaved(calls: int) -> dict[str, float]:
         app = inference_app(_plane())
         apps[name] = (HttpAccessLog(app, "frontend-0") if logged else app, logged)
 
-    async def send(message: Any) -> None:
-        if message["type"] == "http.response.start" and message["status"] != 200:
-            raise RuntimeError(f"answered {message['status']}")
-
-    def receiver() -> Any:
-        sent = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": BODY, "more_body": False}
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
-
-        return receive
-
     stop = threading.Event()
     drained: list[float] = []
     reader = threading.Thread(target=_drain, args=(read_fd, stop, drained), daemon=True)
@@ -91,7 +83,7 @@ async def _interleaved(calls: int) -> dict[str, float]:
             emit.set_target(pipe.put_fields if logged else None)
 
             async def call(i: int, app: Any = app) -> None:
-                await app(_http_scope("/predictions/digits"), receiver(), send)
+                await app(_http_scope("/predictions/digits"), http_receiver(), http_send)
 
             t0 = time.process_time()
             await _drive(call, block)

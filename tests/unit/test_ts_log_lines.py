@@ -25,6 +25,7 @@ from mariner.server.ts_logging.lines import (
 )
 from mariner.server.ts_logging.pump import LineReader, OutputPump
 from mariner.server.ts_logging.records import Kind, Record, RecordPipe, decode, encode
+from tests.unit.ts_logs_support import read_available
 
 pytestmark = pytest.mark.unit
 
@@ -182,19 +183,8 @@ def test_record_pipe_never_blocks_and_counts_what_it_dropped() -> None:
     record = Record(Kind.ACCESS, time.time(), "INFO", "frontend-0", "ACCESS_LOG", "x" * 1000)
     for _ in range(2000):  # far more than the pipe and the backlog hold, nobody reading
         pipe.put(record)
-    os.set_blocking(read_fd, False)
-    received = b""
-    while True:
-        try:
-            chunk = os.read(read_fd, 1 << 20)
-        except BlockingIOError:
-            pipe.flush()
-            try:
-                chunk = os.read(read_fd, 1 << 20)
-            except BlockingIOError:
-                break
-        if not chunk:
-            break
+    received = read_available(read_fd)
+    while chunk := (pipe.flush(), read_available(read_fd))[1]:  # what waited in the backlog
         received += chunk
     pipe.close()
     os.close(read_fd)

@@ -17,11 +17,14 @@ import pytest
 
 from mariner.server.core.metrics_spec import DEFAULT_FRONTEND, MetricSpec, TsMetricsSpec
 from mariner.server.torchserve_properties import from_torchserve_properties
-from mariner.server.ts_logging import emit, words
+from mariner.server.ts_logging import words
 from mariner.server.ts_logging.access import HttpAccessLog
 from mariner.server.ts_logging.records import Kind, Record
 from mariner.server.ts_logging.sink import LogSettings, LogSink
 from mariner.server.ts_logging.worker_output import BackendMetrics
+from tests.unit.ts_logs_support import captured, read_available
+
+__all__ = ["captured"]  # the fixture, used by name
 
 pytestmark = pytest.mark.unit
 
@@ -29,16 +32,7 @@ STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d,\d{3}"
 
 
 def _read(fd: int) -> str:
-    os.set_blocking(fd, False)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return out.decode()
-        if not chunk:
-            return out.decode()
-        out += chunk
+    return read_available(fd).decode()
 
 
 @pytest.fixture
@@ -168,14 +162,6 @@ def test_handler_metrics_are_kept_as_metrics_yaml_and_the_mode_say() -> None:
     assert detected is not None
     assert detected.startswith("HandlerMethodTime.Milliseconds:1.0|#MethodName:pre|")
     assert BackendMetrics(_spec(), "prometheus", auto_detect=True).message(line) is None
-
-
-@pytest.fixture
-def captured() -> Iterator[list[Record]]:
-    records: list[Record] = []
-    emit.set_target(emit.to_records(records.append))
-    yield records
-    emit.set_target(None)
 
 
 def test_recovery_lines_are_torchserves(captured: list[Record]) -> None:

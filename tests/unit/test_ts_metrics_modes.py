@@ -6,7 +6,6 @@ undeclared one is kept only with model_metrics_auto_detect."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -14,21 +13,15 @@ from prometheus_client import CollectorRegistry
 from mariner.server.control import ts_exposition, ts_metrics
 from mariner.server.core.context import Context
 from mariner.server.core.metrics_spec import AUTO_DETECT_ENV, METRICS_MODE_ENV
-from mariner.server.ts_logging import emit
 from mariner.server.ts_logging.records import Kind, Record
 from tests.unit.fakes import QuietMetrics
+from tests.unit.ts_logs_support import captured
+
+__all__ = ["captured"]  # the fixture, used by name
 
 pytestmark = pytest.mark.unit
 
 TS_NAMES = ("Requests2XX", "ts_inference_requests_total", "QueueTime", "PredictionTime", "CPUUtilization")
-
-
-@pytest.fixture
-def captured() -> Iterator[list[Record]]:
-    records: list[Record] = []
-    emit.set_target(emit.to_records(records.append))
-    yield records
-    emit.set_target(None)
 
 
 def _traffic(metrics: QuietMetrics) -> None:
