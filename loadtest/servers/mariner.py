@@ -7,6 +7,7 @@ the same RPC and route, fixed bytes, no model).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -75,6 +76,9 @@ class MarinerProcess(RepoCommand):
             # TorchServe's token authorization (on by default, as in TorchServe) would need every
             # load-test client to read key_file.json; the comparison runs stock TorchServe without it.
             "--disable-token-auth",
+            # TorchServe's metric names on /metrics, as the stock TorchServe it is compared with is
+            # configured (its own default, `log`, writes a metric log line per event instead).
+            "--metrics-mode", "prometheus",
         ]  # fmt: skip
         if batch_size is not None:
             cmd += ["--batch-size", str(batch_size)]
@@ -83,6 +87,17 @@ class MarinerProcess(RepoCommand):
         if torch_threads is not None:
             cmd += ["--torch-threads", str(torch_threads)]
         super().__init__([*cmd, *extra_args], p, env)
+
+    def environment(self) -> dict[str, str] | None:
+        """TorchServe's log files and config snapshots go into this server's work dir, never into
+        the repository it runs in (a snapshot there would be restored by the next server)."""
+        assert self.workdir is not None
+        logs = str(self.workdir / "logs")
+        return {
+            **(self.env if self.env is not None else os.environ),
+            "LOG_LOCATION": logs,
+            "METRICS_LOCATION": logs,
+        }
 
 
 class FloorProcess(RepoCommand):

@@ -42,6 +42,7 @@ EXPECTED = {
         "ts_inference_latency_microseconds": [NO_TOTAL, MICRO],
         "ts_queue_latency_microseconds": [NO_TOTAL, MICRO],
         "QueueTime": [CAMEL],
+        "WorkerThreadTime": [CAMEL],
         "PredictionTime": [CAMEL, CAMEL_LABEL],
         "HandlerTime": [CAMEL, CAMEL_LABEL],
         "WorkerLoadTime": [CAMEL, CAMEL_LABEL],
@@ -69,7 +70,10 @@ def promtool() -> str:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerProcess]:
     store = tmp_path_factory.mktemp("store")
     build_metered_archive(store)
-    with MarinerProcess(store, NAME, log_level="INFO", extra_args=["--metrics-mode", "prometheus"]) as srv:
+    # TorchServe's names on /metrics (its prometheus mode), the handler's own metrics kept though
+    # the default metrics.yaml does not declare them (its model_metrics_auto_detect).
+    flags = ["--metrics-mode", "prometheus", "--model-metrics-auto-detect"]
+    with MarinerProcess(store, NAME, log_level="INFO", extra_args=flags) as srv:
         for _ in range(3):
             ok = requests.post(f"{srv.http_url}/predictions/{NAME}", data=b"{}", timeout=TIMEOUT)
             assert ok.status_code == 200, ok.text
