@@ -14,12 +14,13 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import yaml
-
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.names import model_name_problem
+from mariner.server.core.safe_yaml import YamlRefused, load_yaml
 
 MANIFEST = "MAR-INF/MANIFEST.json"
+# A model-config holds settings, never data: far below what a real one needs.
+MAX_MODEL_CONFIG_BYTES = 4 << 20
 
 # Manifest fields that name one file of the archive (TorchServe's manifest keys).
 _FILE_FIELDS = ("serializedFile", "modelFile", "configFile", "requirementsFile")
@@ -144,18 +145,13 @@ def read_model_config(model_dir: Path, archive_file: str, config_file: Any) -> d
         raise _refuse(
             archive_file, f"configFile {config_file!r} missing: the manifest names a file the archive lacks"
         )
-    try:
-        config = yaml.safe_load(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise _refuse(archive_file, f"model-config {config_file} is not UTF-8 text ({exc.reason})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or type(exc).__name__
+    if path.stat().st_size > MAX_MODEL_CONFIG_BYTES:
+        raise _refuse(archive_file, f"model-config {config_file} is over {MAX_MODEL_CONFIG_BYTES} bytes")
+    try:  # the bounded loader: no aliases, depth and size capped (an archive's YAML is hostile)
+        config = load_yaml(path.read_bytes(), max_bytes=MAX_MODEL_CONFIG_BYTES)
+    except YamlRefused as exc:
         raise _refuse(
-            archive_file,
-            f"model-config {config_file} is not valid YAML ({problem}{where}); it must be a mapping "
-            "such as 'batchSize: 8'",
+            archive_file, f"model-config {config_file} {exc}; it must be a mapping such as 'batchSize: 8'"
         ) from None
     if config is None:
         return {}
