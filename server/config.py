@@ -51,6 +51,8 @@ from mariner.server.torchserve_properties import (
 @dataclass(frozen=True)
 class ServerConfig:
     model_store: Path = Path("model_store")
+    # TorchServe's workflow store: where `POST /workflows?url=x.war` looks (None: the model store).
+    workflow_store: Path | None = None
     # TorchServe's default: no model at start-up unless --models / load_models names some ("all"
     # for every archive of the store).
     models: str = ""
@@ -143,6 +145,8 @@ class ServerConfig:
 
 _HELP = {
     "model_store": "directory holding the .mar archives (archives load only from here)",
+    "workflow_store": "directory holding TorchServe workflow archives (.war) for POST /workflows "
+    "(torchserve's --workflow-store; default: the model store)",
     "models": "models to load at start-up: 'all' (every archive of the store), or 'file.mar' / "
     "'name=file.mar' entries, space- or comma-separated (torchserve's --models; default: none)",
     "inference_address": "HTTP inference listener host:port (TorchServe API, /ping, /healthz, /readyz)",

@@ -46,6 +46,7 @@ from mariner.server.core.errors import ServingError
 from mariner.server.core.tensors import ModelSignature
 from mariner.server.core.token_cost import token_counter_or_none
 from mariner.server.core.types import InferRequest, InferResult, ModelState, WorkerInfo
+from mariner.server.core.workflow_dag import WorkflowTable
 from mariner.server.listeners import (
     EmbeddedUvicorn,
     grpc_tls,
@@ -270,6 +271,7 @@ class Frontend:
         self._orphaned = False  # the supervisor went away: close the listeners first
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
         self.dataplane = DataPlane(self.metrics)
+        self.workflows = WorkflowTable()  # TorchServe workflows, from the supervisor's table
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
         # TorchServe's inference key, when its token authorization is on: it arrives with each
         # model table (the first one before this frontend listens); until then nothing passes.
@@ -297,7 +299,9 @@ class Frontend:
         app = HttpAccessLog(  # TorchServe's access_log.log: every answer, 401s and draining 503s too
             DrainAware(
                 auth.http(
-                    inference_app(self.dataplane, max_body_bytes=cfg.max_request_bytes),
+                    inference_app(
+                        self.dataplane, max_body_bytes=cfg.max_request_bytes, workflows=self.workflows
+                    ),
                     open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
                 ),
                 self.dataplane,
@@ -324,6 +328,7 @@ class Frontend:
             await ep.update(e)
             if e.is_default:
                 dp.set_default(e.name, e.version)
+        self.workflows.replace(table.workflows)
         gone = [key for key in dp.installed() if key not in wanted]
         for name, version in gone:
             ep = dp.remove_endpoint(name, version)

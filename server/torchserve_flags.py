@@ -13,8 +13,10 @@ TorchServe 0.12's flags (ts/arg_parser.py) and what each does here:
 - `--disable-token-auth` / `--dt`: turns TorchServe's token authorization off (Mariner's
   `disable_token_auth` setting; without it key_file.json is written and every API needs its key,
   as on TorchServe),
-- refused with the reason: `--stop`, `--version`, `--workflow-store`, `--log-config`,
-  `--cpp-log-config`, `--plugins-path`.
+- `--workflow-store DIR`: Mariner's own flag of the same name (where `POST /workflows` finds
+  `.war` archives; the model store when not given),
+- refused with the reason: `--stop`, `--version`, `--log-config`, `--cpp-log-config`,
+  `--plugins-path`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ _NO_OPS = (
 REFUSED = {
     "--stop": "mariner serve runs in the foreground: stop it with SIGTERM (Ctrl-C), which drains it",
     "--version": "run `pip show mariner` for Mariner's version",
-    "--workflow-store": "Mariner serves model archives only, no TorchServe workflows (.war)",
     "--log-config": "Mariner does not use log4j: set --log-level (and --access-log)",
     "--cpp-log-config": "Mariner has no C++ backend",
     "--plugins-path": "Mariner loads no Java plugins",

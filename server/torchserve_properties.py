@@ -135,6 +135,7 @@ FIELDS_OF_KEY: dict[str, tuple[str, ...]] = {
     "grpc_management_address": ("grpc_management_address",),
     "grpc_management_port": ("grpc_management_address",),
     "model_store": ("model_store",),
+    "workflow_store": ("workflow_store",),
     "load_models": ("models",),
     "default_workers_per_model": ("default_workers_per_model",),
     "default_response_timeout": ("default_response_timeout",),
@@ -262,7 +263,7 @@ def _listener(key: str, address: str, default_port: int) -> tuple[str, bool]:
     if not u.hostname:
         raise ValueError(f"config.properties {key}={address}: no host")
     host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
-    return f"{host}:{u.port or default_port}", u.scheme == "https"
+    return f"{host}:{default_port if u.port is None else u.port}", u.scheme == "https"
 
 
 def _tls(props: Mapping[str, str], https: Mapping[str, bool]) -> dict[str, Any]:
@@ -383,6 +384,7 @@ def from_torchserve_properties(props: Mapping[str, str]) -> dict[str, Any]:
     used |= {"enable_envvars_config", "use_env_allowed_urls"}  # read by ts_env_props
     for ts_key, ours in (
         ("model_store", "model_store"),
+        ("workflow_store", "workflow_store"),
         ("load_models", "models"),
         ("default_workers_per_model", "default_workers_per_model"),
         ("default_response_timeout", "default_response_timeout"),

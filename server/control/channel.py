@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from mariner.server.core.workflow_dag import WorkflowDag
 from mariner.server.torchserve_tokens import Key
 from mariner.server.workers import safe_pickle
 from mariner.server.workers.api import ModelEntry
@@ -52,6 +53,8 @@ class ModelTable:
     version: int
     entries: tuple[ModelEntry, ...]
     inference_key: Key | None = field(default=None, repr=False)
+    # TorchServe workflows: each one's graph over models of `entries` (`/wfpredict`).
+    workflows: tuple[WorkflowDag, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,25 @@ def _warn_ignored(params: Mapping[str, Any]) -> None:
         )
 
 
+async def register_params(request: Request) -> dict[str, Any]:
+    """A register call's parameters: the query's, and a JSON body's fields over them (TorchServe
+    takes either, for models and workflows); a body over MAX_MANAGEMENT_BODY_BYTES, or one that
+    is not a JSON object, is a 400."""
+    params: dict[str, Any] = dict(request.query_params)
+    if mime_type(request.headers.get("content-type", "")) == JSON:
+        try:
+            raw = await read_body(request, MAX_MANAGEMENT_BODY_BYTES)
+        except BodyTooLarge:
+            raise ServingError(
+                Code.INVALID_ARGUMENT, f"register request body is over {MAX_MANAGEMENT_BODY_BYTES} bytes"
+            ) from None
+        body = decode_value(raw, JSON, "register request body") if raw else {}
+        if not isinstance(body, dict):
+            raise ServingError(Code.INVALID_ARGUMENT, "register request body must be a JSON object")
+        params.update(body)
+    return params
+
+
 class TrailingSlashes:
     """ASGI wrapper: `/models/m/` is `/models/m`, as TorchServe's router splits paths (Java's
     String.split drops trailing empty segments), so its clients' `DELETE /models/m/` works."""
@@ -230,18 +249,7 @@ def management_app(dataplane: ManagementPlane) -> Starlette:
         """Register an archive from the model store (needs model management)."""
         if not dataplane.management_enabled:
             return _not_allowed("model registration")
-        params: dict[str, Any] = dict(request.query_params)
-        if mime_type(request.headers.get("content-type", "")) == JSON:  # TorchServe also takes a JSON body
-            try:
-                raw = await read_body(request, MAX_MANAGEMENT_BODY_BYTES)
-            except BodyTooLarge:
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"register request body is over {MAX_MANAGEMENT_BODY_BYTES} bytes"
-                ) from None
-            body = decode_value(raw, JSON, "register request body") if raw else {}
-            if not isinstance(body, dict):
-                raise ServingError(Code.INVALID_ARGUMENT, "register request body must be a JSON object")
-            params.update(body)
+        params = await register_params(request)
         if isinstance(params.get("model_name"), str) and params["model_name"]:
             check_model_name(params["model_name"])  # before the generic check: its message says the rule
         _warn_ignored(params)

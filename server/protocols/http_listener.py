@@ -1,7 +1,8 @@
 """The HTTP inference listener (8080): every inference protocol's routes on one Starlette app.
 
 TorchServe's `/ping`, `/predictions`, `/explanations` and `/invocations`
-(mariner.server.protocols.torchserve.http), KServe's v1 `/v1/models/...`
+(mariner.server.protocols.torchserve.http), its workflows' `/wfpredict`
+(mariner.server.protocols.torchserve.workflows), KServe's v1 `/v1/models/...`
 (mariner.server.protocols.kserve_v1), the Open Inference Protocol's `/v2`
 (mariner.server.protocols.oip.http) and the probes `/healthz`,
 `/readyz` (mariner.server.control.health) share the port and the DataPlane. Management (8081)
@@ -38,9 +39,11 @@ from mariner.server.protocols.http_common import (
 )
 from mariner.server.protocols.oip import http as oip_http
 from mariner.server.protocols.torchserve import http as torchserve_http
+from mariner.server.protocols.torchserve import workflows as torchserve_workflows
 
 if TYPE_CHECKING:
     from mariner.server.core.dataplane import DataPlane
+    from mariner.server.core.workflow_dag import WorkflowTable
 
 
 log = logging.getLogger("mariner.http")
@@ -98,12 +101,16 @@ def inference_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_headers: int = DEFAULT_MAX_HEADERS,
+    workflows: WorkflowTable | None = None,
 ) -> InferenceApp:
     """The inference listener's app. `max_body_bytes` bounds a request body (413 beyond it,
     before it is read when the client declares its length); `max_headers` bounds the headers
-    handed to the handler."""
+    handed to the handler. `workflows` (the frontend's table of TorchServe workflows) adds
+    `/wfpredict/{workflow}`."""
     limits = {"max_body_bytes": max_body_bytes, "max_headers": max_headers}
     torchserve = torchserve_http.routes(dataplane, **limits)
+    if workflows is not None:
+        torchserve += torchserve_workflows.routes(dataplane, workflows, **limits)
     app = make_app(
         torchserve
         + health.http_routes(dataplane)

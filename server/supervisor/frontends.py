@@ -27,6 +27,7 @@ from mariner.server.child_process import ChildProcess
 from mariner.server.config import ServerConfig
 from mariner.server.control import channel
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.core.workflow_dag import WorkflowDag
 from mariner.server.supervisor.children import Backoff, mark_dead
 from mariner.server.torchserve_tokens import Key
 from mariner.server.workers import parent_death
@@ -174,9 +175,13 @@ class FrontendPool:
             f.listening = False
             await backoff.wait()
 
-    async def publish(self, entries: tuple[ModelEntry, ...]) -> None:
-        """Send the table to every frontend; wait (bounded) until the live ones applied it."""
-        self._table = channel.ModelTable(self._table.version + 1, entries, self.inference_key)
+    async def publish(
+        self, entries: tuple[ModelEntry, ...], workflows: tuple[WorkflowDag, ...] | None = None
+    ) -> None:
+        """Send the table (with `workflows`, the last ones sent when None) to every frontend;
+        wait (bounded) until the live ones applied it."""
+        kept = self._table.workflows if workflows is None else workflows
+        self._table = channel.ModelTable(self._table.version + 1, entries, self.inference_key, kept)
         version = self._table.version
         for f in self._frontends:
             if f.writer is not None and f.process is not None and f.process.returncode is None:

@@ -38,6 +38,7 @@ from mariner.server.control.management_grpc import SERVICE_NAME as MANAGEMENT_SE
 from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
+from mariner.server.control.workflow_http import workflow_routes
 from mariner.server.core.types import ModelState
 from mariner.server.listeners import (
     EmbeddedUvicorn,
@@ -58,6 +59,7 @@ from mariner.server.supervisor.ports import reserve_port
 from mariner.server.supervisor.registry import ModelRegistry
 from mariner.server.supervisor.snapshots import ConfigSnapshots
 from mariner.server.supervisor.ts_logs import TsLogs
+from mariner.server.supervisor.workflows import WorkflowRegistry
 from mariner.server.torchserve_tokens import KEY_FILE_NAME, Key, KeyKind, TokenApi, TorchServeKeys, start_keys
 from mariner.server.ts_logging.access import HttpAccessLog, grpc_access_log
 from mariner.server.workers.child_env import forget_secrets
@@ -100,8 +102,20 @@ class Supervisor:
             frontends_ok=self._frontends_ok,
             worker_output=self.ts_logs,
         )
-        # TorchServe's config snapshots: at start, after each management change, at a clean stop.
-        self.snapshots = ConfigSnapshots(cfg, self.registry.snapshot_models)
+        # TorchServe's workflows (.war): graphs over models the registry serves.
+        self.workflows = WorkflowRegistry(
+            self.registry,
+            store=cfg.workflow_store or cfg.model_store,
+            model_store=cfg.model_store,
+            work_dir=self.work_dir,
+            on_change=self._publish,
+            service_envelope=cfg.service_envelope,
+        )
+        # TorchServe's config snapshots: at start, after each management change, at a clean stop
+        # (without workflows and their nodes, as TorchServe's).
+        self.snapshots = ConfigSnapshots(
+            cfg, lambda: self.workflows.without_nodes(self.registry.snapshot_models())
+        )
         self.registry.on_management_change = self.snapshots.request
         self._started = False
         self.frontends: FrontendPool | None = None
@@ -121,7 +135,7 @@ class Supervisor:
 
     async def _publish(self) -> None:
         if self.frontends is not None:
-            await self.frontends.publish(self.registry.table())
+            await self.frontends.publish(self.registry.table(), self.workflows.table())
         await self.refresh_health()
 
     async def refresh_health(self) -> None:
@@ -197,7 +211,7 @@ class Supervisor:
         )
         health_paths = OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset()
         mgmt = management_app(self.registry)
-        for route in self._management_routes():
+        for route in [*self._management_routes(), *workflow_routes(self.workflows)]:
             mgmt.router.routes.append(route)
         mgmt_app = management_auth.http(mgmt, open_paths=health_paths)
         if self.keys is not None:  # TorchServe's token API, authorised by its API key alone

@@ -242,6 +242,16 @@ class ModelRegistry(ModelViews):
             except BaseException:
                 shutil.rmtree(archive.model_dir, ignore_errors=True)
                 raise
+        return await self.register_opened(archive, spec, synchronous=synchronous)
+
+    async def register_opened(
+        self, archive: ModelArchive, spec: ModelSpec, *, synchronous: bool = True
+    ) -> list[ModelInfo]:
+        """The rest of `register` for an archive already opened and checked, whose directory it
+        then owns (removed on a refusal): a workflow's function node, made from a .war."""
+        if not self.management_enabled:
+            shutil.rmtree(archive.model_dir, ignore_errors=True)
+            self._require_management("model registration")
         await self._requirements(archive)
         v = self._install(archive, spec)
         # A new version's lock is free: taken without a wait, so nothing runs in between.

@@ -6,8 +6,6 @@ against every other), its built-in defaults, `TS_*` variables, `TS_CONFIG_FILE` 
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -310,7 +308,6 @@ def test_torchserves_flags_are_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "why"),
     [
-        (["--workflow-store", "wf"], "Mariner serves model archives only, no TorchServe workflows"),
         (["--stop"], "stop it with SIGTERM"),
         (["--log-config", "log4j2.xml"], "Mariner does not use log4j"),
         (["--plugins-path", "p"], "Mariner loads no Java plugins"),
@@ -324,14 +321,24 @@ def test_torchserve_flags_mariner_cannot_honour_are_refused_with_the_reason(
         load_config(argv, env={}, cwd=tmp_path)
 
 
-def test_mariner_serve_refuses_a_workflow_store_before_starting(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "mariner.server.cli", "serve", "--workflow-store", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        check=False,
-    )
-    assert proc.returncode == 2
-    assert "bad configuration: torchserve's --workflow-store is not supported by mariner serve" in proc.stderr
+def test_the_workflow_store_comes_from_the_flag_or_config_properties_else_is_the_model_store(
+    tmp_path: Path,
+) -> None:
+    assert load_config(["--workflow-store", "wf"], env={}, cwd=tmp_path).workflow_store == Path("wf")
+    props = tmp_path / "config.properties"
+    props.write_text("workflow_store=../resources/workflow\nmodel_store=models\n")
+    cfg = load_config(["--ts-config", str(props)], env={}, cwd=tmp_path)
+    assert cfg.workflow_store == Path("../resources/workflow")
+    # torchserve's --workflow-store beats the file, as in TorchServe
+    cfg = load_config(["--ts-config", str(props), "--workflow-store", "cli"], env={}, cwd=tmp_path)
+    assert cfg.workflow_store == Path("cli")
+    props.unlink()
+    assert load_config([], env={}, cwd=tmp_path).workflow_store is None  # the supervisor uses the model store
+
+
+def test_an_address_with_port_0_keeps_it(tmp_path: Path) -> None:
+    """`http://127.0.0.1:0` is an ephemeral port, as TorchServe's bind reads it, not the default
+    port (a test harness binding port 0 must never take 8080-8082 from another server)."""
+    cfg = _ts(tmp_path, "inference_address=http://127.0.0.1:0\nmanagement_address=http://127.0.0.1:0\n", {})
+    assert (cfg.inference_address, cfg.management_address) == ("127.0.0.1:0", "127.0.0.1:0")
+    assert _ts(tmp_path, "metrics_address=http://127.0.0.1\n", {}).metrics_address == "127.0.0.1:8082"
