@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from mariner.server.core.archive import ModelArchive
@@ -48,9 +48,14 @@ def failed_message(name: str, version: str) -> str:
 
 
 def no_worker_message(name: str, version: str | None) -> str:
-    """TorchServe's answer (503) to a call to a model registered with no worker."""
-    which = f'Model "{name}"' + (f" Version {version}" if version else "")
-    return f"{which} has no worker to serve inference request. Please use scale workers API to add workers."
+    """TorchServe's answer (503) to a call to a model registered with no worker, word for word
+    (ApiUtils.getStreamingInferenceErrorResponseMessage, its stray quote after a version too)."""
+    which = f'Model "{name}' + (f'" Version {version}' if version else "")
+    return (
+        f'{which}" has no worker to serve inference request. Please use scale workers API to add workers. '
+        "If this is a sequence inference, please check if it is closed, or expired; or exceeds "
+        "maxSequenceJobQueueSize"
+    )
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,13 @@ def resolve_model(
 def _named_layers(
     archive: ModelArchive, spec: ModelSpec, default_max_queue: int | None, layers: ServerLayers
 ) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
-    """Every layer of a version's settings, lowest first, with where each comes from."""
+    """Every layer of a version's settings, lowest first, with where each comes from. A register
+    call's `initial_workers=0` is no worker under the archive's and models=' counts (TorchServe's
+    ApiUtils.handleRegister): it replaces default_workers_per_model rather than topping them."""
+    call = spec.overrides
+    no_default_workers = not spec.loaded_at_startup and call.min_workers == 0
+    if no_default_workers:
+        call = replace(call, min_workers=None, max_workers=None)
     return (
         (None, SettingsOverrides(max_queue=default_max_queue)),
         *layers.named_for_model(
@@ -108,8 +119,9 @@ def _named_layers(
             archive.path.name,
             archive_overrides(archive.model_config, archive.path.name),
             startup=spec.loaded_at_startup,
+            no_default_workers=no_default_workers,
         ),
-        (REGISTER_CALL if not spec.loaded_at_startup else None, spec.overrides),
+        (REGISTER_CALL if not spec.loaded_at_startup else None, call),
     )
 
 

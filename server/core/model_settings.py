@@ -224,6 +224,12 @@ def _register_value(param: str, value: Any, *, lowest: int, sentinel: int | None
     number = _java_int(value)
     if number is not None and number == sentinel:
         return None
+    if number is not None and number < 0 and param == "initial_workers":
+        log.warning(
+            "register parameter %s=%r is below 0 (TorchServe accepts it): no worker instead (unless "
+            "the archive or models= give minWorkers)", param, str(value)[:80],
+        )  # fmt: skip
+        return 0
     if number is None or number < lowest:
         why = "is not an integer" if number is None else f"is below {lowest}"
         log.warning(
@@ -247,9 +253,11 @@ def register_call_overrides(
 
     A register call TorchServe accepts is never refused for its values: a value that is not an
     integer, or one TorchServe would use but that cannot work (a batch size or timeout below 1,
-    a negative delay or worker count), leaves the setting to the lower layers with one warning
-    (see `_register_value`). `initial_workers` 0 or absent is "not given" (TorchServe then starts
-    `default_workers_per_model` workers, else none); it sets minWorkers and maxWorkers both.
+    a negative delay), leaves the setting to the lower layers with one warning (see
+    `_register_value`). `initial_workers` absent (or not a number) is "not given": TorchServe then
+    starts `default_workers_per_model` workers, else none; 0 or less is no worker, though the
+    archive's or models= count still wins (`ServerLayers.named_for_model`'s
+    `no_default_workers`); it sets minWorkers and maxWorkers both.
     `startup_timeout` 0 is kept: TorchServe's workers then have no time to start. A gRPC caller
     passes None for a max_batch_delay of 0, since proto3 cannot say whether it was set.
     """
@@ -259,7 +267,7 @@ def register_call_overrides(
         ("max_batch_delay_ms", "max_batch_delay", max_batch_delay, 0, -100),
         ("response_timeout_s", "response_timeout", response_timeout, 1, -1),
         ("startup_timeout_s", "startup_timeout", startup_timeout, 0, -1),
-        ("min_workers", "initial_workers", initial_workers, 1, 0),
+        ("min_workers", "initial_workers", initial_workers, 0, None),
     ):
         number = _register_value(param, value, lowest=lowest, sentinel=sentinel)
         if number is not None:
@@ -352,13 +360,19 @@ class ServerLayers:
         archive: SettingsOverrides = SettingsOverrides(),
         *,
         startup: bool = True,
+        no_default_workers: bool = False,
     ) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
         """`for_model`'s layers, each with where it comes from (None: the built-in defaults), so
-        a limit on a setting can name the place its value was set (`worker_count_origin`)."""
+        a limit on a setting can name the place its value was set (`worker_count_origin`).
+        `no_default_workers`: a register call said `initial_workers=0` (or less), which TorchServe
+        reads as "no worker" over `default_workers_per_model` but under the archive's count."""
         workers = self.startup_workers if startup else 0
+        defaults = self.defaults
+        if no_default_workers:
+            defaults = replace(defaults, min_workers=None, max_workers=None)
         return (
             (None, SettingsOverrides(min_workers=workers, max_workers=workers)),
-            (LayerSource("default_workers_per_model", "the server's config"), self.defaults),
+            (LayerSource("default_workers_per_model", "the server's config"), defaults),
             (
                 LayerSource("minWorkers", self._source(name, version)),
                 self.models_entry(name, version, archive_file),

@@ -160,22 +160,25 @@ def test_a_failed_register_leaves_nothing_and_a_retry_after_the_fix_works(tmp_pa
     try:
         assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
         for attempt in ("rest", "grpc"):
+            # TorchServe's answer to workers that do not start: 500 "Failed to start workers", here
+            # with the worker's own reason.
             if attempt == "rest":
-                r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
-                assert r.status_code == 400, r.text
+                r = requests.post(f"{srv.management}/models?url=initfail.mar&initial_workers=1", timeout=120)
+                assert (r.status_code, r.json()["type"]) == (500, "InternalServerException"), r.text
                 message = r.json()["message"]
             else:
                 with pytest.raises(grpc.RpcError) as info:
-                    grpc_management(srv, "RegisterModel", url="initfail.mar")
-                assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                    grpc_management(srv, "RegisterModel", url="initfail.mar", initial_workers=1)
+                assert info.value.code() is grpc.StatusCode.INTERNAL
                 message = info.value.details()
+            assert message.startswith("Failed to start workers for model initfail version: 1.0")
             assert "initfail version 1.0 failed to load: RuntimeError: injected init failure" in message
             assert srv.served_models() == ["good"], attempt
             assert _leftovers(work, "initfail") == [], "a failed register leaves no unpacked dir"
             assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
             assert _health(srv) == health_pb2.HealthCheckResponse.SERVING
         fault.unlink()
-        r = requests.post(f"{srv.management}/models?url=initfail.mar", timeout=120)
+        r = requests.post(f"{srv.management}/models?url=initfail.mar&initial_workers=1", timeout=120)
         assert r.status_code == 200, r.text
         call = requests.post(f"{srv.http}/predictions/initfail", data=OK, headers=HDR, timeout=30)
         assert call.status_code == 200, call.text

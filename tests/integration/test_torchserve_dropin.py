@@ -129,7 +129,7 @@ def test_every_deliberate_difference_names_a_call_and_is_in_the_guide() -> None:
     labels = {c.label for c in ALL_CALLS}
     assert set(DELIBERATE) <= labels, set(DELIBERATE) - labels
     guide = (REPO / "docs" / "torchserve.md").read_text()
-    for phrase in ("case-insensitive", "NOT_FOUND", "ListModels", "initial_workers=0", "batch"):
+    for phrase in ("case-insensitive", "NOT_FOUND", "ListModels", "batch"):
         assert phrase in guide, phrase
 
 

@@ -150,15 +150,42 @@ def test_typed_overrides_are_checked_too() -> None:
 
 
 def test_register_call_zero_or_empty_means_the_default_but_a_zero_delay_is_kept() -> None:
-    assert (
-        register_call_overrides(batch_size=-1, response_timeout="", initial_workers="0")
-        == SettingsOverrides()
-    )
+    given = register_call_overrides(batch_size=-1, response_timeout="", initial_workers="")
+    assert given == SettingsOverrides()
     assert register_call_overrides(max_batch_delay="0") == SettingsOverrides(max_batch_delay_ms=0.0)
     assert register_call_overrides(initial_workers=3) == SettingsOverrides(min_workers=3, max_workers=3)
     # startup_timeout 0 is TorchServe's too: the workers get no time to start (and fail)
     assert register_call_overrides(startup_timeout="0") == SettingsOverrides(startup_timeout_s=0.0)
     assert register_call_overrides(startup_timeout="-1") == SettingsOverrides()  # its "not given"
+
+
+def test_initial_workers_zero_is_no_worker_under_the_archives_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TorchServe's handleRegister: initial_workers <= 0 registers no worker, even over
+    default_workers_per_model, unless the archive gives minWorkers; absent, default_workers_per_model."""
+    from mariner.server.config import server_layers
+    from mariner.server.core.archive import ModelArchive
+    from mariner.server.core.endpoint import resolve_model
+
+    layers = server_layers(ServerConfig(default_workers_per_model=3), gpus=0, cores=2)
+
+    def workers(initial: str | None, model_config: dict[str, Any]) -> int:
+        archive = ModelArchive("toy", "1.0", tmp_path / "toy.mar", "", tmp_path, {"model": {}}, model_config)
+        call = register_call_overrides(initial_workers=initial)
+        spec = ModelSpec(archive="toy.mar", overrides=call, loaded_at_startup=False)
+        return resolve_model(archive, spec, default_max_queue=None, layers=layers)[0].min_workers
+
+    assert workers(None, {}) == 3  # absent: default_workers_per_model
+    assert workers("0", {}) == 0
+    assert workers("0", {"minWorkers": 2, "maxWorkers": 2}) == 2  # the archive's count wins
+    assert workers("4", {"minWorkers": 2, "maxWorkers": 2}) == 4  # a count given wins (docs)
+    with caplog.at_level(logging.WARNING, logger="mariner.management"):
+        assert workers("-1", {}) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "register parameter initial_workers='-1' is below 0 (TorchServe accepts it): no worker instead "
+        "(unless the archive or models= give minWorkers)"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -172,8 +199,11 @@ def test_register_call_zero_or_empty_means_the_default_but_a_zero_delay_is_kept(
         ("response_timeout", "x", "responseTimeout"),
         ("response_timeout", "0", "responseTimeout"),
         ("startup_timeout", "soon", "startupTimeout"),
-        ("initial_workers", "-1", "minWorkers (archive, models=, default_workers_per_model, else no worker)"),
-        ("initial_workers", "1.5", "minWorkers"),
+        (
+            "initial_workers",
+            "1.5",
+            "minWorkers (archive, models=, default_workers_per_model, else no worker)",
+        ),
     ],
 )
 def test_register_values_torchserve_accepts_are_ignored_with_one_warning(

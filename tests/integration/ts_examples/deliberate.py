@@ -78,31 +78,6 @@ def _list_without_limit(ts: Answer, mariner: Answer) -> str | None:
     return None
 
 
-def _one_worker_instead_of_none(ts: Answer, mariner: Answer) -> str | None:
-    expected = (
-        'Model "errors_idle" Version: 1.0 registered with 0 initial workers. Use scale workers API to '
-        "add workers for the model.",
-        'Model "errors_idle" Version: 1.0 registered with 1 initial workers',
-    )
-    got = (_body(ts).get("status"), _body(mariner).get("status"))
-    return None if got == expected and ts.status == mariner.status == "200" else f"got {got}"
-
-
-def _idle_described(ts: Answer, mariner: Answer) -> str | None:
-    (a,), (b,) = _body(ts), _body(mariner)
-    if (a["minWorkers"], a["maxWorkers"], a["workers"]) != (0, 0, []):
-        return f"TorchServe's idle model: {a}"
-    if (b["minWorkers"], b["maxWorkers"], len(b["workers"])) != (1, 1, 1):
-        return f"Mariner's model: {b}"
-    return None
-
-
-def _no_worker_predicted(ts: Answer, mariner: Answer) -> str | None:
-    if ts.status != "503" or _body(ts).get("type") != "ServiceUnavailableException":
-        return f"TorchServe: {ts.status} {ts.text()}"
-    return None if (mariner.status, _body(mariner)) == ("200", {"ok": "fine"}) else mariner.text()
-
-
 @dataclass(frozen=True)
 class Deliberate:
     why: str  # the row of docs/torchserve.md's differences table
@@ -127,14 +102,6 @@ DELIBERATE: dict[str, Deliberate] = {
     "gRPC ListModels": Deliberate(
         "gRPC ListModels without a limit lists the models (TorchServe's default limit 0 lists none)",
         _list_without_limit,
-    ),
-    "POST /models?url=errors.mar&model_name=errors_idle&initial_workers=0": Deliberate(
-        "initial_workers=0 registers one worker (a model without workers is not built)",
-        _one_worker_instead_of_none,
-    ),
-    "GET /models/errors_idle": Deliberate("initial_workers=0 registers one worker", _idle_described),
-    "POST /predictions/errors_idle (no worker)": Deliberate(
-        "initial_workers=0 registers one worker, so the model answers", _no_worker_predicted
     ),
 }
 
