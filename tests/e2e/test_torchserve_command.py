@@ -76,17 +76,17 @@ def test_start_returns_and_stop_ends_the_server(tmp_path: Path) -> None:
     pid_file = tmp_path / ".model_server.pid"
     pid = int(pid_file.read_text())
     assert pid != launcher.pid
-    _wait_alive(f"http://{mgmt}/healthz", pid, log)
-    again = _launcher(tmp_path, "--start", *flags, log=log)
-    assert again.wait(60) == 1
-    assert "TorchServe is already running" in log.read_text()
     try:
+        _wait_alive(f"http://{mgmt}/healthz", pid, log)
+        again = _launcher(tmp_path, "--start", *flags, log=log)
+        assert again.wait(60) == 1
+        assert "TorchServe is already running" in log.read_text()
         stopper = _launcher(tmp_path, "--stop", "--foreground", log=log)
         assert stopper.wait(120) == 0
         assert not _alive(pid), log.read_text()[-3000:]
         assert not pid_file.exists()
     finally:
-        if _alive(pid):
+        if _alive(pid):  # the launcher started it in a session of its own: end it whatever failed
             os.killpg(pid, signal.SIGKILL)
     final = _launcher(tmp_path, "--stop", log=log)
     assert final.wait(60) == 0
