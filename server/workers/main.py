@@ -29,14 +29,13 @@ asyncCommunication worker runs it: each merged batch becomes a task, up to
 Intermediate answers (`send_intermediate_predict_response`) go to the frontend that sent the
 request as `protocol.Partial` frames while the handler runs, ahead of the batch's `Result`; with
 the loop busy in a plain handler they are written before the handler's call returns
-(`FrontendLink.send_now`).
+(`handler_call.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -52,6 +51,7 @@ from typing import IO, Any, NoReturn
 
 from mariner.server.workers.api import WorkerSpec
 from mariner.server.workers.frontend_link import FrontendLink
+from mariner.server.workers.handler_call import HandlerCall
 
 log = logging.getLogger("mariner.worker")
 
@@ -91,24 +91,6 @@ class _Job:
     batch: Any  # protocol.Batch
     items: int = field(default=0)
     solo: bool = False  # a describe call: its own handler call, never merged with a batch
-
-
-class _Call:
-    """One handler call's jobs, and where each request's intermediate answers go: the batch
-    and position in it of a request id (found on the first part; most calls send none)."""
-
-    def __init__(self, jobs: Sequence[_Job]) -> None:
-        self.jobs = jobs
-        self.done = False
-        self._routes: dict[str, tuple[_Job, int]] | None = None
-
-    def route(self, request_id: str) -> tuple[_Job, int] | None:
-        if self._routes is None:
-            self._routes = {}
-            for job in self.jobs:
-                for index, req in enumerate(job.batch.requests):
-                    self._routes.setdefault(req.request_id, (job, index))
-        return self._routes.get(request_id)
 
 
 class Worker:
@@ -274,7 +256,13 @@ class Worker:
                 await self._wake.wait()
                 continue
             requests = [r for job in jobs for r in job.batch.requests]
-            call = _Call(jobs)
+            call = HandlerCall(
+                jobs,
+                what=f"worker {self.spec.id}",
+                loop=self._loop,
+                loop_thread=self._thread,
+                loop_blocked=not concurrent,  # a plain handler runs with the loop hidden
+            )
             if concurrent:
                 task = asyncio.get_running_loop().create_task(self._run_async(call, requests))
                 self._calls.add(task)
@@ -283,8 +271,7 @@ class Worker:
                 continue
             outcome: Any
             try:
-                deliver = functools.partial(self._deliver, call, True)
-                outcome = call_off_loop(self.host.run_batch, requests, deliver)
+                outcome = call_off_loop(self.host.run_batch, requests, call.deliver)
             except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
                 outcome = exc
             call.done = True
@@ -296,11 +283,11 @@ class Worker:
         if self._calls:  # stopping: the calls in flight are answered first
             await asyncio.gather(*self._calls, return_exceptions=True)
 
-    async def _run_async(self, call: _Call, requests: list[Any]) -> None:
+    async def _run_async(self, call: HandlerCall, requests: list[Any]) -> None:
         """One call of a coroutine handler, awaited on the loop beside the others."""
         outcome: Any
         try:
-            outcome = await self.host.run_batch_async(requests, functools.partial(self._deliver, call, False))
+            outcome = await self.host.run_batch_async(requests, call.deliver)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
@@ -312,34 +299,6 @@ class Worker:
     def _call_ended(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
         self._wake.set()
-
-    def _deliver(self, call: _Call, loop_blocked: bool, request_id: str, part: Any) -> None:
-        """An intermediate answer of `call` for `request_id`: to its frontend, now.
-        `loop_blocked`: the handler runs on the loop's thread (a plain handler), so the loop
-        cannot write for it before the call returns."""
-        from mariner.server.workers import protocol
-
-        if call.done:
-            log.warning("worker %s: an intermediate answer sent after its call returned is dropped",
-                        self.spec.id)  # fmt: skip
-            return
-        found = call.route(request_id)
-        if found is None:
-            log.warning("worker %s: an intermediate answer names request %r, which is not one of "
-                        "its call's; dropped", self.spec.id, request_id[:100])  # fmt: skip
-            return
-        job, index = found
-        if not job.conn.open:
-            return
-        frame, refs = protocol.encode(protocol.Partial(job.batch.id, index, part))
-        here = threading.get_ident() == self._thread
-        if loop_blocked and job.conn.send_now(frame, refs):
-            return
-        if here:
-            job.conn.send(frame, refs)
-        elif self._loop is not None:
-            # Another thread of the handler's: the loop writes it, after what it holds already.
-            self._loop.call_soon_threadsafe(job.conn.send, frame, refs)
 
     def _answer(self, jobs: Sequence[_Job], outcome: Any) -> None:
         from mariner.server.core.batching import InstanceFailed

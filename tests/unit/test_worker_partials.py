@@ -180,3 +180,54 @@ def test_parts_of_a_batch_already_answered_are_dropped(tmp_path: Path) -> None:
         assert sink.parts == []
 
     asyncio.run(with_worker(tmp_path, script, test))
+
+
+# -- the worker's side: HandlerCall routes each part to its request's frontend --------------------
+class FakeLink:
+    def __init__(self, room: bool = True) -> None:
+        self.open = True
+        self.room = room  # send_now finds the transport empty
+        self.now: list[protocol.Partial] = []
+        self.queued: list[protocol.Partial] = []
+
+    def send_now(self, frame: bytes, refs: list[protocol.ShmRef]) -> bool:
+        if self.room:
+            self.now.append(_decoded(frame))
+        return self.room
+
+    def send(self, frame: bytes, refs: list[protocol.ShmRef]) -> None:
+        self.queued.append(_decoded(frame))
+
+
+def _decoded(frame: bytes) -> protocol.Partial:
+    (msg,) = protocol.FrameSplitter().feed(frame)
+    assert isinstance(msg, protocol.Partial)
+    return msg
+
+
+class Job:
+    def __init__(self, conn: FakeLink, batch_id: int, ids: list[str]) -> None:
+        self.conn = conn
+        self.batch = protocol.Batch(batch_id, tuple(ts(i) for i in ids))
+
+
+def test_each_part_goes_to_the_batch_and_position_of_its_request() -> None:
+    from mariner.server.workers.handler_call import HandlerCall
+
+    one, two = FakeLink(), FakeLink(room=False)  # two's transport still holds earlier frames
+    call = HandlerCall(
+        [Job(one, 7, ["a", "b"]), Job(two, 3, ["c"])],
+        what="test",
+        loop=None,
+        loop_thread=__import__("threading").get_ident(),
+        loop_blocked=True,
+    )
+    call.deliver("b", part(b"to b"))
+    call.deliver("c", part(b"to c"))
+    call.deliver("nobody", part(b"dropped"))
+    call.done = True
+    call.deliver("a", part(b"too late"))
+    assert [(m.id, m.index, m.result.body) for m in one.now] == [(7, 1, b"to b")]
+    assert one.queued == []
+    # Behind the frames the transport holds: queued there, in order.
+    assert [(m.id, m.index, m.result.body) for m in two.queued] == [(3, 0, b"to c")]
