@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -46,10 +47,15 @@ from mariner.server.core.batching import (
 )
 from mariner.server.core.deadlines import DeadlineWatch
 from mariner.server.core.errors import WORKER_DIED, Code, ServingError, internal
+from mariner.server.core.streams import BATCH_PROGRESS
 from mariner.server.core.token_groups import group_by_length, padded_tokens
-from mariner.server.core.types import InferRequest, InferResult, TokenCost
+from mariner.server.core.types import InferRequest, InferResult, TokenCost, WireProtocol
 
 log = logging.getLogger("mariner.batcher")
+
+# Protocols whose request carries no time limit of its own (TorchServe's): their deadline is the
+# model's responseTimeout, which a streamed answer's parts restart.
+_TIMEOUT_ONLY = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
 
 
 # Length grouping looks at this many live requests per batch slot, from the head of the queue:
@@ -374,7 +380,9 @@ class Batcher:
             if self._tokens is not None:
                 costs = [_cost(p.req) for p in batch]
                 self._observer.batch_tokens(padded_tokens(costs), sum(c.rows * c.longest for c in costs))
-            async with asyncio.timeout(self.policy.batch_timeout_s):
+            async with asyncio.timeout(self.policy.batch_timeout_s) as window:
+                if self.policy.batch_timeout_s is not None:  # this task's own context: no reset
+                    BATCH_PROGRESS.set(functools.partial(self._progress, batch, window))
                 results = await runner.run([p.req for p in batch])
             if len(results) != len(batch):
                 log.error(
@@ -443,6 +451,21 @@ class Batcher:
             elif was_full and runner in self._runners:
                 self._idle.put_nowait(runner)
             self._arrival.set()
+
+    def _progress(self, batch: list[_Pending], window: asyncio.Timeout) -> None:
+        """An intermediate answer of `batch` arrived: its responseTimeout starts again, as
+        TorchServe waits that long for each reply of a streaming handler; so does the deadline of
+        each TorchServe request in it, whose only limit is that timeout (a gRPC client's own
+        deadline is its library's to enforce: the call is cancelled at it)."""
+        timeout_s = self.policy.batch_timeout_s
+        if timeout_s is None:
+            return
+        window.reschedule(asyncio.get_running_loop().time() + timeout_s)
+        until = self._clock() + timeout_s
+        for p in batch:
+            d = p.req.deadline
+            if d is not None and d < until and p.req.protocol in _TIMEOUT_ONLY:
+                p.req = p.req.with_deadline(until)
 
     def _requeue(self, batch: list[_Pending]) -> None:
         """Put a batch that never ran back at the head of the queue, in its order."""

@@ -13,6 +13,9 @@ connection looks sinks up for TorchServe's protocols only (`takes_sinks`). A req
 sink (OIP, KServe, unary gRPC `Predictions`) gets its parts in front of its final body, as an
 HTTP client that reads the whole chunked answer would (`MAX_HELD_BYTES` at most).
 
+Each part also restarts its batch's responseTimeout (`BATCH_PROGRESS`), as on TorchServe, so a
+handler streaming a long answer is bounded per part, not as a whole.
+
 Bytes held per request are bounded: a sink holds at most `MAX_HELD_BYTES` of parts its client
 has not taken yet, and past that it ends its stream with a clear error rather than buffer for a
 client that reads slower than the handler writes.
@@ -20,6 +23,8 @@ client that reads slower than the handler writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Protocol
 
 from mariner.server.core.types import InferResult, WireProtocol
@@ -71,3 +76,8 @@ class StreamTable:
 
 # The frontend process's table: its adapters open sinks, its worker connections fill them.
 STREAMS = StreamTable()
+
+# Set by the batcher in the task that runs a batch: the worker connection calls it for each
+# intermediate answer of that batch, so the batch's responseTimeout starts again, as TorchServe's
+# worker thread waits responseTimeout for each reply of a streaming handler.
+BATCH_PROGRESS: ContextVar[Callable[[], None] | None] = ContextVar("mariner_batch_progress", default=None)

@@ -25,7 +25,13 @@ from dataclasses import replace
 
 from mariner.server.core.batching import InstanceFailed
 from mariner.server.core.errors import STATUS, Code, ServingError, TorchServeAnswer
-from mariner.server.core.streams import MAX_HELD_BYTES, STREAMS, takes_sinks, too_much_held
+from mariner.server.core.streams import (
+    BATCH_PROGRESS,
+    MAX_HELD_BYTES,
+    STREAMS,
+    takes_sinks,
+    too_much_held,
+)
 from mariner.server.core.types import InferRequest, InferResult
 from mariner.server.workers import protocol
 from mariner.server.workers.api import WorkerEndpoint
@@ -117,6 +123,7 @@ class WorkerConnection:
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future[protocol.Result]] = {}
         self._requests: dict[int, Sequence[InferRequest]] = {}  # the batches in flight
+        self._progress: dict[int, Callable[[], None]] = {}  # each batch's BATCH_PROGRESS
         self._collected: dict[tuple[int, int], _Collected] = {}  # (batch, index) -> parts
         self._segments: dict[int, list[protocol.ShmRef]] = {}
         self._sent = protocol.SentSegments()
@@ -164,6 +171,9 @@ class WorkerConnection:
         fut: asyncio.Future[protocol.Result] = asyncio.get_running_loop().create_future()
         self._pending[batch_id] = fut
         self._requests[batch_id] = requests
+        progress = BATCH_PROGRESS.get()
+        if progress is not None:
+            self._progress[batch_id] = progress
         try:
             refs = await protocol.write_message(
                 self._writer, protocol.Batch(batch_id, tuple(requests)), sent=self._sent
@@ -176,6 +186,7 @@ class WorkerConnection:
         finally:
             self._pending.pop(batch_id, None)
             self._requests.pop(batch_id, None)
+            self._progress.pop(batch_id, None)
             self._sent.discard(self._segments.pop(batch_id, ()))
             collected = self._take_collected(batch_id) if self._collected else None
         self.batches += 1
@@ -208,6 +219,9 @@ class WorkerConnection:
         requests = self._requests.get(msg.id)
         if requests is None or not 0 <= msg.index < len(requests):
             return  # its batch was answered or abandoned meanwhile
+        progress = self._progress.get(msg.id)
+        if progress is not None:
+            progress()  # the batch's responseTimeout starts again
         req = requests[msg.index]
         sink = STREAMS.get(req.request_id) if takes_sinks(req.protocol) else None
         if sink is not None:

@@ -101,3 +101,51 @@ def test_close_leaves_no_deadline_timer_behind() -> None:
         assert not [h for h in getattr(loop, "_scheduled", []) if not h.cancelled()]
 
     run(body)
+
+
+class StreamingRunner(FakeRunner):
+    """A runner whose batch sends intermediate answers: it keeps the batch's BATCH_PROGRESS (set
+    by the batcher in the task that runs it), as the worker connection does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.progress: list[object] = []
+
+    async def run(self, requests):  # type: ignore[no-untyped-def]
+        from mariner.server.core.streams import BATCH_PROGRESS
+
+        self.progress.append(BATCH_PROGRESS.get())
+        return await super().run(requests)
+
+
+def test_each_intermediate_answer_restarts_the_response_timeout_of_its_batch() -> None:
+    async def body(clock: FakeClock) -> None:
+        runner = StreamingRunner()
+        runner.hold()
+        b = make([runner], clock, max_batch_size=8, batch_timeout_s=10)
+        # The endpoint's deadline is the responseTimeout (these are TorchServe HTTP requests,
+        # which carry no other).
+        streamed = submit(b, "streamed", deadline=clock.now + 10)
+        await settle()
+        (progress,) = runner.progress
+        assert callable(progress)
+        for _ in range(3):  # 24 s in all, a part every 8 s: never 10 s without one
+            clock.advance(8)
+            await settle()
+            progress()
+            await settle()
+        assert not streamed.done()
+        runner.release()
+        await settle()
+        assert result(streamed) == echo("streamed")
+        # Without parts the timeout holds as before.
+        runner.hold()
+        silent = submit(b, "silent", deadline=clock.now + 10)
+        await settle()
+        clock.advance(10.5)
+        await settle()
+        assert error(silent).code is Code.DEADLINE_EXCEEDED
+        runner.release()
+        await b.close()
+
+    run(body)

@@ -146,6 +146,25 @@ def test_an_error_part_is_the_answer_and_too_many_bytes_fail_the_request(
     asyncio.run(with_worker(tmp_path, script, test))
 
 
+def test_each_part_restarts_its_batchs_response_timeout(tmp_path: Path) -> None:
+    from mariner.server.core.streams import BATCH_PROGRESS
+
+    def script(batch: protocol.Batch) -> list[object]:
+        return [
+            protocol.Partial(batch.id, 0, part(b"p0")),
+            protocol.Partial(batch.id, 0, part(b"p1")),
+            protocol.Result(batch.id, (part(b"end"),)),
+        ]
+
+    async def test(conn: WorkerConnection) -> None:
+        ticks: list[int] = []
+        BATCH_PROGRESS.set(lambda: ticks.append(1))  # what the batcher sets in the batch's task
+        await conn.run([ts("r", WireProtocol.TS_GRPC)])
+        assert len(ticks) == 2
+
+    asyncio.run(with_worker(tmp_path, script, test))
+
+
 def test_a_tensor_answer_is_kept_whole(tmp_path: Path) -> None:
     import numpy as np
 
