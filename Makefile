@@ -151,8 +151,10 @@ image-gpu:
 	PYTHON=$(PY) bash scripts/image_build.sh gpu
 
 # Starts the CPU image as the CPU overlay's Deployment would (probes, predictions over HTTP and gRPC
-# with tokens, /metrics, SIGTERM) and runs the tests that compare the manifests with the built images.
+# with tokens, /metrics, SIGTERM), then as KServe's TorchServe runtime would (`torchserve --start`
+# args, KServe v1/v2 on 8080), and runs the tests that compare the manifests with the built images.
 # Not part of `make test`, which never needs an image.
 image-test: image k8s-tools
 	$(PY) -m tests.image.image_check
+	$(PY) -m tests.image.kserve_torchserve_check
 	$(PY) -m pytest -m image tests/image $(PYTEST_ARGS)

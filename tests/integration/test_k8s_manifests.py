@@ -1051,7 +1051,7 @@ def test_kserve_runtime_and_inference_services(rendered: dict[str, list[Obj]], m
     services = {
         o["metadata"]["name"]: o["spec"]["predictor"] for o in objects(rendered, "kserve", "InferenceService")
     }
-    assert set(services) == {"digits-mariner", "digits-torchserve"}
+    assert set(services) == {"digits-mariner", "digits-torchserve", "digits-torchserve-mariner"}
     mariner, torchserve = services["digits-mariner"]["model"], services["digits-torchserve"]["model"]
     assert mariner["runtime"] == "kserve-mariner"
     assert mariner["protocolVersion"] in runtime["protocolVersions"]
@@ -1076,6 +1076,52 @@ def test_kserve_runtime_and_inference_services(rendered: dict[str, list[Obj]], m
     assert props["metrics_mode"] == "prometheus"
     assert props["disable_token_authorization"] == "true"
     assert (K8S / "kserve/model-repo/model-store").is_dir()
+
+
+def test_kserve_torchserve_runtime_runs_mariner_from_torchserve_args(
+    rendered: dict[str, list[Obj]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KServe's TorchServe runtime with Mariner's image: its args, under the image's `mariner serve`
+    entrypoint, become TorchServe's launcher in the foreground; with model-repo's config.properties
+    (KServe's layout) Mariner takes inference on 8080 (where KServe routes), management where the
+    file says, the models of its model_snapshot, and starts beyond loopback because the file turns
+    TorchServe's keys off under this runtime only."""
+    from mariner.server.torchserve_command import parse
+
+    runtime = one(rendered, "kserve", "ServingRuntime", "kserve-torchserve-mariner")["spec"]
+    (c,) = runtime["containers"]
+    assert c["args"][0] == "torchserve"
+    assert {e["name"] for e in c["env"]} == {"TS_SERVICE_ENVELOPE"}
+    model = {o["metadata"]["name"]: o for o in objects(rendered, "kserve", "InferenceService")}[
+        "digits-torchserve-mariner"
+    ]["spec"]["predictor"]["model"]
+    assert model["runtime"] == "kserve-torchserve-mariner"
+    assert model["protocolVersion"] in runtime["protocolVersions"]
+    # The storage initializer's /mnt/models, from the repository's model-repo.
+    mnt = tmp_path / "mnt/models"
+    shutil.copytree(K8S / "kserve/model-repo/config", mnt / "config")
+    (mnt / "model-store").mkdir()
+    args = [a.replace("/mnt/models", str(mnt)) for a in c["args"][1:]]
+    launch = parse(args, kserve=True)
+    assert launch.action == "start"
+    assert launch.foreground
+    monkeypatch.chdir(tmp_path)  # no stray ./config.properties or snapshot is read
+    env = {"TS_SERVICE_ENVELOPE": ""}  # KServe renders an unset label as empty
+    cfg = load_config(list(launch.serve_args), env=env)
+    assert cfg.inference_address == "0.0.0.0:8080"
+    assert port_of(cfg.management_address) == 8085
+    assert str(port_of(cfg.metrics_address)) == str(runtime["annotations"]["prometheus.kserve.io/port"])
+    assert cfg.model_snapshot is not None
+    assert "digits_torchscript" in cfg.model_snapshot["models"]
+    assert not cfg.service_envelope
+    assert cfg.kserve_runtime
+    assert cfg.disable_token_auth
+    check_exposure(cfg)  # starts; `mariner serve` with the same file alone is refused:
+    assert_refused(lambda: check_exposure(load_config(["--ts-config", args[-1].split("=", 1)[1],
+                                                       "--inference-address", "0.0.0.0:8080",
+                                                       "--grpc-inference-address", "0.0.0.0:7070",
+                                                       "--grpc-management-address", "0.0.0.0:7071"],
+                                                      env=env)))  # fmt: skip
 
 
 def test_dashboard_covers_the_signals(rendered: dict[str, list[Obj]]) -> None:
