@@ -39,6 +39,7 @@ from mariner.server.control.management_http import management_app
 from mariner.server.control.metrics import Metrics, MetricsConfig
 from mariner.server.control.metrics_http import metrics_app
 from mariner.server.control.workflow_http import workflow_routes
+from mariner.server.core.dataplane import SERVED_STATES
 from mariner.server.core.types import ModelState
 from mariner.server.listeners import (
     EmbeddedUvicorn,
@@ -285,7 +286,8 @@ class Supervisor:
             return
         infos = reg.models()
         ready = [f"{i.name}:{i.version}" for i in infos if i.state is ModelState.READY]
-        failed = [f"{i.name}:{i.version}" for i in infos if i.state is not ModelState.READY]
+        # A version asked for with no worker (a snapshot's minWorkers 0) is served as asked, not missing.
+        failed = [f"{i.name}:{i.version}" for i in infos if i.state not in SERVED_STATES]
         log.info(
             "models ready: %s%s (all ready: %s, %.2f s after the listeners)", ", ".join(ready) or "none",
             f"; not ready: {', '.join(failed)}" if failed else "", reg.is_ready(), time.perf_counter() - t0,
