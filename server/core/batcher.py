@@ -381,9 +381,16 @@ class Batcher:
                 costs = [_cost(p.req) for p in batch]
                 self._observer.batch_tokens(padded_tokens(costs), sum(c.rows * c.longest for c in costs))
             async with asyncio.timeout(self.policy.batch_timeout_s) as window:
-                if self.policy.batch_timeout_s is not None:  # this task's own context: no reset
-                    BATCH_PROGRESS.set(functools.partial(self._progress, batch, window))
-                results = await runner.run([p.req for p in batch])
+                progress = None
+                if self.policy.batch_timeout_s is not None:
+                    progress = BATCH_PROGRESS.set(functools.partial(self._progress, batch, window))
+                try:
+                    results = await runner.run([p.req for p in batch])
+                finally:
+                    if progress is not None:
+                        # Let go at once: the callback holds the timeout, which holds this task,
+                        # whose context holds the callback (a cycle only the collector would end).
+                        BATCH_PROGRESS.reset(progress)
             if len(results) != len(batch):
                 log.error(
                     "runner %s returned %d results for %d requests", runner.id, len(results), len(batch)
