@@ -391,20 +391,25 @@ def serve(
     log(f"whole run {time.monotonic() - start:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--overlay", default="overlays/cpu", help="kustomization whose Deployment is started")
-    args = parser.parse_args(argv)
+def run_check(check: Callable[[], None]) -> int:
+    """A check's exit status: 0 when it passed, 1 when it failed (said why), 2 without root."""
     if os.geteuid() != 0:
         log("needs root (podman mount, chroot)")
         return 2
     try:
-        check(args.overlay)
+        check()
     except CheckFailed as exc:
         log(f"FAILED: {exc}")
         return 1
     log("OK")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--overlay", default="overlays/cpu", help="kustomization whose Deployment is started")
+    args = parser.parse_args(argv)
+    return run_check(lambda: check(args.overlay))
 
 
 if __name__ == "__main__":

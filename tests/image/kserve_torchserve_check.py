@@ -29,7 +29,16 @@ from pathlib import Path
 
 import requests
 
-from tests.image.image_check import DIGIT_ZERO, READY_CAP_S, CheckFailed, free, http_ok, log, wait_for
+from tests.image.image_check import (
+    DIGIT_ZERO,
+    READY_CAP_S,
+    CheckFailed,
+    free,
+    http_ok,
+    log,
+    run_check,
+    wait_for,
+)
 from tests.image.pod import REPO, built_refs, render
 from tests.image.podman import Bind, ImageMeta, chroot_argv, image_exists, kill_all_in, mounted
 
@@ -136,15 +145,5 @@ def serve(proc: subprocess.Popen[bytes]) -> None:
     log("SIGTERM -> exit 0")
 
 
-def main() -> int:
-    try:
-        check()
-    except CheckFailed as exc:
-        log(f"FAILED: {exc}")
-        return 1
-    log("OK")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_check(check))
