@@ -55,27 +55,10 @@ def too_much_held(held: int) -> str:
     )
 
 
-class StreamTable:
-    """The open sinks of one frontend process, by request id."""
-
-    def __init__(self) -> None:
-        self._sinks: dict[str, PartialSink] = {}
-
-    def open(self, request_id: str, sink: PartialSink) -> None:
-        self._sinks[request_id] = sink
-
-    def close(self, request_id: str) -> None:
-        self._sinks.pop(request_id, None)
-
-    def get(self, request_id: str) -> PartialSink | None:
-        return self._sinks.get(request_id)
-
-    def __len__(self) -> int:
-        return len(self._sinks)
-
-
-# The frontend process's table: its adapters open sinks, its worker connections fill them.
-STREAMS = StreamTable()
+# The frontend process's open sinks, by request id: its adapters open one for a call
+# (`STREAMS[request_id] = sink`, `STREAMS.pop(request_id, None)` when the call ends: a plain
+# dict, as every prediction opens one), its worker connections fill them.
+STREAMS: dict[str, PartialSink] = {}
 
 # Set by the batcher in the task that runs a batch: the worker connection calls it for each
 # intermediate answer of that batch, so the batch's responseTimeout starts again, as TorchServe's

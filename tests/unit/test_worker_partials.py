@@ -76,11 +76,11 @@ def test_parts_go_to_their_requests_sink_and_the_batch_mate_is_untouched(tmp_pat
 
     async def test(conn: WorkerConnection) -> None:
         sink = Sink()
-        STREAMS.open("s1", sink)
+        STREAMS["s1"] = sink
         try:
             results = await conn.run([ts("s1"), ts("plain")])
         finally:
-            STREAMS.close("s1")
+            STREAMS.pop("s1", None)
         assert sink.parts == [b"p0", b"p1"]
         assert [r.body for r in results] == [b"end", b"mate"]
 
@@ -112,11 +112,11 @@ def test_a_client_chosen_id_never_reaches_another_requests_sink(tmp_path: Path) 
 
     async def test(conn: WorkerConnection) -> None:
         victim = Sink()
-        STREAMS.open("same-id", victim)  # a TorchServe request in flight under this id
+        STREAMS["same-id"] = victim  # a TorchServe request in flight under this id
         try:
             (answer,) = await conn.run([ts("same-id", WireProtocol.OIP_HTTP)])  # an OIP id says the same
         finally:
-            STREAMS.close("same-id")
+            STREAMS.pop("same-id", None)
         assert victim.parts == []
         assert answer.body == b"leakend"
 
@@ -190,12 +190,12 @@ def test_parts_of_a_batch_already_answered_are_dropped(tmp_path: Path) -> None:
 
     async def test(conn: WorkerConnection) -> None:
         sink = Sink()
-        STREAMS.open("r", sink)
+        STREAMS["r"] = sink
         try:
             assert [r.body for r in await conn.run([ts("r")])] == [b"end"]
             assert [r.body for r in await conn.run([ts("r")])] == [b"end"]  # the connection goes on
         finally:
-            STREAMS.close("r")
+            STREAMS.pop("r", None)
         assert sink.parts == []
 
     asyncio.run(with_worker(tmp_path, script, test))

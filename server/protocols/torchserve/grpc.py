@@ -245,7 +245,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         """
         request_id = new_request_id()
         parts = _Parts()
-        STREAMS.open(request_id, parts)
+        STREAMS[request_id] = parts
         predicting = asyncio.ensure_future(self._predict(request, context, request_id=request_id))
         predicting.add_done_callback(parts.predicted)
         try:
@@ -263,7 +263,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
                 await parts.wake.wait()
             result = predicting.result()  # an abort inside it ends the call here
         finally:
-            STREAMS.close(request_id)
+            STREAMS.pop(request_id, None)
             predicting.cancel()
         yield inference_pb2.PredictionResponse(prediction=result.body)
 
@@ -324,11 +324,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             headers = {**kept, **seq.headers}
             req = to_infer_request(request, metadata=None, time_remaining=time_remaining, headers=headers)
             sink = _Emitter(emit, seq.sequence_id)
-            STREAMS.open(req.request_id, sink)
+            STREAMS[req.request_id] = sink
             try:
                 result = await infer(req)
             finally:
-                STREAMS.close(req.request_id)
+                STREAMS.pop(req.request_id, None)
             if sink.overflow:
                 raise ServingError(Code.RESOURCE_EXHAUSTED, sink.overflow)
             return seq.sequence_id, result

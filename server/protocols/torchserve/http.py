@@ -249,7 +249,7 @@ class Predictions:
         label = model
         if invocations and not label:  # the form-field choice is only known once the body is read
             label = request.query_params.get(_MODEL_NAME) or self._single_startup_model() or ""
-        STREAMS.open(request_id, streamed)
+        STREAMS[request_id] = streamed
         try:
             outcome = await run_call(
                 dataplane,
@@ -264,7 +264,7 @@ class Predictions:
             streamed.abandon()
             raise
         finally:
-            STREAMS.close(request_id)
+            STREAMS.pop(request_id, None)
         if streamed.started:
             return _streamed_end(streamed, outcome)
         if not isinstance(outcome, Failed):
@@ -308,7 +308,12 @@ def routes(
 
         return endpoint
 
-    predict = infer_endpoint()
+    async def predict(request: Request) -> Response:  # the most taken route: no flags to pass
+        params = request.path_params
+        return await predictions.answer(
+            request, params.get("model", ""), params.get("version"), url_path=params.get(URL_PATH_HEADER)
+        )
+
     methods = ["POST", "PUT"]
     explanation = infer_endpoint(explain=True)
     invocation = infer_endpoint(invocations=True)
