@@ -45,6 +45,7 @@ from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.http_common import (
     JSON,
     BodyTooLarge,
+    TrailingSlashes,
     error_response,
     json_response,
     make_app,
@@ -173,24 +174,6 @@ async def register_params(request: Request) -> dict[str, Any]:
             raise ServingError(Code.INVALID_ARGUMENT, "register request body must be a JSON object")
         params.update(body)
     return params
-
-
-class TrailingSlashes:
-    """ASGI wrapper: `/models/m/` is `/models/m`, as TorchServe's router splits paths (Java's
-    String.split drops trailing empty segments), so its clients' `DELETE /models/m/` works."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope.get("type") == "http" and len(path) > 1 and path.endswith("/"):
-            stripped = path.rstrip("/") or "/"
-            raw = scope.get("raw_path")
-            scope = {**scope, "path": stripped}
-            if isinstance(raw, bytes):
-                scope["raw_path"] = raw.rstrip(b"/") or b"/"
-        await self.app(scope, receive, send)
 
 
 def management_app(dataplane: ManagementPlane) -> Starlette:

@@ -273,3 +273,27 @@ def make_app(routes: list[Any]) -> Starlette:
     app = Starlette(routes=routes, exception_handlers=dict(HTTP_ERROR_HANDLERS))
     app.router.redirect_slashes = False
     return app
+
+
+def without_trailing_slashes(scope: Any) -> Any:
+    """`scope` with its path's trailing slashes dropped: `/models/m/` is `/models/m` and
+    `/predictions/m/` is `/predictions/m`, as TorchServe's router reads them (it splits the path
+    with Java's String.split, which drops trailing empty segments), so its clients' paths work."""
+    path = scope.get("path", "")
+    if scope.get("type") != "http" or len(path) < 2 or not path.endswith("/"):
+        return scope
+    scope = {**scope, "path": path.rstrip("/") or "/"}
+    raw = scope.get("raw_path")
+    if isinstance(raw, bytes):
+        scope["raw_path"] = raw.rstrip(b"/") or b"/"
+    return scope
+
+
+class TrailingSlashes:
+    """ASGI wrapper applying `without_trailing_slashes` to every request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(without_trailing_slashes(scope), receive, send)

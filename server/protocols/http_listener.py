@@ -36,6 +36,7 @@ from mariner.server.protocols.http_common import (
     DEFAULT_MAX_HEADERS,
     error_response,
     make_app,
+    without_trailing_slashes,
 )
 from mariner.server.protocols.oip import http as oip_http
 from mariner.server.protocols.torchserve import http as torchserve_http
@@ -80,6 +81,8 @@ class InferenceApp:
         self.predict = predict  # the /predictions route's own endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].endswith("/"):
+            scope = without_trailing_slashes(scope)  # `/predictions/m/` is `/predictions/m`
         if scope["type"] == "http" and scope["method"] in _PREDICT_METHODS and not scope.get("root_path"):
             params = prediction_params(scope["path"])
             if params is not None:

@@ -30,6 +30,7 @@ from mariner.server.core.types import (
     WireProtocol,
     WorkerInfo,
 )
+from mariner.server.protocols.http_common import TrailingSlashes
 from mariner.server.protocols.http_listener import inference_app
 from tests.unit import fakes
 from tests.unit.fakes import QuietMetrics, serve
@@ -505,8 +506,9 @@ def test_prediction_paths_are_matched_as_starlettes_routes_match_them() -> None:
 
 @pytest.fixture(scope="module")
 def starlette_url(shared_plane: FakePlane) -> Iterator[str]:
-    """The same routes through Starlette alone: what the listener's fast path must equal."""
-    with serve(inference_app(shared_plane, max_body_bytes=MAX_BODY).app) as url:
+    """The same routes through Starlette alone (behind the listener's trailing-slash rule): what
+    the listener's fast path must equal."""
+    with serve(TrailingSlashes(inference_app(shared_plane, max_body_bytes=MAX_BODY).app)) as url:
         yield url
 
 
@@ -740,6 +742,21 @@ def test_scale_unregister_set_default_when_enabled(plane: FakePlane, management_
         ("set_default", "digits", "2.0"),
         ("unregister", "digits", "2.0"),
     ]
+
+
+def test_inference_paths_may_end_in_a_slash(plane: FakePlane, inference_url: str) -> None:
+    """As on TorchServe, `/predictions/m/` is `/predictions/m` (on the fast path too), and so on
+    for every inference route."""
+    plane.answer = _echo_version
+    for path, version in (("/predictions/digits/", None), ("/predictions/digits/2.0//", "2.0")):
+        resp = requests.post(f"{inference_url}{path}", data=b"1", timeout=TIMEOUT)
+        assert resp.status_code == 200, (path, resp.text)
+        assert resp.json() == {"version": version}
+    assert requests.get(f"{inference_url}/ping/", timeout=TIMEOUT).json() == {"status": "Healthy"}
+
+
+async def _echo_version(req: InferRequest) -> InferResult:
+    return InferResult(body=json.dumps({"version": req.version}).encode())
 
 
 def test_management_paths_may_end_in_a_slash(plane: FakePlane, management_url: str) -> None:
