@@ -46,7 +46,7 @@ def test_a_worker_slower_than_its_startup_timeout_is_killed_and_the_model_says_w
         (slow,) = srv.describe("slow")
         (quick,) = srv.describe("quick")
         assert (slow["startupTimeout"], quick["startupTimeout"]) == (3, 45)  # archive > default_*
-        assert "was not ready within 3 s and was killed" in srv.log_text()
+        assert "was not ready within its startupTimeout (3 s) and was killed" in srv.log_text()
         answer = requests.post(f"{srv.http}/predictions/quick", data=b"x", timeout=30)
         assert (answer.status_code, answer.text) == (200, "1")  # the other model is unaffected
     finally:
