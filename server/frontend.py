@@ -271,6 +271,7 @@ class Frontend:
         self._orphaned = False  # the supervisor went away: close the listeners first
         self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
         self.dataplane = DataPlane(self.metrics)
+        self.dataplane.awaiting_table = True  # the supervisor's first table (version 0) is empty
         self.workflows = WorkflowTable()  # TorchServe workflows, from the supervisor's table
         tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
         # TorchServe's inference key, when its token authorization is on: it arrives with each
@@ -329,6 +330,8 @@ class Frontend:
             if e.is_default:
                 dp.set_default(e.name, e.version)
         self.workflows.replace(table.workflows)
+        if table.version >= 1:  # what the supervisor serves, not its placeholder before start-up
+            dp.awaiting_table = False
         gone = [key for key in dp.installed() if key not in wanted]
         for name, version in gone:
             ep = dp.remove_endpoint(name, version)

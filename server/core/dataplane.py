@@ -125,6 +125,10 @@ class DataPlane:
         self._endpoints: dict[str, dict[str, ModelEndpoint]] = {}
         self._defaults: dict[str, str] = {}
         self.draining = False
+        # Not ready until the supervisor's first real model table is applied: an empty plane is
+        # ready only when the server serves no model, which only that table can say (a frontend
+        # sets it when it starts, apply clears it).
+        self.awaiting_table = False
         # Accounting for the shutdown proof: every accepted request must be answered.
         self.accepted = 0
         self.answered = 0
@@ -197,8 +201,10 @@ class DataPlane:
         """Every model asked for is served and READY, or asked for with no worker (a version
         still being registered does not count yet: a register in progress does not take the
         server out of rotation). No model at all is ready, as TorchServe's /ping judges it."""
+        if self.awaiting_table or self.draining:
+            return False
         eps = [ep for v in self._endpoints.values() for ep in v.values() if not _registering(ep)]
-        return not self.draining and all(ep.state in SERVED_STATES for ep in eps)
+        return all(ep.state in SERVED_STATES for ep in eps)
 
     def model_ready(self, model: str, version: str | None = None) -> bool:
         return version_ready(self, model, version)

@@ -75,6 +75,8 @@ class FrontendPool:
         self.stopping = False
         self._frontends = [_Frontend(i) for i in range(count)]
         self._tasks: list[asyncio.Task[None]] = []
+        # Version 0 is a placeholder a frontend may start on before start-up publishes the
+        # models: it keeps the frontend not ready (DataPlane.awaiting_table).
         self._table: channel.ModelTable = channel.ModelTable(0, ())
         # TorchServe's current inference key (None: its token authorization is off), sent with
         # every table; set before start() so that no frontend ever listens without it.
