@@ -75,7 +75,7 @@ def test_single_worker_models_take_turns_over_the_gpus(
     placed = [p._gpu_for(a), p._gpu_for(b), p._gpu_for(c), p._gpu_for(c)]  # c has two workers
     assert [f"cuda:{g}" for g in placed] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert p._gpu_for(version(tmp_path, "d", device_type="cpu")) is None
-    assert p._spec(version(tmp_path, "d", device_type="cpu"), Instance(0), None).device == "cpu"
+    assert p._spec(version(tmp_path, "d", device_type="cpu"), Instance(0), None, 9000).device == "cpu"
 
 
 def test_device_ids_restrict_a_model_to_its_gpus(
@@ -84,7 +84,7 @@ def test_device_ids_restrict_a_model_to_its_gpus(
     p = pool(tmp_path)
     only_one = version(tmp_path, "a", {"deviceIds": [1]}, device_type="gpu")
     assert [p._gpu_for(only_one) for _ in range(3)] == [1, 1, 1]
-    assert p._spec(only_one, Instance(0), 1).require_gpu
+    assert p._spec(only_one, Instance(0), 1, 9000).require_gpu
     # An id that is not visible is dropped; none left means no GPU (and a GPU-bound model fails).
     assert two_gpus.next([5, 0]) == 0
     assert two_gpus.next([7]) is None
@@ -98,9 +98,9 @@ def test_require_gpu_binds_every_model_that_does_not_ask_for_the_cpu(
     two_gpus: GpuAllocator, tmp_path: Path
 ) -> None:
     plain, on_cpu = version(tmp_path, "a"), version(tmp_path, "b", device_type="cpu")
-    assert pool(tmp_path, require_gpu=True)._spec(plain, Instance(0), 0).require_gpu
-    assert not pool(tmp_path, require_gpu=True)._spec(on_cpu, Instance(0), None).require_gpu
-    assert not pool(tmp_path)._spec(plain, Instance(0), 0).require_gpu
+    assert pool(tmp_path, require_gpu=True)._spec(plain, Instance(0), 0, 9000).require_gpu
+    assert not pool(tmp_path, require_gpu=True)._spec(on_cpu, Instance(0), None, 9000).require_gpu
+    assert not pool(tmp_path)._spec(plain, Instance(0), 0, 9000).require_gpu
 
 
 def test_the_supervisors_pool_shares_the_turn_and_honours_device_ids(
@@ -113,9 +113,9 @@ def test_the_supervisors_pool_shares_the_turn_and_honours_device_ids(
     assert other._gpu_for(plain) == 0  # one process-wide turn: another pool's worker took cuda:0
     assert [p._gpu_for(plain), p._gpu_for(pinned), p._gpu_for(plain)] == [1, 0, 1]
     assert p._gpu_for(on_cpu) is None
-    spec = p._spec(plain, Instance(0), 1)
+    spec = p._spec(plain, Instance(0), 1, 9000)
     assert (spec.gpu_id, spec.require_gpu, spec.device) == (1, True, "cuda:1")
-    assert not p._spec(on_cpu, Instance(0), None).require_gpu
+    assert not p._spec(on_cpu, Instance(0), None, 9000).require_gpu
 
 
 def test_gpu_workers_are_spawned_and_cpu_workers_forked(tmp_path: Path) -> None:

@@ -248,7 +248,7 @@ def test_a_worker_that_cannot_be_started_fails_its_start_and_the_slot_goes_on(
     starts = []
 
     class Failing:
-        def __init__(self, spec: Any) -> None:
+        def __init__(self, spec: Any, **_: Any) -> None:  # output=: who reads its stdout/stderr
             self.spec, self.pid, self.returncode = spec, None, None
 
         async def start(self, timeout: float) -> Any:
@@ -287,7 +287,7 @@ def test_a_slot_stopped_while_its_process_is_being_created_leaves_no_process(
     killed: list[int] = []
 
     class Slow:
-        def __init__(self, spec: Any) -> None:
+        def __init__(self, spec: Any, **_: Any) -> None:  # output=: who reads its stdout/stderr
             self.spec, self.pid, self.returncode = spec, None, None
             self._dead: asyncio.Event = forked()
 
