@@ -18,6 +18,8 @@ Two deliberate differences:
 images' `mariner serve` entrypoint) runs `torchserve ARGS` in the foreground with the inference API
 on 0.0.0.0:8080, where TorchServe's KServe image (`pytorch/torchserve-kfs`) runs the KServe wrapper
 that KServe routes to: Mariner answers KServe v1 and v2 there itself (docs/deploy.md, "KServe").
+It runs with TorchServe's configuration alone: the images' own config file (MARINER_CONFIG_FILE,
+made for the Kubernetes Deployment) is not read.
 """
 
 from __future__ import annotations
@@ -171,6 +173,10 @@ def main(argv: Sequence[str] | None = None, *, kserve: bool = False) -> int:
         return 0
     if launch.action == "stop":
         return stop(launch.foreground)
+    if kserve:
+        # TorchServe's command line carries TorchServe's configuration (its config.properties):
+        # the images' own config file (MARINER_CONFIG_FILE, the Deployment's) is not read over it.
+        os.environ.pop("MARINER_CONFIG_FILE", None)
     return start(launch)
 
 

@@ -123,11 +123,15 @@ class ConfigSnapshots:
         self._pending: set[asyncio.Task[Path | None]] = set()
         self._warned = False
         if cfg.model_snapshot is not None:
-            log.info(
-                "restoring config snapshot %s: its settings and models, in place of --models "
-                "(no config file was given; --ncs starts without it)",
-                cfg.config_file,
-            )
+            source = Path(str(cfg.config_file))
+            if source.parent.resolve() == self.directory.resolve():
+                log.info(
+                    "restoring config snapshot %s: its settings and models, in place of --models "
+                    "(no config file was given; --ncs starts without it)",
+                    source,
+                )
+            else:  # a config.properties given with a model_snapshot (KServe's TorchServe layout)
+                log.info("serving the models of model_snapshot in %s, in place of --models", source)
 
     def request(self, kind: str = "snapshot") -> None:
         """Write a snapshot soon (after the ones already asked for)."""

@@ -34,6 +34,7 @@ from tests.image.image_check import (
     READY_CAP_S,
     CheckFailed,
     free,
+    free_port,
     http_ok,
     log,
     run_check,
@@ -74,14 +75,15 @@ def check() -> None:
     ref = built_refs()["overlays/cpu"]
     if not image_exists(ref):
         raise CheckFailed(f"image {ref} is not built: run `make image`")
-    busy = [p for p in PORTS.values() if not free(p)]
-    if busy:
-        raise CheckFailed(f"ports {busy} are in use: this check needs the runtime's own ports")
+    # The runtime's ports when free, else free ones (a listener just closed leaves its port in
+    # TIME_WAIT): only the bind address is changed, through the TS_*_ADDRESS variables.
+    ports = {key: port if free(port) else free_port() for key, port in PORTS.items()}
+    log(f"listeners on 127.0.0.1, ports {ports}")
     c = runtime_container()
     meta = ImageMeta.inspect(ref)
     env = {**meta.env_dict(), **{e["name"]: e.get("value", "") for e in c.get("env", [])}}
     env["TS_SERVICE_ENVELOPE"] = ""  # "{{.Labels.serviceEnvelope}}" of an InferenceService without it
-    for key, port in PORTS.items():
+    for key, port in ports.items():
         env[f"TS_{key.upper()}_ADDRESS"] = f"http://127.0.0.1:{port}"
     argv = [*meta.entrypoint, *c["args"]]  # `args` replace the CMD, the ENTRYPOINT stays
     uid, _, gid = meta.user.partition(":")
@@ -100,7 +102,7 @@ def check() -> None:
             with server_log.open("wb") as out:
                 proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
                 try:
-                    serve(proc)
+                    serve(proc, ports)
                 except BaseException:
                     kill_all_in(root)
                     if proc.poll() is None:
@@ -110,34 +112,32 @@ def check() -> None:
                     raise
 
 
-def serve(proc: subprocess.Popen[bytes]) -> None:
-    http = f"http://127.0.0.1:{PORTS['inference']}"
-    took = wait_for("/v2/health/ready on 8080", lambda: http_ok(f"{http}/v2/health/ready"), proc, READY_CAP_S)
-    log(f"/v2/health/ready on 8080 after {took:.1f} s")
+def serve(proc: subprocess.Popen[bytes], ports: dict[str, int]) -> None:
+    http = f"http://127.0.0.1:{ports['inference']}"
+    took = wait_for("/v2/health/ready", lambda: http_ok(f"{http}/v2/health/ready"), proc, READY_CAP_S)
+    log(f"/v2/health/ready after {took:.1f} s")
     if (r := requests.get(f"{http}/v1/models/{MODEL}", timeout=30)).status_code != 200:
         raise CheckFailed(f"KServe v1 model ready: {r.status_code} {r.text[:300]}")
     r = requests.post(f"{http}/v1/models/{MODEL}:predict", json={"instances": [DIGIT_ZERO]}, timeout=60)
     if r.status_code != 200 or len(r.json().get("predictions", [])) != 1:
         raise CheckFailed(f"KServe v1 predict: {r.status_code} {r.text[:300]}")
     v1 = r.json()["predictions"][0]
-    log(f"KServe v1 :predict on 8080: 200 {json.dumps(v1)[:100]}")
+    log(f"KServe v1 :predict: 200 {json.dumps(v1)[:100]}")
     tensor = {"name": "pixels", "shape": [1, 64], "datatype": "FP32", "data": DIGIT_ZERO}
     r = requests.post(f"{http}/v2/models/{MODEL}/infer", json={"inputs": [tensor]}, timeout=60)
     if r.status_code != 200 or not r.json().get("outputs"):
         raise CheckFailed(f"KServe v2 infer: {r.status_code} {r.text[:300]}")
-    log("KServe v2 /infer on 8080: 200")
+    log("KServe v2 /infer: 200")
     r = requests.post(f"{http}/predictions/{MODEL}", json=DIGIT_ZERO, timeout=60)
     if r.status_code != 200 or r.json() != v1:
         raise CheckFailed(f"TorchServe /predictions: {r.status_code} {r.text[:300]} (v1 said {v1})")
-    log("TorchServe /predictions on 8080: the same answer as KServe v1")
-    r = requests.get(f"http://127.0.0.1:{PORTS['management']}/models", timeout=30)
+    log("TorchServe /predictions: the same answer as KServe v1")
+    r = requests.get(f"http://127.0.0.1:{ports['management']}/models", timeout=30)
     if r.status_code != 200 or [m["modelName"] for m in r.json()["models"]] != [MODEL]:
-        raise CheckFailed(
-            f"management on 8085: {r.status_code} {r.text[:300]} (model_snapshot names {MODEL})"
-        )
-    log(f"management on 8085 lists {MODEL} (config.properties' model_snapshot)")
-    if not http_ok(f"http://127.0.0.1:{PORTS['metrics']}/metrics"):
-        raise CheckFailed("/metrics on 8082 does not answer")
+        raise CheckFailed(f"management: {r.status_code} {r.text[:300]} (model_snapshot names {MODEL})")
+    log(f"management lists {MODEL} (config.properties' model_snapshot)")
+    if not http_ok(f"http://127.0.0.1:{ports['metrics']}/metrics"):
+        raise CheckFailed("/metrics does not answer")
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=120)
     if rc != 0:

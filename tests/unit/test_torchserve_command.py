@@ -72,3 +72,19 @@ def test_foreground_start_becomes_the_server(tmp_path: Path, monkeypatch: pytest
     assert execs == [tc.server_argv(["--start", "--foreground", "--model-store", "s"])]
     # The pid file names this process, which exec turns into the server.
     assert tc.pid_file().read_text() == str(os.getpid())
+
+
+def test_a_kserve_runtime_runs_on_torchserves_configuration_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The images bake MARINER_CONFIG_FILE for the Deployment; under a TorchServe runtime's args
+    the server reads the runtime's config.properties, not that file over it."""
+    monkeypatch.setenv("MARINER_CONFIG_FILE", "/etc/mariner/mariner.yaml")
+    seen: list[str | None] = []
+
+    def start(launch: object) -> int:
+        seen.append(os.environ.get("MARINER_CONFIG_FILE"))
+        return 0
+
+    monkeypatch.setattr(tc, "start", start)
+    assert tc.main(["--start", "--ts-config=/mnt/models/config/config.properties"]) == 0
+    assert tc.main(["--start", "--ts-config=/mnt/models/config/config.properties"], kserve=True) == 0
+    assert seen == ["/etc/mariner/mariner.yaml", None]
