@@ -20,6 +20,7 @@ terminationGracePeriodSeconds less the preStop sleep. Prints the image size and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -227,6 +228,23 @@ def run_init(pod: Pod, volumes: dict[str, Path], work: Path) -> None:
     log(f"initContainer {init['name']}: {' '.join(init['command'])} -> ok")
 
 
+@contextlib.contextmanager
+def server_in(root: Path, command: list[str], server_log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Run the image's server; when the check fails, kill everything in the image and print the
+    end of its log (the reason is usually there)."""
+    with server_log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        except BaseException:
+            kill_all_in(root)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+            sys.stdout.write(server_log.read_text()[-6000:])
+            raise
+
+
 def check(overlay: str) -> None:
     pod = Pod.of(render(overlay))
     server = pod.server
@@ -268,20 +286,10 @@ def check(overlay: str) -> None:
                 read_only_root=bool(server.get("securityContext", {}).get("readOnlyRootFilesystem")),
             )  # fmt: skip
             log(f"starting {pod.argv(server, meta)} as {uid}:{gid} (groups {groups}), read-only root")
-            server_log = work / "server.log"
-            with server_log.open("wb") as out:
-                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-                try:
-                    serve(pod, proc, root, ports, tokens, grace - pre_stop)
-                    # SIGTERM ends the whole pod: no frontend or model worker outlives the server.
-                    wait_for("every process of the image to exit", lambda: not processes_in(root), None, 30)
-                except BaseException:
-                    kill_all_in(root)
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait(30)
-                    sys.stdout.write(server_log.read_text()[-6000:])
-                    raise
+            with server_in(root, argv, work / "server.log") as proc:
+                serve(pod, proc, root, ports, tokens, grace - pre_stop)
+                # SIGTERM ends the whole pod: no frontend or model worker outlives the server.
+                wait_for("every process of the image to exit", lambda: not processes_in(root), None, 30)
 
 
 def serve(

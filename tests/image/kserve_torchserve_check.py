@@ -38,10 +38,11 @@ from tests.image.image_check import (
     http_ok,
     log,
     run_check,
+    server_in,
     wait_for,
 )
 from tests.image.pod import REPO, built_refs, render
-from tests.image.podman import Bind, ImageMeta, chroot_argv, image_exists, kill_all_in, mounted
+from tests.image.podman import Bind, ImageMeta, chroot_argv, image_exists, mounted
 
 RUNTIME = "kserve-torchserve-mariner"
 MODEL = "digits_torchscript"
@@ -98,18 +99,8 @@ def check() -> None:
                 read_only_root=False,
             )  # fmt: skip
             log(f"starting {argv} as {meta.user}")
-            server_log = work / "server.log"
-            with server_log.open("wb") as out:
-                proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-                try:
-                    serve(proc, ports)
-                except BaseException:
-                    kill_all_in(root)
-                    if proc.poll() is None:
-                        proc.kill()
-                    proc.wait(30)
-                    sys.stdout.write(server_log.read_text()[-6000:])
-                    raise
+            with server_in(root, command, work / "server.log") as proc:
+                serve(proc, ports)
 
 
 def serve(proc: subprocess.Popen[bytes], ports: dict[str, int]) -> None:
