@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from mariner.server.core.errors import STATUS, TORCHSERVE_TYPES, Code
+from mariner.server.core.errors import STATUS, TORCHSERVE_TYPES, Code, ServingError
 
 log = logging.getLogger("mariner")
 
@@ -305,6 +305,14 @@ def http_ssl_context(cert: Path, key: Path, client_ca: Path | None) -> ssl.SSLCo
     except ssl.SSLError as exc:
         if "KEY_TOO_SMALL" not in str(exc) and "too small" not in str(exc):
             raise
+        if client_ca is not None:
+            # A lower security level would also let weak client keys and CAs through mutual TLS.
+            raise ServingError(
+                Code.INVALID_ARGUMENT,
+                f"TLS key {key} is weaker than OpenSSL's default security level allows "
+                f"({getattr(exc, 'reason', None) or exc}); with client certificates required, only "
+                "keys at that level are served: use an RSA key of 2048 bits or more, or an EC key",
+            ) from None
         # The operator's own key, below OpenSSL's default security level (RSA < 2048 bits, as the
         # 1024-bit pair in TorchServe's own examples). Java serves it; so do we, with the same
         # suites and versions, and say it is weak. (Clients still judge the key themselves.)

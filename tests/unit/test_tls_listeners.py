@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import ssl
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -161,3 +162,16 @@ def test_a_plain_listener_beyond_loopback_beside_tls_ones_is_named_in_a_warning(
         check_exposure(cfg)  # TorchServe's management key protects it
     (warning,) = caplog.records
     assert "HTTP management on 0.0.0.0:8081 is plain HTTP beyond loopback" in warning.getMessage()
+
+
+def test_a_weak_key_is_refused_when_client_certificates_are_required(tmp_path: Path) -> None:
+    """Serving a weak key takes a lower OpenSSL security level, which would also let weak client
+    keys and CAs through mutual TLS: with a client CA, the weak key is refused with the reason."""
+    cert, key = _pair(tmp_path, bits=1024)
+    ca, ca_key = _pair(tmp_path)
+    with pytest.raises(ServingError) as caught:
+        http_ssl_context(cert, key, ca)
+    assert caught.value.code == Code.INVALID_ARGUMENT
+    assert "weaker than OpenSSL's default security level" in caught.value.message
+    assert "client certificates required" in caught.value.message
+    assert http_ssl_context(ca, ca_key, ca).verify_mode == ssl.CERT_REQUIRED, "a strong key still serves mTLS"
