@@ -129,6 +129,7 @@ class OutputPump:
         self._lock = threading.Lock()
         self._adding: list[tuple[int, LineReader]] = []
         self._closing = False
+        self._stopped = False  # the thread has ended: the wake pipe is closed, nothing is read
         self._thread = threading.Thread(target=self._run, name="child-output", daemon=True)
         self._thread.start()
 
@@ -142,8 +143,11 @@ class OutputPump:
         self._poke()
 
     def _poke(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"x")
+        with self._lock:  # never write to the wake pipe's number once it is closed (and reused)
+            if self._stopped:
+                return
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"x")
 
     def close(self, timeout: float = 5.0) -> None:
         """Read what the pipes still hold (bounded by `timeout`), then close them all."""
@@ -173,12 +177,20 @@ class OutputPump:
         except Exception:  # noqa: BLE001 - report, then stop reading (children write to a full pipe)
             log.exception("the child output reader failed")
         finally:
+            # Once this thread ends, nothing reads a pipe: one handed over later is closed at once
+            # (its child gets EPIPE) rather than left to fill and block the child.
+            with self._lock:
+                self._closing = self._stopped = True
+                orphans, self._adding = self._adding, []
+                os.close(self._wake_w)
+            for fd, _ in orphans:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             for key in list(self._selector.get_map().values()):
                 self._selector.unregister(key.fd)
                 with contextlib.suppress(OSError):
                     os.close(key.fd)
             self._selector.close()
-            os.close(self._wake_w)
 
     def _read(self, fd: int, reader: LineReader) -> bool:
         """Read one chunk into `reader`; False when there was nothing to read now or the pipe

@@ -214,3 +214,29 @@ def test_output_pump_reads_every_pipe_to_its_end() -> None:
     pump.close()
     assert got == {"a": ["first", "second"], "b": ["other"]}
     assert sorted(ended) == ["a", "b"]
+
+
+def test_a_failed_pump_closes_the_pipes_it_is_handed_instead_of_leaving_children_blocked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Once the reading thread has failed nothing reads a pipe: a child writing into one it kept
+    would block when it fills. Every pipe, held or handed over later, is closed (the child gets
+    EPIPE) and the wake pipe is never written after it is closed."""
+    pump = OutputPump()
+
+    def fail(timeout: float | None = None) -> list[object]:
+        raise RuntimeError("selector broke")
+
+    pump._selector.select = fail  # type: ignore[method-assign]
+    held_r, held_w = os.pipe()
+    pump.add(held_r, LineReader(lambda _line: None, rate=None))  # wakes the thread, which fails
+    pump._thread.join(30)
+    assert not pump._thread.is_alive()
+    assert "the child output reader failed" in caplog.text
+    later_r, later_w = os.pipe()
+    pump.add(later_r, LineReader(lambda _line: None, rate=None))
+    for w in (held_w, later_w):
+        with pytest.raises(BrokenPipeError):
+            os.write(w, b"line\n")
+        os.close(w)
+    pump.close()  # after the thread: returns, writes nothing
