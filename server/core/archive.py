@@ -52,6 +52,7 @@ __all__ = [
     "open_archive",
     "resolve_in_store",
     "store_archives",
+    "unpack_file",
     "url_not_allowed",
     "with_handler",
 ]
@@ -215,22 +216,21 @@ def _check_pin(path: Path, digest: str, expected_sha256: str | None) -> None:
         )
 
 
-def _unpack(path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str | None) -> str:
-    """Unpack `path` into `dest` and return its digest, the pin checked against the bytes read.
+def unpack_file(
+    path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str | None, *, not_regular: str
+) -> str:
+    """Unpack the regular file `path` into `dest` under `limits` and return its sha256, the pin
+    (`expected_sha256`, None for none) checked against the bytes read before anything is written.
 
-    A file is hashed and unpacked through one open descriptor, so the file replaced between the
-    two cannot pass the pin with one content and unpack another; a directory's digest is taken
-    while it is copied (`archive_formats.copy_directory`)."""
-    if path.is_dir():
-        digest = copy_directory(path, dest, limits)
-        _check_pin(path, digest, expected_sha256)
-        return digest
-    # O_NONBLOCK: a store entry (or a symlink's target) that is a FIFO must not block the open;
-    # anything but a regular file is refused before a byte is read.
+    Shared by model archives and workflow archives (`workflow_archive`) so that both take the same
+    care: the file is hashed and unpacked through one open descriptor, so a file replaced between
+    the two cannot pass the pin with one content and unpack another; it is opened O_NONBLOCK, so a
+    store entry (or a symlink's target) that is a FIFO cannot block the open; and anything but a
+    regular file is refused, with ValueError(`not_regular`), before a byte is read."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path.name} is not a regular file or a directory; allowed: {_ALLOWED}")
+            raise ValueError(not_regular)
         h = hashlib.sha256()
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
@@ -239,6 +239,24 @@ def _unpack(path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str 
         f.seek(0)
         extract_file(f, dest, limits)
     return digest
+
+
+def _unpack(path: Path, dest: Path, limits: ArchiveLimits, expected_sha256: str | None) -> str:
+    """Unpack `path` into `dest` and return its digest, the pin checked against the bytes read.
+
+    A file goes through `unpack_file` (hashed and unpacked through one descriptor); a directory's
+    digest is taken while it is copied (`archive_formats.copy_directory`)."""
+    if path.is_dir():
+        digest = copy_directory(path, dest, limits)
+        _check_pin(path, digest, expected_sha256)
+        return digest
+    return unpack_file(
+        path,
+        dest,
+        limits,
+        expected_sha256,
+        not_regular=f"{path.name} is not a regular file or a directory; allowed: {_ALLOWED}",
+    )
 
 
 def _settle(staging: Path) -> Path:

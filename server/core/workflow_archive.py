@@ -29,20 +29,18 @@ hard links: no byte is copied.
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import shutil
-import stat
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mariner.server.core.archive import ModelArchive, resolve_in_store
+from mariner.server.core.archive import ModelArchive, resolve_in_store, unpack_file
 from mariner.server.core.archive_fields import check_handler, inside
-from mariner.server.core.archive_formats import ArchiveLimits, extract_file
+from mariner.server.core.archive_formats import ArchiveLimits
 from mariner.server.core.errors import ServingError
 from mariner.server.core.names import check_model_name
 from mariner.server.core.safe_yaml import YamlRefused, load_yaml
@@ -94,17 +92,17 @@ class WorkflowArchive:
 
 
 def _unpack(path: Path, dest: Path) -> str:
-    """Unpack the regular file `path` into `dest` (hashed from the very bytes unpacked)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file; a workflow archive is a .war file (a zip)")
-        h = hashlib.sha256()
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-        f.seek(0)
-        extract_file(f, dest, WAR_LIMITS)
-    return h.hexdigest()
+    """Unpack the regular file `path` into `dest` and return its sha256 (hashed from the very
+    bytes unpacked), through the model archive's own `unpack_file` so both kinds take the same
+    care; a workflow has no digest pin, its caps are `WAR_LIMITS`, and a directory is refused
+    (a workflow archive is only ever a .war file)."""
+    return unpack_file(
+        path,
+        dest,
+        WAR_LIMITS,
+        None,
+        not_regular="not a regular file; a workflow archive is a .war file (a zip)",
+    )
 
 
 def _read(where: str, path: Path | None, what: str, limit: int) -> bytes:

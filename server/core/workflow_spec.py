@@ -211,13 +211,18 @@ def _models(
 
 
 def _edges(where: str, workflow: str, dag: Any) -> tuple[list[str], dict[str, tuple[str, ...]]]:
-    """The nodes in the order the dag first names them, and each node's targets."""
+    """The nodes in the order the dag first names them, and each node's targets.
+
+    The dag is untrusted archive input, so the node cap (`MAX_NODES`) is enforced while it is read,
+    not after: a specification naming tens of thousands of nodes is refused after at most
+    MAX_NODES + 1 + MAX_TARGETS names, and `order` is a dict (insertion-ordered) so that each
+    membership test is O(1) rather than a scan of the nodes seen so far."""
     if not isinstance(dag, Mapping) or not dag:
         raise workflow_refused(
             f"{where}: dag must be a non-empty mapping of node -> the nodes it feeds, e.g. "
             "'preprocessing: [m1]'"
         )
-    order: list[str] = []
+    order: dict[str, None] = {}
     edges: dict[str, tuple[str, ...]] = {}
     for key, targets in dag.items():
         src = _node_name(f"{where}: dag", workflow, key)
@@ -234,10 +239,14 @@ def _edges(where: str, workflow: str, dag: Any) -> tuple[list[str], dict[str, tu
             if t is not None and str(t).strip()
         ]
         for name in (src, *named):
-            if name not in order:
-                order.append(name)
-        edges[src] = (*edges.get(src, ()), *named)
-    return order, edges
+            order.setdefault(name, None)
+        if len(order) > MAX_NODES:
+            raise workflow_refused(
+                f"{where}: the dag has {len(order)} nodes; at most {MAX_NODES} are allowed"
+            )
+        # A mapping's keys are unique and a node name is the key itself, so `src` is new here.
+        edges[src] = tuple(named)
+    return list(order), edges
 
 
 def _function_name(where: str, name: str) -> str:
@@ -255,9 +264,7 @@ def parse_spec(doc: Any, where: str, workflow: str) -> WorkflowSpec:
     if not isinstance(doc, Mapping):
         raise workflow_refused(f"{where}: the specification must be a mapping with models: and dag:")
     defaults, models = _models(where, workflow, doc.get("models"))
-    order, edges = _edges(where, workflow, doc.get("dag"))
-    if len(order) > MAX_NODES:
-        raise workflow_refused(f"{where}: the dag has {len(order)} nodes; at most {MAX_NODES} are allowed")
+    order, edges = _edges(where, workflow, doc.get("dag"))  # refuses more than MAX_NODES nodes
     unused = sorted(set(models) - set(order))
     if unused:  # TorchServe registers only the nodes of the dag
         log.warning("%s: models %s are not in the dag and are not registered", where, unused[:8])

@@ -222,6 +222,16 @@ def test_more_nodes_than_the_cap_are_refused(tmp_path: Path, store: Path) -> Non
     assert f"at most {MAX_NODES}" in err.message
 
 
+def test_a_dag_with_far_more_keys_than_the_cap_is_refused_while_it_is_read(
+    tmp_path: Path, store: Path
+) -> None:
+    # Untrusted input: thousands of dag keys must be refused by the node cap, with its message.
+    spec = {"dag": {f"f{i}": [] for i in range(50 * MAX_NODES)}}
+    err = refusal(make_war(tmp_path / "wf.war", spec, handler=None), store, tmp_path / "work")
+    # refused on the first node past the cap, not after reading all 50 * MAX_NODES keys
+    assert f"the dag has {MAX_NODES + 1} nodes; at most {MAX_NODES} are allowed" in err.message
+
+
 # -- the archive and its files ----------------------------------------------------------------
 def test_a_specification_with_an_alias_is_refused(tmp_path: Path, store: Path) -> None:
     spec = "models:\n  base: &b {url: m.mar}\n  m1: *b\ndag:\n  pre: [m1]\n"
@@ -271,3 +281,26 @@ def test_something_that_is_not_a_zip_is_refused(tmp_path: Path, store: Path) -> 
 
 def test_java_text_writes_the_dag_as_torchserve_s_describe() -> None:
     assert java_text({"a": ["b", "c"], "b": None, "c": [1, True]}) == "{a=[b, c], b=null, c=[1, true]}"
+
+
+@pytest.mark.parametrize(
+    ("kind", "why"),
+    [
+        ("directory", "Is a directory"),  # os.fdopen refuses it before the regular-file check
+        ("fifo", "not a regular file; a workflow archive is a .war file"),
+    ],
+)
+def test_a_workflow_archive_that_is_not_a_regular_file_is_refused(
+    tmp_path: Path, store: Path, kind: str, why: str
+) -> None:
+    # Unpacked by the model archive's own unpack_file; a .war is never a directory.
+    war = tmp_path / "wf.war"
+    if kind == "directory":
+        war.mkdir()
+        (war / "WAR-INF").mkdir()
+        (war / "WAR-INF" / "MANIFEST.json").write_text("{}")
+    else:
+        os.mkfifo(war)
+    err = refusal(war, store, tmp_path / "work")
+    assert err.message.startswith("workflow archive wf.war refused: ")
+    assert why in err.message
