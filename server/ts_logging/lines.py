@@ -156,9 +156,11 @@ def metric_message(
 
 # TorchServe's backend metric line (`ts.metrics.caching_metric`, parsed by its frontend's
 # `Metric.parse` with this pattern): `name.unit:value|#dims|#type:GAUGE|#hostname:h,ts,reqid`.
+# The name starts at a word character: TorchServe's `\s*([\w\s]+)` backtracks quadratically over
+# a long run of spaces (seconds for one 16 KiB line, on the thread that reads every worker's pipe).
 METRICS_PREFIX = "[METRICS]"
 _BACKEND = re.compile(
-    r"\s*([\w\s]+)\.([\w\s]+):([0-9\-,.e]+)\|#([^|]*)(\|#type:([^|,]+))?\|#hostname:([^,]+),([^,]+)(,(.*))?",
+    r"\s*(\w[\w\s]*)\.([\w\s]+):([0-9\-,.e]+)\|#([^|]*)(\|#type:([^|,]+))?\|#hostname:([^,]+),([^,]+)(,(.*))?",
     re.ASCII,
 )
 
