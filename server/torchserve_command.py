@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mariner.server.torchserve_tokens import write_private_file
+
 PID_FILE_NAME = ".model_server.pid"
 # Where KServe routes a TorchServe ServingRuntime's traffic: the port TorchServe's KServe image
 # serves its wrapper on (its config.properties moves TorchServe itself to 8085).
@@ -118,6 +120,9 @@ def stop(foreground: bool, *, wait_s: float = STOP_WAIT_S, cwd: Path | None = No
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         print("TorchServe already stopped.")
+    except PermissionError:
+        print(f"TorchServe (pid {pid}) runs as another user: it was not stopped.")
+        return 1
     else:
         # TorchServe's launcher removes the key file it leaves in the working directory.
         with contextlib.suppress(OSError):
@@ -160,7 +165,8 @@ def start(
 
 
 def _write_pid(path: Path, pid: int) -> None:
-    path.write_text(str(pid))
+    # $TMPDIR is shared: never write through a link someone else planted there.
+    write_private_file(path, str(pid))
 
 
 def main(argv: Sequence[str] | None = None, *, kserve: bool = False) -> int:

@@ -88,3 +88,34 @@ def test_a_kserve_runtime_runs_on_torchserves_configuration_alone(monkeypatch: p
     assert tc.main(["--start", "--ts-config=/mnt/models/config/config.properties"]) == 0
     assert tc.main(["--start", "--ts-config=/mnt/models/config/config.properties"], kserve=True) == 0
     assert seen == ["/etc/mariner/mariner.yaml", None]
+
+
+def test_the_pid_file_replaces_a_planted_link_and_is_ours_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$TMPDIR is shared: a link planted at the pid file's name must not send the write elsewhere."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tc.tempfile, "tempdir", None)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    tc.pid_file().symlink_to(victim)
+    assert tc.start(tc.parse(["--start", "--foreground"]), exec_server=lambda argv: None) == 0
+    assert victim.read_text() == "keep"
+    assert not tc.pid_file().is_symlink()
+    assert tc.pid_file().read_text() == str(os.getpid())
+    assert tc.pid_file().stat().st_mode & 0o777 == 0o600
+
+
+def test_stop_names_a_server_it_may_not_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tc.tempfile, "tempdir", None)
+    monkeypatch.setattr(tc, "running_server", lambda path: 4242)
+
+    def refuse(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tc.os, "kill", refuse)
+    assert tc.main(["--stop"]) == 1
+    assert capsys.readouterr().out == "TorchServe (pid 4242) runs as another user: it was not stopped.\n"
