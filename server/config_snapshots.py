@@ -20,6 +20,7 @@ can write (anyone who can plant a file there would choose what the next start se
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -120,7 +121,8 @@ def write_snapshot(
         if name[:17] <= latest:
             # Names order the snapshots (the newest is restored): a change in the same millisecond
             # as the last one, or a clock set back, is written just after it.
-            now = max(now, _time_of(latest)) + 0.0015
+            after = _time_of(latest)  # a name from _snapshots or our own: always a time
+            now = max(now, now if after is None else after) + 0.0015
             continue
         text = properties_text({**props, "model_snapshot": model_snapshot_json(name, models, now)}, now)
         try:
@@ -137,23 +139,37 @@ def write_snapshot(
     return directory / name
 
 
-def _time_of(name: str) -> float:
-    """The time a snapshot's name says (local time, to the millisecond)."""
-    whole = time.mktime(time.strptime(name[:14], "%Y%m%d%H%M%S"))
-    return whole + int(name[14:17]) / 1000
+def _time_of(name: str) -> float | None:
+    """The time a snapshot's name says (local time, to the millisecond), or None when its digits
+    are no date (`20241399...`): such a file is not one TorchServe or we wrote, and a stray file
+    in the directory must never stop a start or a write (strptime's ValueError did)."""
+    digits = name[:17]
+    try:
+        stamp = datetime.datetime(
+            int(digits[0:4]), int(digits[4:6]), int(digits[6:8]),
+            int(digits[8:10]), int(digits[10:12]), int(digits[12:14]),
+        )  # fmt: skip
+        whole = time.mktime(stamp.timetuple())  # tm_isdst -1: the local rule of that date
+    except (ValueError, OverflowError):
+        return None
+    return whole + int(digits[14:17]) / 1000
 
 
 def _snapshots(directory: Path) -> list[Path]:
-    """The snapshot files of `directory`, oldest first (their names sort by time)."""
+    """The snapshot files of `directory`, oldest first (their names sort by time): names of
+    TorchServe's form whose digits are a real time; any other file is left alone."""
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    return [directory / n for n in sorted(names) if _NAME.match(n)]
+    return [directory / n for n in sorted(names) if _NAME.match(n) and _time_of(n) is not None]
 
 
 def _prune(directory: Path, keep: int) -> None:
-    for old in _snapshots(directory)[: max(0, len(_snapshots(directory)) - keep)]:
+    """Remove the oldest snapshots beyond `keep` (the directory listed once: a second listing
+    could differ from the first and cut the wrong ones)."""
+    found = _snapshots(directory)
+    for old in found[: max(0, len(found) - keep)]:
         try:
             os.unlink(old)
         except OSError as exc:

@@ -4,7 +4,8 @@ TorchServe writes one at start (`startup`), after every management change that s
 (`snapshot`: register, unregister, scale, set-default) and at a clean stop (`shutdown`). The
 settings part is a config.properties a later start can read: the TorchServe config file this
 server read (its keys as written, `$$VAR$$` substituted), with the keys Mariner maps set to what
-the server runs with (model store, listeners and their TLS, defaults, the model API); the models
+the server runs with (model store, listeners and their TLS, defaults, the model API, TorchServe's
+token authorization and key lifetime, per-model dependencies), whatever the file said; the models
 part is every version served (`ModelViews.snapshot_models`). Mariner's own settings (tokens,
 limits) are not TorchServe keys and are never written. The file format and which snapshot a
 start restores are `config_snapshots`'s.
@@ -25,6 +26,7 @@ from typing import Any
 
 from mariner.server.config import ServerConfig
 from mariner.server.config_snapshots import snapshot_dir, write_snapshot
+from mariner.server.listeners import LISTENER_NAMES, tls_listeners
 from mariner.server.torchserve_properties import read_properties, substitute_env
 
 log = logging.getLogger("mariner.supervisor")
@@ -60,26 +62,40 @@ def _read_file_props(cfg: ServerConfig, env: Mapping[str, str]) -> dict[str, str
     return {k: v for k, v in props.items() if k not in ("model_snapshot", "tsConfigFile")}
 
 
+def _encrypted(cfg: ServerConfig) -> frozenset[str]:
+    """The listeners a snapshot writes as TLS: `listeners.tls_listeners`, the rule the server
+    serves by, so that a restored snapshot encrypts exactly what this server does (a second
+    parser here disagreed with it: an empty `tls_listeners` is no listener there). A setting it
+    refuses (ValueError) fails the start in `check_exposure`, before any snapshot is written, and
+    that error is the one to show, not a traceback from here; until then every listener counts
+    as encrypted, so that a mistake can only ever write TLS, never plain text."""
+    if cfg.tls_cert_file is None or cfg.tls_key_file is None:
+        return frozenset()
+    try:
+        return tls_listeners(cfg)
+    except ValueError:
+        return frozenset(LISTENER_NAMES)
+
+
 def snapshot_properties(cfg: ServerConfig, env: Mapping[str, str]) -> dict[str, str]:
-    """The settings part of every snapshot: the file's keys, with what the server runs with."""
+    """The settings part of every snapshot: the file's keys, with what the server runs with.
+
+    Every key the server's settings decide is written from `cfg`, never left as the file had it:
+    flags and environment variables (MARINER_*, TS_*) override the file, and a snapshot that
+    kept the file's value would restore a server other than this one, e.g. with token
+    authorization off or keys that live longer than the running server allows."""
     props = _read_file_props(cfg, env)
-    tls = cfg.tls_cert_file is not None and cfg.tls_key_file is not None
-    covered = {n.strip() for n in cfg.tls_listeners.split(",")} if cfg.tls_listeners else None
-
-    def encrypted(listener: str) -> bool:
-        return tls and (covered is None or listener in covered)
-
+    encrypted = _encrypted(cfg)
     for key, field in _HTTP:
-        if key not in props:  # the file's own value keeps its scheme; a flag's gets the TLS in force
-            scheme = "https" if encrypted(key.removesuffix("_address")) else "http"
-            props[key] = f"{scheme}://{getattr(cfg, field)}"
+        scheme = "https" if key.removesuffix("_address") in encrypted else "http"
+        props[key] = f"{scheme}://{getattr(cfg, field)}"
     for which in ("inference", "management"):
-        if f"grpc_{which}_address" not in props and f"grpc_{which}_port" not in props:
-            host, _, port = str(getattr(cfg, f"grpc_{which}_address")).rpartition(":")
-            props[f"grpc_{which}_address"], props[f"grpc_{which}_port"] = host, port
-    if tls and "private_key_file" not in props:
+        host, _, port = str(getattr(cfg, f"grpc_{which}_address")).rpartition(":")
+        props[f"grpc_{which}_address"], props[f"grpc_{which}_port"] = host, port
+    props.pop("enable_grpc_ssl", None)
+    if encrypted:
         props.update(private_key_file=str(cfg.tls_key_file), certificate_file=str(cfg.tls_cert_file))
-        if encrypted("grpc_inference") or encrypted("grpc_management"):
+        if {"grpc_inference", "grpc_management"} & encrypted:  # TorchServe's key covers both
             props["enable_grpc_ssl"] = "true"
     props["model_store"] = str(cfg.model_store)
     if cfg.models:
@@ -93,14 +109,13 @@ def snapshot_properties(cfg: ServerConfig, env: Mapping[str, str]) -> dict[str, 
             props[key] = _number(value)
     if cfg.model_overrides:
         props["models"] = json.dumps(cfg.model_overrides)
-    if cfg.install_py_dep_per_model:
-        props["install_py_dep_per_model"] = "true"
+    props["install_py_dep_per_model"] = "true" if cfg.install_py_dep_per_model else "false"
     if cfg.service_envelope:
         props["service_envelope"] = cfg.service_envelope
     if cfg.metrics_config is not None:
         props["metrics_config"] = str(cfg.metrics_config)
-    if getattr(cfg, "disable_token_auth", False):
-        props["disable_token_authorization"] = "true"
+    props["disable_token_authorization"] = "true" if cfg.disable_token_auth else "false"
+    props["token_expiration_min"] = _number(cfg.token_expiration_min)
     return props
 
 

@@ -3,10 +3,12 @@ which one a start restores and what it then serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,9 @@ from mariner.server.config_snapshots import (
     write_snapshot,
 )
 from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.supervisor.snapshots import snapshot_properties
-from mariner.server.torchserve_properties import read_properties
+from mariner.server.listeners import tls_listeners
+from mariner.server.supervisor.snapshots import ConfigSnapshots, snapshot_properties
+from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
 
 pytestmark = pytest.mark.unit
 
@@ -179,3 +182,106 @@ def test_a_listener_is_written_with_the_tls_it_is_served_with(tmp_path: Path) ->
         every[k].startswith("https://")
         for k in ("inference_address", "management_address", "metrics_address")
     )
+
+
+def test_settings_the_running_server_overrode_are_written_as_it_runs(tmp_path: Path) -> None:
+    """A restored snapshot must never come back with token authorization off, longer-lived keys
+    or another address because the file said so while the server ran otherwise (flags, env)."""
+    props = tmp_path / "config.properties"
+    props.write_text(
+        "disable_token_authorization=true\ntoken_expiration_min=600\ninstall_py_dep_per_model=true\n"
+        "inference_address=http://0.0.0.0:8080\nmanagement_address=http://0.0.0.0:8081\n"
+        "grpc_inference_port=7000\n"
+    )
+    env = {
+        "MARINER_DISABLE_TOKEN_AUTH": "false",
+        "MARINER_TOKEN_EXPIRATION_MIN": "5",
+        "MARINER_INSTALL_PY_DEP_PER_MODEL": "false",
+    }
+    cfg = load_config(
+        ["--ts-config", str(props), "--inference-address", "127.0.0.1:9080", "--grpc-inference-address",
+         "127.0.0.1:9070"],
+        env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert (cfg.disable_token_auth, cfg.token_expiration_min) == (False, 5.0)
+    written = snapshot_properties(cfg, env)
+    assert written["disable_token_authorization"] == "false"
+    assert written["token_expiration_min"] == "5"
+    assert written["install_py_dep_per_model"] == "false"
+    assert written["inference_address"] == "http://127.0.0.1:9080"  # the flag beat the file
+    assert written["management_address"] == "http://0.0.0.0:8081"  # the file's, as the server runs it
+    assert (written["grpc_inference_address"], written["grpc_inference_port"]) == ("127.0.0.1", "9070")
+    restored = from_torchserve_properties(written)
+    assert (restored["disable_token_auth"], restored["token_expiration_min"]) == (False, 5.0)
+    assert restored["install_py_dep_per_model"] == "false"
+    assert restored["inference_address"] == "127.0.0.1:9080"
+    assert restored["grpc_inference_address"] == "127.0.0.1:9070"
+    off = snapshot_properties(replace(cfg, disable_token_auth=True, token_expiration_min=0.5), env)
+    assert (off["disable_token_authorization"], off["token_expiration_min"]) == ("true", "0.5")
+
+
+@pytest.mark.parametrize("listeners", [None, "", "inference", "grpc_inference", "metrics,grpc_management"])
+def test_a_snapshots_tls_is_the_servers_tls_listeners(tmp_path: Path, listeners: str | None) -> None:
+    """One rule for which listeners TLS covers: listeners.tls_listeners (an empty setting is no
+    listener, not every one)."""
+    cfg = ServerConfig(
+        tls_cert_file=tmp_path / "c.pem", tls_key_file=tmp_path / "k.pem", tls_listeners=listeners
+    )
+    served = tls_listeners(cfg)
+    written = snapshot_properties(cfg, {})
+    for name in ("inference", "management", "metrics"):
+        scheme = "https" if name in served else "http"
+        assert written[f"{name}_address"].startswith(f"{scheme}://"), name
+    grpc = bool({"grpc_inference", "grpc_management"} & served)
+    assert written.get("enable_grpc_ssl") == ("true" if grpc else None)
+
+
+def test_a_files_tls_the_server_does_not_serve_is_not_written(tmp_path: Path) -> None:
+    props = tmp_path / "config.properties"
+    props.write_text(
+        "inference_address=https://127.0.0.1:8443\nmetrics_address=https://127.0.0.1:8445\n"
+        "enable_grpc_ssl=true\nprivate_key_file=file-k.pem\ncertificate_file=file-c.pem\n"
+    )
+    cfg = load_config(
+        ["--ts-config", str(props), "--tls-listeners", "inference", "--tls-key-file", str(tmp_path / "k.pem"),
+         "--tls-cert-file", str(tmp_path / "c.pem")],
+        env={}, cwd=tmp_path,
+    )  # fmt: skip
+    assert tls_listeners(cfg) == {"inference"}
+    written = snapshot_properties(cfg, {})
+    assert written["inference_address"] == "https://127.0.0.1:8443"
+    assert written["metrics_address"] == "http://127.0.0.1:8445"
+    assert "enable_grpc_ssl" not in written
+    assert (written["private_key_file"], written["certificate_file"]) == (
+        str(tmp_path / "k.pem"),
+        str(tmp_path / "c.pem"),
+    )
+
+
+def test_a_stray_file_with_a_snapshot_like_name_stops_nothing(tmp_path: Path) -> None:
+    """17 digits that are no date (month 13) are no snapshot: never parsed as a time, restored
+    or pruned, and writing goes on."""
+    directory = tmp_path / "config"
+    directory.mkdir(mode=0o700)
+    stray = [directory / "20991399000000000-snapshot.cfg", directory / "20241232250000000-startup.cfg"]
+    for path in stray:
+        path.write_text("not ours")
+        os.chmod(path, 0o600)
+    first = write_snapshot(directory, "startup", {}, {}, keep=1)
+    second = write_snapshot(directory, "snapshot", {}, {}, keep=1)
+    assert not first.exists()  # pruned down to one real snapshot
+    assert second.exists()
+    assert all(path.exists() for path in stray)
+    assert last_snapshot(directory) == second
+
+
+def test_a_stray_file_never_fails_the_supervisors_save(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    (log_dir / "config").mkdir(parents=True)
+    (log_dir / "config" / "99991399999999999-shutdown.cfg").write_text("x")
+    snapshots = ConfigSnapshots(
+        ServerConfig(model_store=tmp_path), lambda: {}, {"LOG_LOCATION": str(log_dir)}
+    )
+    path = asyncio.run(snapshots.save("startup"))
+    assert path is not None
+    assert path.exists()
