@@ -125,8 +125,10 @@ class WorkerProcess:
             except zygote.ZygoteUnavailable as exc:
                 log.warning("worker %s: %s; starting a fresh interpreter instead", self._spec.id, exc)
             except TimeoutError:
-                log.warning("worker %s: the zygote did not fork it within %g s; starting a fresh "
-                            "interpreter instead", self._spec.id, timeout)  # fmt: skip
+                # The fork and the load share one deadline, and it has passed: a fresh interpreter
+                # started now would be killed at once, so no worker can be ready in time. `_fork`
+                # has closed its pipes; the zygote kills a child it forks for the cancelled request.
+                raise self._start_timeout(timeout) from None
         if ready_fd is None:
             ready_fd = self._spawn()
         self._attach_output()
@@ -150,11 +152,7 @@ class WorkerProcess:
         except TimeoutError:
             self.kill()
             await self.wait()
-            raise WorkerStartTimeout(
-                Code.INTERNAL,
-                f"model {self._spec.model} version {self._spec.version}: its worker was not ready "
-                f"within its startupTimeout ({timeout:g} s) and was killed",
-            ) from None
+            raise self._start_timeout(timeout) from None
         except BaseException:
             self.kill()
             raise
@@ -175,6 +173,15 @@ class WorkerProcess:
             ts_name=self._spec.ts_name,
         )
         return self._endpoint
+
+    def _start_timeout(self, timeout: float) -> WorkerStartTimeout:
+        """The error for a start past its startupTimeout: one message whether the fork or the
+        load ran out of time, so the caller need not know which."""
+        return WorkerStartTimeout(
+            Code.INTERNAL,
+            f"model {self._spec.model} version {self._spec.version}: its worker was not ready "
+            f"within its startupTimeout ({timeout:g} s) and was killed",
+        )
 
     def _output_pipes(self) -> tuple[int, int]:
         """The write ends the worker gets as its stdout and stderr: pipes for `output` to read
