@@ -11,10 +11,17 @@ id and writes a `protocol.Partial` frame to that frontend at once, ahead of the 
   which waits for room when the frontend is behind, slowing the handler instead of buffering);
 - a coroutine handler runs on the loop: the frame is written as any other (the loop flushes it
   at the handler's next await);
-- from another thread of the handler's, the loop is asked to write it.
+- from another thread of the handler's, the frame is held on the call, in order, and written by
+  whichever comes first: the loop (asked with `call_soon_threadsafe`; for a coroutine handler),
+  the handler's next part on the loop's thread, or `finish` when the call returns, ahead of the
+  batch's `Result`. A plain handler's loop runs nothing before that `Result` is written, so a
+  frame left to the loop alone would follow it, and the frontend drops a part that comes after
+  its request's answer. Another thread tries `send_now` only for a frontend with no part held,
+  so no part overtakes an earlier one to the same frontend.
 
 A part sent after its call returned, or naming a request the call does not hold, is dropped with
-a log line: its request already has its answer, or is not this call's.
+a log line: its request already has its answer, or is not this call's. One lock orders each part
+against `finish`: a part is written (or held) before the `Result`, or dropped.
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ class HandlerCall:
         self._loop_thread = loop_thread
         self._loop_blocked = loop_blocked
         self._routes: dict[str, tuple[Any, int]] | None = None
+        # Parts from the handler's other threads, in the order sent: (conn, frame, refs).
+        self._held: list[tuple[Any, bytes, list[protocol.ShmRef]]] = []
+        # Taken by each `deliver` and by `finish`: no part passes the `done` check and is then
+        # written (or held) after the call's Result, where it would be lost.
+        self._lock = threading.Lock()
 
     def route(self, request_id: str) -> tuple[Any, int] | None:
         """The job and position of `request_id` (found on the first part; most calls send none)."""
@@ -62,6 +74,10 @@ class HandlerCall:
         return self._routes.get(request_id)
 
     def deliver(self, request_id: str, part: InferResult) -> None:
+        with self._lock:
+            self._deliver(request_id, part)
+
+    def _deliver(self, request_id: str, part: InferResult) -> None:
         if self.done:
             log.warning("%s: an intermediate answer sent after its call returned is dropped", self._what)
             return
@@ -75,9 +91,38 @@ class HandlerCall:
         if not conn.open:
             return
         frame, refs = protocol.encode(protocol.Partial(job.batch.id, index, part))
+        on_loop = threading.get_ident() == self._loop_thread
+        if on_loop:
+            self._write_held()  # the parts other threads sent first go first
+        elif self._loop_blocked and any(held is conn for held, _, _ in self._held):
+            self._held.append((conn, frame, refs))  # behind this frontend's held parts
+            return
         if self._loop_blocked and conn.send_now(frame, refs):
             return
-        if threading.get_ident() == self._loop_thread:
+        if on_loop:
             conn.send(frame, refs)  # behind what the transport still holds, in order
-        elif self._loop is not None:
-            self._loop.call_soon_threadsafe(conn.send, frame, refs)
+            return
+        self._held.append((conn, frame, refs))
+        if self._loop_blocked or self._loop is None:
+            return  # no loop can write it before the call returns: `finish` writes it then
+        if len(self._held) == 1:  # else a write is already asked for
+            self._loop.call_soon_threadsafe(self._write_held_locked)
+
+    def _write_held(self) -> None:
+        """Write the held parts, in order (on the loop's thread, the lock held). Each leaves the
+        list as it is written, so whichever of the loop's callback, the next part on the loop's
+        thread or `finish` comes first writes it, and the others find nothing: written once."""
+        held, self._held = self._held, []
+        for conn, frame, refs in held:
+            conn.send(frame, refs)  # a closed conn unlinks the part's segments
+
+    def _write_held_locked(self) -> None:
+        with self._lock:
+            self._write_held()
+
+    def finish(self) -> None:
+        """The call returned (on the loop's thread): drop any later part and write the held ones,
+        before the caller writes the batch's Result behind them."""
+        with self._lock:
+            self.done = True
+            self._write_held()

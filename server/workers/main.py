@@ -28,8 +28,8 @@ asyncCommunication worker runs it: each merged batch becomes a task, up to
 
 Intermediate answers (`send_intermediate_predict_response`) go to the frontend that sent the
 request as `protocol.Partial` frames while the handler runs, ahead of the batch's `Result`; with
-the loop busy in a plain handler they are written before the handler's call returns
-(`handler_call.py`).
+the loop busy in a plain handler they are written before the handler's call returns, or, sent
+from another of its threads while the frontend is behind, as it returns (`handler_call.py`).
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ class Worker:
                 outcome = call_off_loop(self.host.run_batch, requests, call.deliver)
             except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
                 outcome = exc
-            call.done = True
+            call.finish()  # parts its other threads left go before the Result
             self._answer(jobs, outcome)
             self._gpu_gauge.sample()
             if self.exit_code:
@@ -292,7 +292,7 @@ class Worker:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure is answered per batch
             outcome = exc
-        call.done = True
+        call.finish()
         self._answer(call.jobs, outcome)
         self._gpu_gauge.sample()
 
@@ -453,13 +453,13 @@ def run_worker(spec: WorkerSpec, ready_fd: int = 1) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - any failure to load is reported, then exit 3
         from mariner.server.core.errors import ServingError
 
-        ours = isinstance(exc, ServingError)
-        reason = exc.message if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
-        if ours:
+        ours = exc if isinstance(exc, ServingError) else None  # one check: narrowed for mypy
+        reason = ours.message if ours is not None else f"{type(exc).__name__}: {exc}"
+        if ours is not None:
             log.error("worker %s: loading failed: %s", spec.id, reason)
         else:  # the traceback says what was raised; the supervisor's line points here
             log.error("worker %s: loading the handler failed", spec.id, exc_info=True)
-        ready = {"ready": False, "error": reason[:2000], "traceback": not ours}
+        ready = {"ready": False, "error": reason[:2000], "traceback": ours is None}
         ready_out.write(json.dumps(ready) + "\n")
         ready_out.flush()
         _end(EXIT_LOAD_FAILED)

@@ -250,3 +250,128 @@ def test_each_part_goes_to_the_batch_and_position_of_its_request() -> None:
     assert one.queued == []
     # Behind the frames the transport holds: queued there, in order.
     assert [(m.id, m.index, m.result.body) for m in two.queued] == [(3, 0, b"to c")]
+
+
+class RecordingLink:
+    """A frontend whose transport still holds earlier frames (`send_now` writes nothing): what
+    the loop would put on the wire, Partial and Result alike, in the order it was given."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.wire: list[object] = []
+        self._lock = __import__("threading").Lock()
+
+    def send_now(self, frame: bytes, refs: list[protocol.ShmRef]) -> bool:
+        return False
+
+    def send(self, frame: bytes, refs: list[protocol.ShmRef]) -> None:
+        with self._lock:
+            self.wire.extend(protocol.FrameSplitter().feed(frame))
+
+    def bodies(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for m in self.wire:
+            if isinstance(m, protocol.Partial):
+                out.append(("part", m.result.body))
+            elif isinstance(m, protocol.Result):
+                out.extend(("result", r.body) for r in m.results)
+        return out
+
+
+def in_thread(fn: Callable[[], None]) -> None:
+    import threading
+
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_a_plain_handlers_parts_from_its_threads_are_held_and_written_in_order_by_finish() -> None:
+    import threading
+
+    from mariner.server.workers.handler_call import HandlerCall
+
+    link = RecordingLink()
+    call = HandlerCall(
+        [Job(link, 5, ["a"])],  # type: ignore[arg-type]
+        what="test",
+        loop=None,
+        loop_thread=threading.get_ident(),
+        loop_blocked=True,
+    )
+    call.deliver("a", part(b"1"))  # the loop's thread: behind the transport's frames
+    in_thread(lambda: call.deliver("a", part(b"2")))  # another thread: held
+    in_thread(lambda: call.deliver("a", part(b"3")))
+    assert link.bodies() == [("part", b"1")]
+    call.deliver("a", part(b"4"))  # the loop's thread again: the held parts go first
+    in_thread(lambda: call.deliver("a", part(b"5")))
+    call.finish()
+    call.finish()  # nothing is written twice
+    in_thread(lambda: call.deliver("a", part(b"late")))  # after the call returned: dropped
+    assert link.bodies() == [("part", b) for b in (b"1", b"2", b"3", b"4", b"5")]
+
+
+def test_a_coroutine_handlers_parts_from_its_threads_are_written_once_by_loop_or_finish() -> None:
+    import threading
+
+    from mariner.server.workers.handler_call import HandlerCall
+
+    async def body() -> None:
+        link = RecordingLink()
+        call = HandlerCall(
+            [Job(link, 5, ["a"])],  # type: ignore[arg-type]
+            what="test",
+            loop=asyncio.get_running_loop(),
+            loop_thread=threading.get_ident(),
+            loop_blocked=False,
+        )
+        in_thread(lambda: call.deliver("a", part(b"1")))
+        await asyncio.sleep(0)  # the loop's callback writes it
+        assert link.bodies() == [("part", b"1")]
+        in_thread(lambda: call.deliver("a", part(b"2")))
+        in_thread(lambda: call.deliver("a", part(b"3")))
+        call.finish()  # before the callback runs: finish writes them
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the callback finds nothing left
+        assert link.bodies() == [("part", b"1"), ("part", b"2"), ("part", b"3")]
+
+    asyncio.run(body())
+
+
+def test_a_plain_handlers_parts_from_another_thread_reach_the_frontend_before_its_result() -> None:
+    """The loop is hidden while a plain handler runs: a part its thread leaves for the loop is
+    written when the call returns, ahead of the Result (after it, the frontend drops it)."""
+    import threading
+    from types import SimpleNamespace
+
+    from mariner.server.workers.api import WorkerSpec
+    from mariner.server.workers.main import Worker, _Job
+
+    spec = WorkerSpec(
+        model="m", version="1", instance=0, generation=0, model_dir="/nonexistent",
+        archive_file="m.mar", sha256="", manifest={}, model_config={}, batch_size=4,
+        gpu_id=None, torch_threads=None, socket_path="/nonexistent/s",
+    )  # fmt: skip
+    worker: Worker
+
+    def run_batch(requests: list[InferRequest], deliver: Callable[[str, InferResult], None]) -> object:
+        for body in (b"p1", b"p2"):
+            in_thread(lambda body=body: deliver(requests[0].request_id, part(body)))  # type: ignore[misc]
+        worker.stop()  # one batch, then the dispatch loop ends
+        return [part(b"final")]
+
+    host = SimpleNamespace(placement=SimpleNamespace(gpu_id=None, device="cpu"), is_async=False,
+                           run_batch=run_batch)  # fmt: skip
+    worker = Worker(spec, host)
+    link = RecordingLink()
+
+    async def body() -> None:
+        worker._loop = asyncio.get_running_loop()
+        worker._thread = threading.get_ident()
+        worker._jobs.append(_Job(link, protocol.Batch(9, (ts("r"),)), 1))  # type: ignore[arg-type]
+        await worker._dispatch()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # whatever the loop was asked to write is written now
+
+    asyncio.run(body())
+    assert link.bodies() == [("part", b"p1"), ("part", b"p2"), ("result", b"final")]
