@@ -48,11 +48,15 @@ MAX_RECORD_LINE = 1 << 16  # what the supervisor reads of one encoded record
 
 
 def encode(record: Record) -> str:
-    message = record.message.replace(_FIELD, " ").replace("\n", _NEWLINE)
-    return (
-        f"{record.kind}{_FIELD}{int(record.time * 1000)}{_FIELD}{record.level}{_FIELD}{record.thread}"
-        f"{_FIELD}{record.logger}{_FIELD}{message}\n"
-    )
+    return encode_fields(*record)
+
+
+def encode_fields(kind: int, t: float, level: str, thread: str, logger: str, message: str) -> str:
+    """One record's line (`decode` reads it back); a message is escaped only when it needs it,
+    as most do not (the frontend's hot path)."""
+    if "\n" in message or _FIELD in message:
+        message = message.replace(_FIELD, " ").replace("\n", _NEWLINE)
+    return f"{kind}{_FIELD}{int(t * 1000)}{_FIELD}{level}{_FIELD}{thread}{_FIELD}{logger}{_FIELD}{message}\n"
 
 
 def decode(line: str) -> Record | None:
@@ -110,11 +114,7 @@ class RecordPipe:
 
     def put_fields(self, kind: int, t: float, level: str, thread: str, logger: str, message: str) -> None:
         """`put` without a Record: the frontend's hot path (`emit`'s target)."""
-        if "\n" in message or _FIELD in message:
-            message = message.replace(_FIELD, " ").replace("\n", _NEWLINE)
-        text = (
-            f"{kind}{_FIELD}{int(t * 1000)}{_FIELD}{level}{_FIELD}{thread}{_FIELD}{logger}{_FIELD}{message}\n"
-        )
+        text = encode_fields(kind, t, level, thread, logger, message)
         with self._lock:
             if self._closed or self._size + len(self._backlog) > self._max_backlog:
                 self._dropped += 1
