@@ -112,7 +112,8 @@ def test_backend_metric_lines_are_read_as_torchserves_frontend_reads_them() -> N
     for bad in ("no metric here", "X.u:notanumber|#|#hostname:h,1", "X.u:1|#a:b", " " * 16384):
         assert parse_backend_metric(bad) is None
     padded = parse_backend_metric("  Handler Time.ms:1|#|#hostname:h1,1714")
-    assert padded is not None and padded.name == "Handler Time", "leading space is not the name's"
+    assert padded is not None
+    assert padded.name == "Handler Time", "leading space is not the name's"
 
 
 def test_a_log_file_rotates_by_size_and_keeps_a_bounded_number_of_old_files(tmp_path: Path) -> None:
