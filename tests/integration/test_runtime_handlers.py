@@ -9,11 +9,15 @@
 - Async handlers (`async def handle`, asyncCommunication): two calls overlap in one worker,
   proved by events: the first waits for an event only the second sets.
 - The path after the version reaches the handler as the `url_path` header.
+- A status or header HTTP cannot carry (1xx, 600, a bad header name, CR/LF in a value) is a
+  500 naming the handler's value, 204/304 go without a body, and the keep-alive connection
+  answers the next request either way.
 Envelopes (kserve, kservev2) have their own module: test_envelopes.py.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 from collections.abc import Iterator
@@ -125,6 +129,25 @@ class UrlPathHandler:
         return [self.context.get_request_header(i, "url_path") for i in range(len(data))]
 """
 
+WIRE_HANDLER = """
+import json
+
+
+def handle(data, context):
+    if data is None:
+        return None
+    out = []
+    for i, row in enumerate(data):
+        ask = row.get("body")
+        if isinstance(ask, (bytes, bytearray)):
+            ask = json.loads(ask)
+        context.set_response_status(ask.get("status", 200), "", idx=i)
+        for name, value in ask.get("headers", {}).items():
+            context.set_response_header(i, name, value)
+        out.append(ask.get("body", "answer"))
+    return out
+"""
+
 
 def _config(batch_size: int, delay_ms: int = 0, extra: str = "") -> str:
     return f"minWorkers: 1\nmaxWorkers: 1\nbatchSize: {batch_size}\nmaxBatchDelay: {delay_ms}\n{extra}"
@@ -137,6 +160,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
         "streamer": ("stream_handler.py", STREAM_HANDLER, _config(2)),
         "waiter": ("async_handler.py", ASYNC_HANDLER, _config(1, extra="asyncCommunication: true\n")),
         "paths": ("url_path_handler.py", URL_PATH_HANDLER, _config(2, 50)),
+        "wire": ("wire_handler.py", WIRE_HANDLER, _config(1)),
     }
     for name, (handler, code, config) in archives.items():
         write_handler_archive(
@@ -356,3 +380,74 @@ def test_a_bad_path_after_the_version_is_refused(server: MarinerServe) -> None:
     assert "at most 2048" in resp.json()["message"]
     unknown = requests.post(f"{server.http}/predictions/paths/9.9/v1/chat", json={}, timeout=TIMEOUT)
     assert unknown.status_code == 404
+
+
+# -- what a handler may put on the wire --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("ask", "named"),
+    [
+        ({"status": 100}, "the status 100"),
+        ({"status": 101}, "the status 101"),
+        ({"status": 103}, "the status 103"),
+        ({"status": 600}, "the status 600"),
+        ({"headers": {"bad name": "v"}}, "the header name 'bad name'"),
+        ({"headers": {"x-split": "a\r\nset-cookie: planted=1"}}, "header 'x-split'"),
+        ({"headers": {"x-nul": "a\u0000b"}}, "header 'x-nul'"),
+        ({"headers": {"content-type": "text/plain\r\nx-planted: 1"}}, "header 'content-type'"),
+    ],
+)
+def test_an_answer_http_cannot_carry_is_a_500_and_the_connection_serves_on(
+    server: MarinerServe, ask: dict[str, Any], named: str
+) -> None:
+    conn = http.client.HTTPConnection(urlsplit(server.http).netloc, timeout=TIMEOUT)
+    try:
+        status, headers, body = _post(conn, {**ask, "body": "secret handler body"})
+        assert status == 500
+        doc = json.loads(body)
+        assert doc["type"] == "InternalServerException"
+        assert named in doc["message"]
+        assert "planted" not in {k.lower() for k in headers}
+        assert "x-planted" not in {k.lower() for k in headers}
+        status, _, body = _post(conn, {"body": "next"})  # on the same connection
+        assert (status, body) == (200, b"next")
+    finally:
+        conn.close()
+    wait_for(lambda: named in server.log_text(), "the log line naming the handler's value")
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_a_no_body_status_is_sent_without_the_body_and_the_connection_serves_on(
+    server: MarinerServe, status: int
+) -> None:
+    sock = socket.create_connection(("127.0.0.1", urlsplit(server.http).port), timeout=TIMEOUT)
+    try:
+        reader = sock.makefile("rb")
+        for ask in ({"status": status, "body": "must not be sent"}, {"body": "next"}):
+            data = json.dumps(ask).encode()
+            sock.sendall(
+                b"POST /predictions/wire HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            line = reader.readline()
+            head = {}
+            while (h := reader.readline().strip()) != b"":
+                key, _, value = h.partition(b":")
+                head[key.strip().lower()] = value.strip()
+            if ask.get("status") == status:
+                assert line.split()[1] == str(status).encode()
+                assert b"transfer-encoding" not in head
+                assert head.get(b"content-length", b"0") == b"0"
+            else:  # had the 204's body been written, it would be read here as the status line
+                assert line.startswith(b"HTTP/1.1 200"), line
+                assert reader.read(int(head[b"content-length"])) == b"next"
+    finally:
+        sock.close()
+
+
+def _post(conn: http.client.HTTPConnection, ask: dict[str, Any]) -> tuple[int, Any, bytes]:
+    conn.request(
+        "POST", "/predictions/wire", body=json.dumps(ask), headers={"Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    return resp.status, dict(resp.getheaders()), resp.read()

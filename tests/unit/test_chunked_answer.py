@@ -73,6 +73,34 @@ def test_a_first_part_with_an_error_status_is_the_whole_answer() -> None:
     assert send.bodies() == [(b"failed", False)]
 
 
+@pytest.mark.parametrize(
+    ("first", "named"),
+    [
+        (InferResult(b"p0", status=204), "the status 204 on a streamed answer"),
+        (InferResult(b"p0", status=101), "the status 101"),
+        (InferResult(b"p0", headers={"x-a": "1\r\nx-b: 2"}), "header 'x-a'"),
+        (InferResult(b"p0", content_type="text/plain\n"), "header 'content-type'"),
+    ],
+)
+def test_a_first_part_http_cannot_carry_opens_a_500_and_is_the_whole_answer(
+    first: InferResult, named: str
+) -> None:
+    async def body() -> Recorder:
+        send = Recorder()
+        answer = ChunkedAnswer(send, "r1", head)
+        answer.partial(first)
+        answer.partial(InferResult(b"p1"))
+        await finish(answer, InferResult(b"end"))
+        return send
+
+    send = asyncio.run(body())
+    assert send.messages[0]["status"] == 500
+    [(only, more)] = send.bodies()
+    assert not more
+    assert named.encode() in only
+    assert b"p0" not in only
+
+
 @pytest.mark.parametrize("how", ["failed call", "error part"])
 def test_a_failure_after_parts_were_sent_cuts_the_answer(how: str) -> None:
     async def body() -> Recorder:

@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from mariner.server.core.streams import MAX_HELD_BYTES, too_much_held
 from mariner.server.core.types import InferResult
+from mariner.server.protocols.torchserve.answer_check import sendable
 
 log = logging.getLogger("mariner.http")
 
@@ -141,6 +142,7 @@ class ChunkedAnswer:
                     self._held -= len(part.body)
                     if not opened:
                         opened = True
+                        part = sendable(part, self._request_id, streamed=True)
                         await self._open(part)
                         if _failed(part):  # the whole answer, as TorchServe's sendError
                             await send({"type": "http.response.body", "body": part.body})

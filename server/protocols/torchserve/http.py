@@ -67,6 +67,7 @@ from mariner.server.protocols.http_common import (
     read_body,
     request_headers,
 )
+from mariner.server.protocols.torchserve.answer_check import sendable
 from mariner.server.protocols.torchserve.chunked import ChunkedAnswer, asgi_send
 from mariner.server.protocols.torchserve.forms import MAX_FORM_PARTS, decode_data
 
@@ -96,7 +97,9 @@ _MODEL_NAME = "model_name"
 
 # -- responses --------------------------------------------------------------------------------
 def _result_response(result: InferResult, request_id: str) -> Response:
-    """The handler's answer, byte for byte, with its status and headers."""
+    """The handler's answer, byte for byte, with its status and headers (once they are checked
+    sendable: see `answer_check`)."""
+    result = sendable(result, request_id)
     status, headers = _answer_head(result, request_id)
     return Response(result.body, status, headers)
 
@@ -108,10 +111,6 @@ def _answer_head(result: InferResult, request_id: str) -> tuple[int, dict[str, s
     handler set none, label bodies that start like a JSON object or array as application/json
     (what the runner produces for non-str results), so generic clients see JSON as JSON.
     """
-    status = result.status
-    if not 100 <= status <= 599:
-        log.error("handler answered request %s with status %r; sending 500", request_id, status)
-        status = STATUS[Code.INTERNAL].http
     headers = {"x-request-id": request_id}
     if result.headers:
         for k, v in result.headers.items():
@@ -121,7 +120,7 @@ def _answer_head(result: InferResult, request_id: str) -> tuple[int, dict[str, s
         headers["content-type"] = result.content_type  # verbatim: no charset appended
     elif result.body[:1] in _JSON_OPENERS:
         headers["content-type"] = JSON
-    return status, headers
+    return result.status, headers
 
 
 def url_path_of(raw: str) -> str:

@@ -21,6 +21,7 @@ body to the next node as if it were data); an empty body is refused (400) as on 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -44,6 +45,7 @@ from mariner.server.protocols.http_common import (
     read_body,
     request_headers,
 )
+from mariner.server.protocols.torchserve.answer_check import sendable
 from mariner.server.protocols.torchserve.forms import decode_data
 
 if TYPE_CHECKING:
@@ -53,8 +55,11 @@ _PROTOCOL = WireProtocol.TS_HTTP
 
 
 def _answer(result: InferResult, request_id: str, status: int | None = None) -> Response:
+    if status is not None:
+        result = replace(result, status=status)
+    result = sendable(result, request_id)
     headers = {"x-request-id": request_id, "content-type": result.content_type or JSON}
-    return Response(result.body, status or result.status, headers)
+    return Response(result.body, result.status, headers)
 
 
 def _leaves(workflow: str, leaves: list[tuple[str, InferResult]], request_id: str) -> Response:
