@@ -103,6 +103,10 @@ class ServerConfig:
     pin_index: bool = False
     require_gpu: bool = False
     install_py_dep_per_model: bool = False
+    # Bounds on those installs (see supervisor.requirements): wheels only unless builds are allowed.
+    install_py_dep_allow_builds: bool = False
+    install_py_dep_timeout_s: float = 600.0
+    install_py_dep_max_mb: int = 4096
     # TorchServe's request envelope for every model (json, kserve, kservev2, body), recorded
     # in each archive's manifest at registration as TorchServe's frontend does.
     service_envelope: str | None = None
@@ -212,6 +216,12 @@ _HELP = {
     "usable GPU such a model fails to load, with the reason, instead of falling back",
     "install_py_dep_per_model": "pip-install each archive's requirements file (model.requirementsFile) into "
     "that model's own directory before its workers start (TorchServe's install_py_dep_per_model)",
+    "install_py_dep_allow_builds": "let pip build a requirement from source (runs the package's setup code "
+    "as the server's user); off, only binary wheels are installed",
+    "install_py_dep_timeout_s": "seconds one archive's requirements may take to install (pip is stopped "
+    "after that and the model fails)",
+    "install_py_dep_max_mb": "MiB pip may write (downloads and installed files) for one archive's "
+    "requirements (pip is stopped past that and the model fails)",
     "service_envelope": "TorchServe request envelope wrapped around every model's handler: json, kserve, "
     "kservev2 or body (TorchServe's service_envelope)",
     "inference_token": "bearer token(s), comma-separated, for inference APIs (prefer the env var or a file)",
@@ -381,6 +391,8 @@ def load_config(
         "grpc_max_concurrent_streams",
         "ts_log_max_bytes",
         "metric_time_interval",
+        "install_py_dep_timeout_s",
+        "install_py_dep_max_mb",
     }
     for f in fields(cfg):
         if (f.name.startswith("http_") or f.name in positive) and not getattr(cfg, f.name) > 0:

@@ -39,7 +39,7 @@ from mariner.server.supervisor.admission import admit, check_scale
 from mariner.server.supervisor.devices import allocator
 from mariner.server.supervisor.machine import archive_estimate
 from mariner.server.supervisor.model_views import ModelViews
-from mariner.server.supervisor.requirements import requirements_step
+from mariner.server.supervisor.requirements import PipLimits, requirements_step
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import Limits, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool
@@ -91,6 +91,11 @@ class ModelRegistry(ModelViews):
         )
         self._layers = server_layers(cfg, gpus=allocator().count)  # default: a worker per GPU, else core
         self._limits = ArchiveLimits()
+        self._pip_limits = PipLimits(
+            timeout_s=cfg.install_py_dep_timeout_s,
+            max_bytes=cfg.install_py_dep_max_mb << 20,
+            allow_builds=cfg.install_py_dep_allow_builds,
+        )
         # Called after every management change that succeeded (the supervisor's config snapshot).
         self.on_management_change: Callable[[], None] = lambda: None
 
@@ -113,7 +118,9 @@ class ModelRegistry(ModelViews):
         """Install the archive's requirements before any worker (its handler may import them);
         on a failure its unpacked directory is removed."""
         try:
-            await requirements_step(archive, install=self.cfg.install_py_dep_per_model)
+            await requirements_step(
+                archive, install=self.cfg.install_py_dep_per_model, limits=self._pip_limits
+            )
         except BaseException:
             shutil.rmtree(archive.model_dir, ignore_errors=True)
             raise

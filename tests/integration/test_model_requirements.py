@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,8 +40,26 @@ class RequiringDigitsHandler(_Digits):
 '''
 
 
+SECRET = "TOP-SECRET-LINE-outside-the-store"
+# name -> the line after a good one (so the refusal names line 2); {secret} is a file outside.
+ATTACKS = {
+    "reads_outside": "-r {secret}",
+    "reads_relative": "-r ../../../../outside/secret.txt",
+    "own_index": "--index-url http://127.0.0.1:{port}/simple",
+    "local_path": "{secret}",
+}
+
+
 @pytest.fixture(scope="module")
-def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def decoy_index() -> Iterator[socket.socket]:
+    """A listener standing in for the index an archive names: a pip sent there would connect."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        sock.settimeout(0.2)
+        yield sock
+
+
+@pytest.fixture(scope="module")
+def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory, decoy_index: socket.socket) -> Path:
     assert importlib.util.find_spec(PACKAGE) is None, f"{PACKAGE} must not be in the server's environment"
     d = tmp_path_factory.mktemp("requirements")
     work = tmp_path_factory.mktemp("requirements-src")
@@ -54,6 +73,17 @@ def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     mar = model_store / "digits_torchscript.mar"
     shutil.copy(mar, d / "plain.mar")
     for name, req in (("needs_pkg", good), ("needs_missing", bad)):
+        rearchive(mar, d, name, "default", handler=handler, requirements_file=req)
+    # The review's attacks: a file outside the archive, an index of the archive's choosing, a path.
+    (outside := tmp_path_factory.mktemp("outside")).joinpath("secret.txt").write_text(SECRET + "\n")
+    for name, line in ATTACKS.items():
+        req = work / name / "requirements.txt"
+        req.parent.mkdir()
+        req.write_text(
+            "text-unidecode==1.3\n"
+            + line.format(secret=outside / "secret.txt", port=decoy_index.getsockname()[1])
+            + "\n"
+        )
         rearchive(mar, d, name, "default", handler=handler, requirements_file=req)
     return d
 
@@ -97,7 +127,7 @@ def test_a_requirement_pip_cannot_install_fails_only_that_model(server: MarinerS
     assert "No matching distribution found for mariner-no-such-package-anywhere" in server.log_text()
 
 
-def test_register_installs_requirements_and_refuses_with_pips_reason(server: MarinerServe) -> None:
+def test_register_installs_requirements_and_refuses_naming_the_requirement(server: MarinerServe) -> None:
     mgmt = f"{server.management}/models"
     ok = requests.post(
         mgmt, params={"url": "needs_pkg.mar", "model_name": "again", "synchronous": "true"}, timeout=300
@@ -119,3 +149,25 @@ def test_with_the_setting_off_requirements_are_not_installed(store: Path) -> Non
         assert _entry(srv, "needs_pkg")["mariner"]["state"] == "FAILED"
         assert "install_py_dep_per_model is off" in srv.log_text()
         assert f"No module named '{PACKAGE}'" in srv.log_text()
+
+
+def test_requirements_that_reach_beyond_packages_are_refused_before_pip(
+    server: MarinerServe, decoy_index: socket.socket
+) -> None:
+    """Replays the review's attacks: each register is a 400 naming the line, pip never runs (the
+    index the archive names is never contacted), and nothing of the outside file is quoted."""
+    for name in ATTACKS:
+        r = requests.post(
+            f"{server.management}/models",
+            params={"url": f"{name}.mar", "model_name": name, "synchronous": "true"},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        message = r.json()["message"]
+        assert "requirementsFile requirements.txt line 2:" in message
+        assert "no options such as -r" in message
+        assert SECRET not in message
+        assert name not in server.served_models()
+    with pytest.raises(TimeoutError):
+        decoy_index.accept()  # nobody came: no pip ran with the archive's index
+    assert SECRET not in server.log_text()
