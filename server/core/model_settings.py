@@ -43,6 +43,7 @@ from typing import Any
 from mariner.server.core.archive_fields import inside
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.setting_values import bad_value as _bad
+from mariner.server.core.setting_values import device_ids as _device_ids
 from mariner.server.core.setting_values import device_type as _device_type
 from mariner.server.core.setting_values import non_negative_or_positive as _number
 from mariner.server.core.setting_values import positive_int as _positive_int
@@ -430,6 +431,7 @@ def archive_overrides(model_config: Mapping[str, Any], archive_file: str) -> Set
                 f"(from {source})",
             )
     layer = SettingsOverrides.parse(model_config, source)
+    _device_ids("deviceIds", model_config.get("deviceIds"), source)  # read by the worker pool
     if layer.min_workers == 0:
         # TorchServe reads an archive's minWorkers only when it is above 0 (ModelServer and
         # ApiUtils.handleRegister): 0 leaves the count to the server, as there.

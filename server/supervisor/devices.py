@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mariner.server.core.setting_values import device_ids
+
 log = logging.getLogger("mariner.devices")
 
 
@@ -65,18 +67,9 @@ def visible_gpus() -> int:
 
 def device_ids_of(model_config: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The model-config's `deviceIds` (TorchServe's key: the GPUs this model may use), or None
-    when it names none. Raises ValueError for a value that is not a list of ids >= 0."""
-    raw = model_config.get("deviceIds")
-    if raw is None or raw == []:
-        return None
-    items = raw if isinstance(raw, list | tuple) else str(raw).split(",")
-    try:
-        ids = tuple(int(str(i).strip()) for i in items)
-    except ValueError:
-        raise ValueError(f"deviceIds must be a list of GPU ids (integers >= 0), got {raw!r}") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"deviceIds must be a list of GPU ids (integers >= 0), got {raw!r}")
-    return ids
+    when it names none. Raises ServingError for a value that is not a list of GPU ids (an
+    archive's is checked when it is registered: `core.model_settings.archive_overrides`)."""
+    return device_ids("deviceIds", model_config.get("deviceIds"), "the model-config")
 
 
 class GpuAllocator:

@@ -176,8 +176,8 @@ class WorkerPool:
             return None
         try:
             ids = device_ids_of(v.archive.model_config)
-        except ValueError as exc:
-            log.warning("model %s version %s: %s; using every visible GPU", v.name, v.version, exc)
+        except ServingError as exc:  # refused at registration; kept for configs checked elsewhere
+            log.warning("model %s version %s: %s; using every visible GPU", v.name, v.version, exc.message)
             ids = None
         return allocator().next(ids)
 

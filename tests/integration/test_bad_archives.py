@@ -61,6 +61,12 @@ def init_gate_handler(gate: Path) -> str:
     )
 
 
+# The review's model-config: nine levels of nine aliases (~1 KB; 9**9 strings once expanded).
+ALIAS_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{n}: &{n} [{','.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
 def bad_store(root: Path) -> tuple[Path, Path]:
     """good.mar and three broken archives; returns (store, the marker the escaping handler would
     write if it ever ran)."""
@@ -72,6 +78,12 @@ def bad_store(root: Path) -> tuple[Path, Path]:
         {"modelName": "badcfg", "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"},
         {"h.py": HANDLER, "c.yaml": "batchSize: lots\n"},
     )
+    for name, config in (("bomb", ALIAS_BOMB), ("devids", "deviceIds: [-1]\n")):
+        write_mar(
+            store / f"{name}.mar",
+            {"modelName": name, "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"},
+            {"h.py": HANDLER, "c.yaml": config},
+        )
     marker = root / "outside-ran"
     outside = root / "outside_handler.py"
     outside.write_text(
@@ -106,10 +118,12 @@ def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(tmp_
         listed = [
             m["modelName"] for m in requests.get(f"{srv.management}/models", timeout=30).json()["models"]
         ]
-        assert listed == ["badcfg", "badjson", "escape", "good"]
+        assert listed == ["badcfg", "badjson", "bomb", "devids", "escape", "good"]
         reasons = {
             "badjson": "MANIFEST.json is not valid JSON",
             "badcfg": "batchSize must be a positive integer, got 'lots'",
+            "bomb": "holds an alias (*name) at line 2",
+            "devids": "deviceIds must be a list of at most 1024 GPU ids",
             "escape": "model.handler",
         }
         for model, says in reasons.items():
@@ -227,4 +241,43 @@ def test_a_register_in_progress_keeps_the_server_ready(tmp_path: Path) -> None:
         assert requests.get(f"{srv.http}/readyz", timeout=30).status_code == 200
     finally:
         (gate / "release").write_text("")
+        srv.stop()
+
+
+def test_an_alias_bomb_registered_is_refused_while_the_server_keeps_answering(tmp_path: Path) -> None:
+    """The review's attack: a ~1 KB model-config of nested aliases, registered. It is refused with
+    400 naming the alias, and health, management and metrics answer throughout (they stopped, and
+    the supervisor grew to 7 GB, when the YAML was expanded on its loop)."""
+    store, _ = bad_store(tmp_path)
+    srv = _served(tmp_path, store, "good.mar")
+    stop = time.monotonic() + 20
+    slowest: list[float] = []
+
+    def poll() -> None:
+        while time.monotonic() < stop:
+            for url in (f"{srv.http}/ping", f"{srv.management}/models", f"{srv.metrics}/metrics"):
+                t0 = time.monotonic()
+                assert requests.get(url, timeout=5).status_code == 200, url
+                slowest.append(time.monotonic() - t0)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            poller = pool.submit(poll)
+            for _ in range(3):
+                r = requests.post(
+                    f"{srv.management}/models",
+                    params={"url": "bomb.mar", "initial_workers": "1", "synchronous": "true"},
+                    timeout=30,
+                )
+                assert r.status_code == 400, r.text
+                assert "holds an alias (*name) at line 2" in r.json()["message"]
+            stop = time.monotonic()  # the poller ends its round
+            poller.result()
+        assert slowest, "the poller ran"
+        assert max(slowest) < 2.0, f"a health/management/metrics call took {max(slowest):.2f} s"
+        assert srv.served_models() == ["good"]
+        assert (
+            requests.post(f"{srv.http}/predictions/good", data=OK, headers=HDR, timeout=30).status_code == 200
+        )
+    finally:
         srv.stop()

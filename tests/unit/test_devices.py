@@ -16,6 +16,7 @@ import pytest
 
 from mariner.server.control import describe, metrics
 from mariner.server.core.archive import ModelArchive
+from mariner.server.core.errors import ServingError
 from mariner.server.core.model_settings import ModelSettings
 from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
 from mariner.server.supervisor import devices
@@ -90,7 +91,7 @@ def test_device_ids_restrict_a_model_to_its_gpus(
     assert two_gpus.next([7]) is None
     assert device_ids_of({"deviceIds": "0, 1"}) == (0, 1)
     assert device_ids_of({}) is None
-    with pytest.raises(ValueError, match="deviceIds must be a list"):
+    with pytest.raises(ServingError, match="deviceIds must be a list"):
         device_ids_of({"deviceIds": ["x"]})
 
 

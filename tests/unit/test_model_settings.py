@@ -118,6 +118,26 @@ def test_max_workers_follows_a_higher_min_workers() -> None:
         ({"minWorkers": -2}, "minWorkers must be an integer >= 0, got -2 (from archive x.mar)"),
         ({"maxWorkers": "many"}, "maxWorkers must be an integer >= 0, got 'many' (from archive x.mar)"),
         ({"deviceType": "tpu"}, "deviceType must be one of 'cpu', 'gpu', got 'tpu' (from archive x.mar)"),
+        # Past what TorchServe can hold (a Java int): refused before any timer or wire field sees it.
+        (
+            {"batchSize": 10**12},
+            "batchSize must be at most 2147483647, got 1000000000000 (from archive x.mar)",
+        ),
+        ({"batchSize": 1e300}, "batchSize must be at most 2147483647, got 1e+300 (from archive x.mar)"),
+        ({"maxQueue": 10**18}, f"maxQueue must be at most 2147483647, got {10**18} (from archive x.mar)"),
+        (
+            {"maxBatchDelay": 1e308},
+            "maxBatchDelay must be at most 2147483647, got 1e+308 (from archive x.mar)",
+        ),
+        (
+            {"responseTimeout": 1e300},
+            "responseTimeout must be at most 2147483647, got 1e+300 (from archive x.mar)",
+        ),
+        (
+            {"startupTimeout": "1e300"},
+            "startupTimeout must be at most 2147483647, got '1e300' (from archive x.mar)",
+        ),
+        ({"minWorkers": 2**31}, "minWorkers must be at most 2147483647, got 2147483648 (from archive x.mar)"),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(
@@ -421,3 +441,20 @@ def test_the_worker_count_origin_is_the_highest_layer_that_sets_it() -> None:
         "big", "1.0", "big.mar"
     )
     assert worker_count_origin(entry) == LayerSource("minWorkers", "config.properties models['big']['1.0']")
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[-1], ["x"], [True], [1.5], [0] * 1025, [99999999999999999999], {"a": 0}, "0,,1", [[0]]],
+)
+def test_an_archives_device_ids_are_checked_on_any_machine(ids: Any) -> None:
+    with pytest.raises(ServingError) as err:
+        archive_overrides({"deviceIds": ids}, "x.mar")
+    assert err.value.code is Code.INVALID_ARGUMENT
+    assert err.value.message.startswith("deviceIds must be a list of at most 1024 GPU ids")
+    assert err.value.message.endswith("(from the model-config of x.mar)")
+
+
+def test_good_device_ids_pass() -> None:
+    assert archive_overrides({"deviceIds": [0, 3], "batchSize": 2}, "x.mar").batch_size == 2
+    assert archive_overrides({"deviceIds": "0, 1"}, "x.mar") == archive_overrides({}, "x.mar")
