@@ -102,7 +102,8 @@ fuzz: venv protos models
 # input and archive bombs. They are part of `make test` too.
 ATTACK_TESTS := tests/integration/test_lifecycle_races.py tests/integration/test_listener_limits.py \
 	tests/e2e/test_drain.py tests/integration/test_trust.py tests/integration/test_secrets_env.py \
-	tests/e2e/test_parent_death.py tests/integration/test_register_input.py tests/unit/test_archive_bombs.py
+	tests/e2e/test_parent_death.py tests/integration/test_register_input.py tests/unit/test_archive_bombs.py \
+	tests/integration/test_held_bytes.py
 attacks: venv protos models
 	$(PY) -m pytest -s -q $(ATTACK_TESTS) $(PYTEST_ARGS)
 

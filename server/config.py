@@ -76,6 +76,9 @@ class ServerConfig:
     frontends: int | None = None
     work_dir: Path | None = None
     max_request_bytes: int = 8 << 20
+    # Request bytes a frontend holds at once, over all connections, and per stream (held_bytes).
+    frontend_max_held_mb: int = 512
+    stream_max_held_mb: int = 16
     # Connection limits of every HTTP listener (see protocols.http_limits), nginx-like defaults.
     http_max_header_bytes: int = 32 * 1024
     http_header_timeout_s: float = 20.0
@@ -176,6 +179,11 @@ _HELP = {
     "else cores // 4, at most 8; provisional until the benchmark settles it)",
     "work_dir": "where archives are unpacked (default: a private temp dir, removed at exit)",
     "max_request_bytes": "largest gRPC message / HTTP body accepted",
+    "frontend_max_held_mb": "MiB of request bodies and messages one frontend process holds at once, over "
+    "every connection: a unary call that does not fit is refused 503 / RESOURCE_EXHAUSTED with "
+    "Retry-After, and streams stop reading once they hold half of it",
+    "stream_max_held_mb": "MiB of requests one gRPC stream holds (read and not yet answered) before it "
+    "stops reading until its answers are written",
     "http_max_header_bytes": "largest HTTP request line + headers, in bytes (larger: 431 and the connection "
     "closes)",
     "http_header_timeout_s": "seconds a client has to send a request's line and headers, from the "
@@ -393,12 +401,24 @@ def load_config(
         "metric_time_interval",
         "install_py_dep_timeout_s",
         "install_py_dep_max_mb",
+        "frontend_max_held_mb",
+        "stream_max_held_mb",
     }
     for f in fields(cfg):
         if (f.name.startswith("http_") or f.name in positive) and not getattr(cfg, f.name) > 0:
             raise ValueError(f"{f.name} must be positive, got {getattr(cfg, f.name)!r}")
     if cfg.ts_log_backups < 0:
         raise ValueError(f"ts_log_backups must be 0 or more, got {cfg.ts_log_backups!r}")
+    if cfg.frontend_max_held_mb << 20 < cfg.max_request_bytes:
+        raise ValueError(
+            f"frontend_max_held_mb ({cfg.frontend_max_held_mb} MiB) must hold at least one request of "
+            f"max_request_bytes ({cfg.max_request_bytes} bytes)"
+        )
+    if cfg.stream_max_held_mb > cfg.frontend_max_held_mb:
+        raise ValueError(
+            f"stream_max_held_mb ({cfg.stream_max_held_mb}) must be at most frontend_max_held_mb "
+            f"({cfg.frontend_max_held_mb})"
+        )
     return cfg
 
 

@@ -60,6 +60,7 @@ from mariner.server.protocols.connection_budget import frontend_budget
 from mariner.server.protocols.grpc_admission import GrpcDrainGate
 from mariner.server.protocols.grpc_listener import build_grpc_servers
 from mariner.server.protocols.grpc_server import GrpcLimits
+from mariner.server.protocols.held_bytes import MIB, HeldBytes, HeldLimits
 from mariner.server.protocols.http_drain import DrainAware
 from mariner.server.protocols.http_listener import inference_app
 from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
@@ -280,6 +281,10 @@ class Frontend:
         auth = listener_auth(tokens, self.torchserve_key)
         # One descriptor budget for both protocols, so a flood on one cannot starve the other.
         budget = frontend_budget(cfg.http_max_connections, cfg.grpc_max_connections)
+        # One budget of request bytes held, over both protocols and every connection and stream.
+        self.held = HeldBytes(
+            HeldLimits(limit=cfg.frontend_max_held_mb * MIB, stream_limit=cfg.stream_max_held_mb * MIB)
+        )
         grpc_host, _ = split_address(cfg.grpc_inference_address)
         self.grpc = build_grpc_servers(
             self.dataplane,
@@ -294,6 +299,7 @@ class Frontend:
             limits=GrpcLimits(budget.grpc, cfg.grpc_max_concurrent_streams, cfg.grpc_idle_timeout_s),
             credentials=grpc_tls(cfg, "grpc_inference"),
             reuse_port=True,
+            held=self.held,
         )
         host, _ = split_address(cfg.inference_address)
         self._http_host, self._http_port = host, init.http_port
@@ -310,7 +316,9 @@ class Frontend:
             f"frontend-{self.index}",
         )
         http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
-        self.http = EmbeddedUvicorn(uvicorn_config(app, host, init.http_port, http_cfg, listener="inference"))
+        self.http = EmbeddedUvicorn(
+            uvicorn_config(app, host, init.http_port, http_cfg, listener="inference", held=self.held)
+        )
         self._applied = 0
         self._ready = False
         self._closing: set[asyncio.Task[None]] = set()

@@ -26,6 +26,7 @@ import uvicorn
 
 from mariner.server.config import ServerConfig
 from mariner.server.core.errors import Code, ServingError
+from mariner.server.protocols.held_bytes import HeldBytes
 from mariner.server.protocols.http_limits import HttpLimits, limited_protocol
 from mariner.server.security import (
     MARINER_REFUSAL,
@@ -114,13 +115,20 @@ def grpc_tls(cfg: ServerConfig, listener: str) -> grpc.ServerCredentials | None:
 
 
 def uvicorn_config(
-    app: Callable[..., Any], host: str, port: int, cfg: ServerConfig, *, listener: str | None = None
+    app: Callable[..., Any],
+    host: str,
+    port: int,
+    cfg: ServerConfig,
+    *,
+    listener: str | None = None,
+    held: HeldBytes | None = None,
 ) -> uvicorn.Config:
     """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS (our context: AEAD
     suites only; on `listener` when `tls_listeners` covers it, on any when no listener is named)
     and the access log follow the config, a graceful shutdown never outlasts the
     drain's grace period, and the connection limits are enforced by our protocol class (a fresh
-    one per listener) before uvicorn hands a request to auth or routing. No WebSocket upgrade: no
+    one per listener) before uvicorn hands a request to auth or routing, with `held` (a frontend's
+    budget of request bytes, protocols.held_bytes) counting request bodies. No WebSocket upgrade: no
     route needs one, and an upgraded connection would leave the limits behind."""
     tls: Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext] | None = None
     encrypted = cfg.tls_cert_file is not None and (listener is None or listener in tls_listeners(cfg))
@@ -139,7 +147,7 @@ def uvicorn_config(
         port=port,
         loop="none",
         lifespan="off",
-        http=limited_protocol(limits),
+        http=limited_protocol(limits, held),
         ws="none",
         timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]  # call_later takes a float
         access_log=cfg.access_log,

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 
-from mariner.server.core.errors import STATUS, Code, ServingError
+from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, abort
+from mariner.server.protocols.held_bytes import HeldBytes
+
+RETRY_AFTER_HEADER = "retry-after"
 
 _INVALID = STATUS[Code.INVALID_ARGUMENT].grpc
 
@@ -40,11 +44,23 @@ def _message(method: str) -> str:
     return f"the request is not a valid protobuf message for {method}"
 
 
+# The size on the wire of the message last decoded in this task. grpc.aio decodes a message in
+# the task that reads it (a unary call's own task, a stream's reader), so whoever reads a message
+# finds its size here right after: the frontend's budget of held bytes counts it (held_bytes).
+_MESSAGE_BYTES: ContextVar[int] = ContextVar("mariner_grpc_message_bytes", default=0)
+
+
+def message_bytes(_request: object = None) -> int:
+    """The wire size of the message this task read last (see _MESSAGE_BYTES)."""
+    return _MESSAGE_BYTES.get()
+
+
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     if deserializer is None:
         return None
 
     def deserialize(raw: bytes) -> Any:
+        _MESSAGE_BYTES.set(len(raw))
         try:
             return deserializer(raw)
         except Exception:  # DecodeError and whatever a generated parser raises on garbage
@@ -67,12 +83,30 @@ async def _drain(result: Any) -> AsyncIterator[Any]:
         await result
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` with its undecodable requests answered INVALID_ARGUMENT naming `method`.
+def _wrap(
+    handler: grpc.RpcMethodHandler, method: str, held: HeldBytes | None = None
+) -> grpc.RpcMethodHandler:
+    """`handler` with its undecodable requests answered INVALID_ARGUMENT naming `method`, and,
+    with `held`, a unary request's bytes held in the frontend's budget while it runs (refused
+    RESOURCE_EXHAUSTED with retry-after when they do not fit; a stream's are counted by its
+    pipeline, message by message).
 
     Done once per method when the service is registered (`register`), not per call: building
     the wrapper per call cost more than the rest of the interceptor chain together."""
     message = _message(method)
+
+    async def run_held(request: Any, context: grpc.aio.ServicerContext, inner: Callable[..., Any]) -> Any:
+        assert held is not None
+        size = _MESSAGE_BYTES.get()
+        if not held.take(size):
+            context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(RETRY_AFTER_SECONDS)),))
+            await abort(context, held.refusal(size))
+        try:
+            result = inner(request, context)
+            return await result if inspect.isawaitable(result) else result
+        finally:
+            held.release(size)
+
     kw = {
         "request_deserializer": _safe(handler.request_deserializer),
         "response_serializer": handler.response_serializer,
@@ -99,6 +133,8 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if request is _BAD:
                 await context.abort(_INVALID, message)
+            if held is not None:
+                return await run_held(request, context, inner_uu)
             result = inner_uu(request, context)
             return await result if inspect.isawaitable(result) else result
 
@@ -109,8 +145,16 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if request is _BAD:
                 await context.abort(_INVALID, message)
-            async for item in _drain(inner_us(request, context)):
-                yield item
+            size = _MESSAGE_BYTES.get()
+            if held is not None and not held.take(size):
+                context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(RETRY_AFTER_SECONDS)),))
+                await abort(context, held.refusal(size))
+            try:
+                async for item in _drain(inner_us(request, context)):
+                    yield item
+            finally:
+                if held is not None:
+                    held.release(size)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
     if handler.stream_unary:
@@ -212,9 +256,11 @@ def register(
     add_to_server: Callable[[Any, Any], None],
     servicer: Any,
     deserializers: Mapping[str, Callable[[bytes], Any]],
+    held: HeldBytes | None = None,
 ) -> None:
     """`add_to_server(servicer, server)` with the named methods' request deserializers replaced,
-    and every method's undecodable requests answered INVALID_ARGUMENT (see `SafeDecoding`)."""
+    every method's undecodable requests answered INVALID_ARGUMENT (see `SafeDecoding`) and, with
+    `held`, unary requests held in the frontend's budget (see `_wrap`)."""
     capture = _Capture()
     add_to_server(servicer, capture)
     handlers = dict(capture.handlers)
@@ -222,6 +268,6 @@ def register(
         handlers[method] = handlers[method]._replace(request_deserializer=deserializer)
     for method, handler in handlers.items():
         if handler.request_deserializer is not None:
-            handlers[method] = _wrap(handler, f"/{capture.service}/{method}")
+            handlers[method] = _wrap(handler, f"/{capture.service}/{method}", held)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)

@@ -40,6 +40,7 @@ from mariner.server.protocols.grpc_server import (
     enable_reflection,
     server_options,
 )
+from mariner.server.protocols.held_bytes import HeldBytes
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.oip import grpc as grpc_oip
 from mariner.server.protocols.torchserve import grpc as grpc_inference
@@ -204,6 +205,7 @@ def build_grpc_servers(
     credentials: grpc.ServerCredentials | None = None,
     reuse_port: bool = False,
     limits: GrpcLimits | None = None,
+    held: HeldBytes | None = None,
 ) -> GrpcServers:
     """Create and bind (not start) the inference and management servers.
 
@@ -213,7 +215,8 @@ def build_grpc_servers(
     builds the inference server only (a frontend); with an address, `management_plane` serves
     the management calls. `reuse_port` shares the inference port with the other frontends
     (SO_REUSEPORT; the management server never shares its port). `limits` bound the inference
-    server's connections (grpc_server.GrpcLimits; its defaults when None).
+    server's connections (grpc_server.GrpcLimits; its defaults when None). `held` is the
+    frontend's budget of request bytes its inference calls hold (protocols.held_bytes).
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
@@ -225,9 +228,9 @@ def build_grpc_servers(
         options=server_options(max_message_bytes, reuse_port, limits),
         interceptors=[SafeDecoding(), *inference_interceptors],
     )
-    grpc_inference.add_to_server(dataplane, inference)
+    grpc_inference.add_to_server(dataplane, inference, held)
     # The Open Inference Protocol (KServe v2 / Triton) shares the port and the DataPlane.
-    grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes)
+    grpc_oip.add_to_server(dataplane, inference, max_message_bytes=max_message_bytes, held=held)
     health_pb2_grpc.add_HealthServicer_to_server(health, inference)
     enable_reflection(
         (

@@ -22,6 +22,13 @@ registered there runs once the connection is lost (`http_common.infer_unless_cli
 the inference with it). Under another server the scope has no such entry and a task waits for
 `http.disconnect` instead.
 
+With a frontend's budget of held request bytes (`held`, see held_bytes), a request holds the body
+bytes that have arrived from their arrival until its answer is complete or the connection ends
+(what arrived, not what the Content-Length promises: a client trickling a large body holds only
+what it sent). A request whose Content-Length would not fit is answered 503 with Retry-After before
+its body is read, and one whose body stops fitting as it arrives is answered so then; either way
+the connection closes (the unread body cannot be skipped).
+
 The layer is a subclass of uvicorn's HttpToolsProtocol (written against uvicorn 0.54) that sees
 every byte before the parser and the parser's callbacks before uvicorn starts the ASGI app. It adds
 no timer to a request that arrives in one read: timers are armed only while a head or a body is
@@ -34,6 +41,7 @@ import asyncio
 import functools
 import json
 from asyncio import TimerHandle
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
@@ -42,6 +50,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mariner.server.core.errors import RETRY_AFTER_SECONDS
+from mariner.server.protocols.held_bytes import HeldBytes
 
 # The ASGI scope extension through which a request learns that its connection is gone: a function
 # taking a callback (run once, on the loop, when the connection is lost) and returning its remover.
@@ -92,6 +101,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits of `limits` (set by `limited_protocol`)."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
+    held: ClassVar[HeldBytes | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,6 +115,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None
         self._on_lost: set[Callable[[], None]] = set()  # DISCONNECT_HOOK callbacks of this connection
         self._lost = False
+        # Bytes held in `held` per request whose answer is not complete, oldest first (HTTP/1.1
+        # answers in order); the last is the request being read, counted as its body arrives.
+        self._holding: deque[int] = deque()
 
     # -- connection --------------------------------------------------------------------------
     # asyncio types the argument BaseTransport; uvicorn hands its HTTP protocols a socket Transport.
@@ -133,6 +146,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().connection_lost(exc)
         self._lost = True
+        if self.held is not None and self._holding:
+            self.held.release(sum(self._holding))
+            self._holding.clear()
         callbacks, self._on_lost = self._on_lost, set()
         for callback in callbacks:
             callback()
@@ -189,6 +205,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self.held is not None:
+            self._hold_body()
         self._in_head, self._in_body = False, True
         self._read_bytes = self._head_bytes = 0
         self._disarm()
@@ -196,12 +214,47 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))  # ASGI types it narrowly
         extensions[DISCONNECT_HOOK] = self._on_disconnect
 
+    def on_body(self, body: bytes) -> None:
+        if self.held is not None:
+            if not self.held.take(len(body)):
+                self._refuse(self._over_budget(len(body)))
+            self._holding[-1] += len(body)
+        super().on_body(body)
+
+    def on_response_complete(self) -> None:
+        if self._holding:
+            assert self.held is not None
+            self.held.release(self._holding.popleft())
+        super().on_response_complete()
+
     def on_message_complete(self) -> None:
         self._in_head, self._in_body, self._begun = True, False, False
         self._disarm()
         super().on_message_complete()
 
     # -- limits ------------------------------------------------------------------------------
+    def _hold_body(self) -> None:
+        """Refuse this request unread when its Content-Length cannot fit the frontend's budget;
+        else start counting its body (`on_body`)."""
+        assert self.held is not None
+        length = next((v for k, v in self.headers if k == b"content-length"), b"")
+        # A body larger than the whole budget is larger than any the server takes: the app
+        # answers it 413, unread, whatever the load.
+        if length.isdigit() and int(length) <= self.held.limits.limit and not self.held.fits(int(length)):
+            self.held.refused += 1
+            self._refuse(self._over_budget(int(length)))
+        self._holding.append(0)
+
+    def _over_budget(self, size: int) -> bytes:
+        assert self.held is not None
+        return raw_response(
+            503,
+            "Service Unavailable",
+            "ServiceUnavailableException",
+            self.held.refusal(size).message,
+            f"retry-after: {RETRY_AFTER_SECONDS}\r\n".encode(),
+        )
+
     def _head_too_large(self) -> bytes:
         return raw_response(
             431,
@@ -264,7 +317,8 @@ def _nothing() -> None:
     pass
 
 
-def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
+def limited_protocol(limits: HttpLimits, held: HeldBytes | None = None) -> type[LimitedHttpToolsProtocol]:
     """The protocol class for one listener: uvicorn instantiates it per connection; the cap
-    counts that listener's connections (its ServerState)."""
-    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    counts that listener's connections (its ServerState); `held` is its process's budget of
+    request bytes (the inference listener's; None elsewhere)."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "held": held})

@@ -14,6 +14,10 @@ request: that is answered in-stream), and yield what `StreamPipeline.responses()
   When the window is full the reader stops reading the request iterator, so gRPC/HTTP2 flow
   control pushes back on the client; nothing is buffered beyond the window. A client that
   never reads its answers therefore stops the server reading after `window` requests.
+- Bytes held: with a frontend's budget (`held`, see `held_bytes`) and a `size` for each request,
+  a request's bytes are held from its read until its answer is written; the reader also stops
+  while the stream holds `stream_limit` bytes or more, or while the frontend's streams together
+  hold their share of the budget, and goes on as answers written release bytes.
 - One writer: answers leave through the one generator the servicer yields from (grpc.aio
   allows one writer per call).
 - Intermediate answers: a request's answer function may `emit` extra messages ahead of its own
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from mariner.server.core.streams import MAX_HELD_BYTES
+from mariner.server.protocols.held_bytes import HeldBytes
 
 log = logging.getLogger("mariner.stream")
 
@@ -86,6 +91,14 @@ class StreamStats:
 
 
 @dataclass(frozen=True)
+class _Answer(Generic[Resp]):
+    """A request's own answer and the request bytes written with it."""
+
+    response: Resp
+    size: int
+
+
+@dataclass(frozen=True)
 class _Extra(Generic[Resp]):
     """An emitted message (not a request's own answer) and the bytes it holds."""
 
@@ -113,6 +126,8 @@ class StreamPipeline(Generic[Req, Resp]):
         admission: object = None,
         window: int = WINDOW,
         stats: StreamStats | None = None,
+        held: HeldBytes | None = None,
+        size: Callable[[Req], int] | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -123,7 +138,10 @@ class StreamPipeline(Generic[Req, Resp]):
         self._admission = admission if isinstance(admission, Admission) else None
         self._window = window
         self._stats = stats if stats is not None else StreamStats()
-        self._done: asyncio.Queue[Resp | _Extra[Resp] | None] = asyncio.Queue()
+        self._held = held if size is not None else None
+        self._size = size
+        self._bytes = 0  # request bytes read and not yet answered (held in `held`)
+        self._done: asyncio.Queue[_Answer[Resp] | _Extra[Resp] | None] = asyncio.Queue()
         self._extra_bytes = 0  # emitted and not yet written
         self._tasks: set[asyncio.Task[None]] = set()
         self._tails: dict[str, asyncio.Task[None]] = {}
@@ -145,8 +163,8 @@ class StreamPipeline(Generic[Req, Resp]):
                     self._extra_bytes -= resp.size
                     yield resp.response
                     continue
-                self._release(1)
-                yield resp
+                self._release(1, resp.size)
+                yield resp.response
         finally:
             self._stats.streams -= 1
             await self._shutdown(tasks)
@@ -165,9 +183,12 @@ class StreamPipeline(Generic[Req, Resp]):
         state = self._state
         try:
             while True:
-                while state.in_flight >= self._window:  # full: stop reading, let HTTP/2 push back
+                while self._full():  # stop reading, let HTTP/2 push back
                     state.room.clear()
                     await state.room.wait()
+                if self._held is not None and not self._held.streams_may_read():
+                    await self._held.stream_room()
+                    continue  # and look again at this stream's own room
                 if self._draining():
                     self.ending = Ending.DRAINED
                     return
@@ -176,7 +197,12 @@ class StreamPipeline(Generic[Req, Resp]):
                 except StopAsyncIteration:
                     self.ending = Ending.DONE
                     return
-                self._start(request)
+                size = 0
+                if self._held is not None and self._size is not None:
+                    size = self._size(request)
+                    self._bytes += size
+                    self._held.add(size)
+                self._start(request, size)
         except asyncio.CancelledError:
             if not self._drain_seen:  # the call itself was cancelled
                 raise
@@ -205,7 +231,12 @@ class StreamPipeline(Generic[Req, Resp]):
         return self._admission is not None and self._admission.draining
 
     # -- running ----------------------------------------------------------------------------------
-    def _start(self, request: Req) -> None:
+    def _full(self) -> bool:
+        if self._state.in_flight >= self._window:
+            return True
+        return self._held is not None and self._bytes >= self._held.limits.stream_limit
+
+    def _start(self, request: Req, size: int) -> None:
         if self._admission is not None:
             # Read before the drain: admitted in the reader's context, which the task copies,
             # so the DataPlane serves it even if the drain begins before it reaches the batcher.
@@ -214,7 +245,7 @@ class StreamPipeline(Generic[Req, Resp]):
         before = self._tails.get(key) if key is not None else None
         self._state.in_flight += 1
         self._stats.add(1)
-        task = asyncio.create_task(self._run(request, before))
+        task = asyncio.create_task(self._run(request, before, size))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if key is not None:
@@ -225,7 +256,7 @@ class StreamPipeline(Generic[Req, Resp]):
         if self._tails.get(key) is task:
             del self._tails[key]
 
-    async def _run(self, request: Req, before: asyncio.Task[None] | None) -> None:
+    async def _run(self, request: Req, before: asyncio.Task[None] | None, size: int) -> None:
         if before is not None:  # the previous step of this sequence first, whatever its outcome
             await asyncio.wait({before})
         try:
@@ -235,13 +266,17 @@ class StreamPipeline(Generic[Req, Resp]):
         except Exception:
             log.exception("a streamed request's answer failed unexpectedly")
             resp = self._on_crash(request)
-        self._done.put_nowait(resp)
+        self._done.put_nowait(_Answer(resp, size))
 
     # -- accounting -------------------------------------------------------------------------------
-    def _release(self, n: int) -> None:
+    def _release(self, n: int, size: int = 0) -> None:
         state = self._state
         state.in_flight -= n
         self._stats.add(-n)
+        if size:
+            self._bytes -= size
+            assert self._held is not None
+            self._held.release(size)
         state.room.set()
         self._maybe_end()
 
@@ -262,3 +297,6 @@ class StreamPipeline(Generic[Req, Resp]):
         if unsent:
             self._state.in_flight = 0
             self._stats.add(-unsent)
+        if self._bytes and self._held is not None:
+            self._held.release(self._bytes)
+            self._bytes = 0

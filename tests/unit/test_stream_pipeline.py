@@ -15,6 +15,7 @@ import pytest
 
 from mariner.server import protogen
 from mariner.server.core.types import InferRequest, InferResult
+from mariner.server.protocols.held_bytes import HeldBytes, HeldLimits
 from mariner.server.protocols.stream_pipeline import WINDOW, Ending, StreamPipeline, StreamStats
 from tests.unit.test_grpc_adapters import FakePlane
 
@@ -136,6 +137,83 @@ def test_a_full_window_stops_the_reading_until_answers_are_taken() -> None:
         assert [first, *rest] == [f"answer:r{i}" for i in range(1000)]
         assert stats.peak == 8
         assert stats.in_flight == 0
+
+    asyncio.run(main())
+
+
+def _sized(name: str) -> int:
+    """Test requests are named "<anything>:<bytes>"."""
+    return int(name.rsplit(":", 1)[1])
+
+
+def test_a_stream_stops_reading_at_its_own_byte_budget_and_goes_on_as_answers_are_written() -> None:
+    async def main() -> None:
+        held = HeldBytes(HeldLimits(limit=1000, stream_limit=100))
+        source = Source([f"r{i}:30" for i in range(50)])
+        gates = Gates(gates={f"r{i}:30": asyncio.Event() for i in range(50)})
+        pipe = pipe_of(source, gates, held=held, size=_sized)
+        answers = pipe.responses()
+        first = asyncio.ensure_future(anext(answers))
+        await until(lambda: source.read == 4, "the stream to hold its budget")
+        await asyncio.sleep(0.05)  # time enough to read more, were it allowed
+        assert source.read == 4, "stopped at 120 bytes held, the first read past 100"
+        assert held.held == 120
+        gates.gates["r0:30"].set()
+        assert await first == "answer:r0:30"
+        await until(lambda: source.read == 5, "one more read once 30 bytes were released")
+        assert held.held == 120
+        for gate in gates.gates.values():
+            gate.set()
+        rest = [a async for a in answers]
+        assert len(rest) == 49
+        assert held.held == 0, "every request's bytes released as its answer was written"
+        assert held.peak <= 130
+
+    asyncio.run(main())
+
+
+def test_streams_stop_reading_at_their_share_of_the_frontends_budget() -> None:
+    async def main() -> None:
+        held = HeldBytes(HeldLimits(limit=200, stream_limit=200))  # streams together: 100
+        held.add(90)  # a unary call's bytes
+        source = Source([f"r{i}:20" for i in range(10)])
+        gates = Gates(gates={f"r{i}:20": asyncio.Event() for i in range(10)})
+        pipe = pipe_of(source, gates, held=held, size=_sized)
+        answers = pipe.responses()
+        first = asyncio.ensure_future(anext(answers))
+        await until(lambda: source.read == 1, "one read")
+        await asyncio.sleep(0.05)
+        assert source.read == 1, "90 + 20 held: past the streams' share, no more reads"
+        assert held.take(50), "a unary call still fits: streams never take its part"
+        assert not held.take(50), "and past the whole budget it is refused"
+        held.release(50 + 90)  # the unary calls end: streams may read again
+        await until(lambda: source.read == 5, "reading resumes to the share again")
+        for gate in gates.gates.values():
+            gate.set()
+        assert (await first).startswith("answer:")
+        assert len([a async for a in answers]) == 9
+        assert held.held == 0
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_stream_releases_the_bytes_it_held() -> None:
+    async def main() -> None:
+        held = HeldBytes(HeldLimits(limit=1000, stream_limit=100))
+        source = Source([f"r{i}:40" for i in range(5)], hold=asyncio.Event())
+        gates = Gates(gates={f"r{i}:40": asyncio.Event() for i in range(5)})
+        pipe = pipe_of(source, gates, held=held, size=_sized)
+
+        async def consume() -> None:
+            async for _ in pipe.responses():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await until(lambda: held.held == 120, "three requests held")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert held.held == 0
 
     asyncio.run(main())
 

@@ -35,8 +35,9 @@ from mariner.server.core.errors import Code, abort, as_serving_error, internal
 from mariner.server.core.tensors import CONTENTS_FIELD, ModelSignature, bad, decode_raw, encode_raw
 from mariner.server.core.types import WireProtocol
 from mariner.server.protocols.call import Failed, Infer, Ok, run_call
-from mariner.server.protocols.grpc_decoding import register, shallow_class
+from mariner.server.protocols.grpc_decoding import message_bytes, register, shallow_class
 from mariner.server.protocols.grpc_stream import end_stream
+from mariner.server.protocols.held_bytes import HeldBytes
 from mariner.server.protocols.oip import codec as oip
 from mariner.server.protocols.oip import grpc_ext as ext
 from mariner.server.protocols.oip.contents import decode_contents
@@ -147,10 +148,13 @@ async def decode_inputs(
 class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Health, metadata, ModelInfer and ModelStreamInfer over the DataPlane."""
 
-    def __init__(self, dataplane: oip.OipPlane, *, max_message_bytes: int) -> None:
+    def __init__(
+        self, dataplane: oip.OipPlane, *, max_message_bytes: int, held: HeldBytes | None = None
+    ) -> None:
         self._plane = dataplane
         self._max_elements = oip.element_cap(max_message_bytes)
         self.stream_stats = StreamStats()
+        self._held = held
 
     # -- health and metadata ------------------------------------------------------------
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -237,6 +241,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
             admission=self._plane,
             window=STREAM_WINDOW,
             stats=self.stream_stats,
+            held=self._held,
+            size=message_bytes,
         )
         async for response in pipe.responses():
             yield response
@@ -339,10 +345,12 @@ class _Recorder:
         self.handlers = dict(handlers)
 
 
-def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int) -> OipServicer:
+def add_to_server(
+    dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_message_bytes: int, held: HeldBytes | None = None
+) -> OipServicer:
     """Register GRPCInferenceService on `server`, under our (KServe's) service name and under
     TorchServe's; returns the servicer (tests poke at it)."""
-    servicer = OipServicer(dataplane, max_message_bytes=max_message_bytes)
+    servicer = OipServicer(dataplane, max_message_bytes=max_message_bytes, held=held)
     parse = ShallowInferRequest.FromString
     recorder = _Recorder(server)
     register(
@@ -350,6 +358,7 @@ def add_to_server(dataplane: oip.OipPlane, server: grpc.aio.Server, *, max_messa
         pb_grpc.add_GRPCInferenceServiceServicer_to_server,
         servicer,
         {"ModelInfer": parse, "ModelStreamInfer": parse},
+        held,
     )
     torchserve = {name: recorder.handlers[name] for name in TORCHSERVE_METHODS}
     server.add_generic_rpc_handlers(

@@ -41,8 +41,9 @@ from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.streams import MAX_HELD_BYTES, STREAMS, too_much_held
 from mariner.server.core.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.protocols.call import Failed, Infer, answer_text, run_call
-from mariner.server.protocols.grpc_decoding import register, shallow_class
+from mariner.server.protocols.grpc_decoding import message_bytes, register, shallow_class
 from mariner.server.protocols.grpc_stream import end_stream
+from mariner.server.protocols.held_bytes import HeldBytes
 from mariner.server.protocols.stream_pipeline import StreamPipeline, StreamStats
 from mariner.server.protocols.torchserve import stream2
 from mariner.server.protogen import stubs_missing
@@ -213,9 +214,10 @@ class _Emitter:
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
     """Ping, Predictions, StreamPredictions and (pipelined) StreamPredictions2 over the DataPlane."""
 
-    def __init__(self, dataplane: InferencePlane) -> None:
+    def __init__(self, dataplane: InferencePlane, held: HeldBytes | None = None) -> None:
         self._plane = dataplane
         self.stream_stats = StreamStats()
+        self._held = held
 
     async def Ping(self, request: empty_pb2.Empty, context: grpc.aio.ServicerContext) -> Any:
         """Health as TorchServe reports it: always status OK, the verdict is in the JSON body."""
@@ -301,6 +303,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             key=key,
             admission=self._plane,
             stats=self.stream_stats,
+            held=self._held,
+            size=message_bytes,
         )
         async for response in pipe.responses():
             yield response
@@ -384,14 +388,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         return outcome.value
 
 
-def add_to_server(dataplane: InferencePlane, server: grpc.aio.Server) -> InferenceServicer:
-    """Register the inference service on `server`; returns the servicer (tests poke at it)."""
-    servicer = InferenceServicer(dataplane)
+def add_to_server(
+    dataplane: InferencePlane, server: grpc.aio.Server, held: HeldBytes | None = None
+) -> InferenceServicer:
+    """Register the inference service on `server`, its requests held in the frontend's budget
+    `held` when given; returns the servicer (tests poke at it)."""
+    servicer = InferenceServicer(dataplane, held)
     parse = ShallowPredictionsRequest.FromString
     register(
         server,
         inference_pb2_grpc.add_InferenceAPIsServiceServicer_to_server,
         servicer,
         {"Predictions": parse, "StreamPredictions": parse, "StreamPredictions2": parse},
+        held,
     )
     return servicer
