@@ -14,7 +14,11 @@ which nothing in the process (HTTP health, gRPC ServerLive) answers. nginx's ans
   not shown an error);
 - an idle keep-alive connection closes after `keep_alive_s` (uvicorn's own timer);
 - at most `max_connections` connections per listener (per process): one beyond it is answered
-  503 and closed, so sockets never pile up towards the descriptor limit.
+  503 and closed, so sockets never pile up towards the descriptor limit. Slots go to clients
+  that use them: when the listener is full, the connection that has waited longest without
+  completing its first request head, if that is `STALE_HEAD_S` or more, is closed (408 if it
+  sent anything) to make room for the new one, so a flood of connections that trickle their
+  heads cannot keep a real client out for the whole header timeout.
 
 The same protocol tells a request that its connection is gone without a task per request: it
 puts a registration function in the ASGI scope (`scope["extensions"][DISCONNECT_HOOK]`); a callback
@@ -41,7 +45,7 @@ import asyncio
 import functools
 import json
 from asyncio import TimerHandle
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, cast
@@ -61,6 +65,10 @@ DISCONNECT_HOOK = "mariner.on_disconnect"
 # end the connection with FIN rather than RST, which would discard the answer. Short, so that
 # connections beyond the cap never accumulate.
 OVER_CAPACITY_WAIT_S = 1.0
+# How long a connection may go without completing its first request head before, on a full
+# listener, it gives its slot to a new connection (module docstring). Far longer than a real
+# client takes to send a head on any network that serves it.
+STALE_HEAD_S = 1.0
 # Bytes a header line costs beyond its name and value (": " and CRLF).
 _HEADER_OVERHEAD = 4
 
@@ -102,6 +110,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     held: ClassVar[HeldBytes | None] = None
+    # The listener's connections that have not completed a first request head, oldest first,
+    # with when each opened (one dict per listener: `limited_protocol`).
+    unproven: ClassVar[OrderedDict[LimitedHttpToolsProtocol, float]] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -122,7 +133,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- connection --------------------------------------------------------------------------
     # asyncio types the argument BaseTransport; uvicorn hands its HTTP protocols a socket Transport.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
+        if len(self.connections) >= self.limits.max_connections and not self._evict_stale():
             # Not counted, not handed to uvicorn: answer, then close once the request is read.
             self._over_capacity = True
             self.transport = transport
@@ -138,13 +149,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_later(OVER_CAPACITY_WAIT_S, transport.close)
             return
         super().connection_made(transport)
+        self.unproven[self] = self.loop.time()
         self._arm(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _evict_stale(self) -> bool:
+        """Close the listener's oldest connection without a complete first head, if it has had
+        STALE_HEAD_S; True when one was closed (its slot is this connection's)."""
+        if not self.unproven:
+            return False
+        oldest, since = next(iter(self.unproven.items()))
+        if self.loop.time() - since < STALE_HEAD_S:
+            return False
+        del self.unproven[oldest]
+        oldest._disarm()
+        if oldest._begun:
+            oldest._answer_and_close(
+                oldest._timeout_answer("request headers not received; the connection's slot went to another")
+            )
+        else:
+            oldest.transport.close()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._over_capacity:
             return
         super().connection_lost(exc)
+        self.unproven.pop(self, None)
         self._lost = True
         if self.held is not None and self._holding:
             self.held.release(sum(self._holding))
@@ -205,6 +236,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.unproven.pop(self, None)
         if self.held is not None:
             self._hold_body()
         self._in_head, self._in_body = False, True
@@ -321,4 +353,8 @@ def limited_protocol(limits: HttpLimits, held: HeldBytes | None = None) -> type[
     """The protocol class for one listener: uvicorn instantiates it per connection; the cap
     counts that listener's connections (its ServerState); `held` is its process's budget of
     request bytes (the inference listener's; None elsewhere)."""
-    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "held": held})
+    return type(
+        "LimitedHttpToolsProtocol",
+        (LimitedHttpToolsProtocol,),
+        {"limits": limits, "held": held, "unproven": OrderedDict()},
+    )

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from mariner.server import protogen
+from mariner.server.protocols.http_limits import STALE_HEAD_S
 from tests.integration.test_security import _self_signed
 from tests.mariner_serve import MarinerServe
 
@@ -179,6 +180,9 @@ def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: Mari
     port = patient.ports.inference
     poll(lambda: open_connections(patient) == 0, "no connection left over from other tests")
     held = [connect(port) for _ in range(4)]
+    for sock in held:  # clients that use their connections (keep-alive): they keep their slots
+        sock.sendall(LIVE)
+        assert status(read_response(sock)) == 200
     try:
         poll(lambda: open_connections(patient) == 4, "the server accepted all four")
         with connect(port) as extra:
@@ -205,6 +209,31 @@ def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: Mari
     with connect(port) as fresh:
         fresh.sendall(LIVE)
         assert status(read_response(fresh)) == 200
+
+
+def test_a_flood_of_trickled_heads_gives_its_slots_to_a_fresh_client(patient: MarinerServe) -> None:
+    """The review's slow-head flood, at the cap of 4: connections that trickle a request line and
+    never finish it held every slot for the whole header timeout (600 s here); once they have
+    had STALE_HEAD_S, a fresh client takes the oldest one's slot and is served."""
+    port = patient.ports.inference
+    poll(lambda: open_connections(patient) == 0, "no connection left over from other tests")
+    flood = [connect(port) for _ in range(4)]
+    fresh: list[socket.socket] = []
+    try:
+        for sock in flood:
+            sock.sendall(b"GET /v2/health/li")
+        poll(lambda: open_connections(patient) == 4, "the flood holds every slot")
+        time.sleep(STALE_HEAD_S + 0.2)
+        for _ in range(3):  # three fresh clients, each staying connected, each served
+            fresh.append(connect(port))
+            fresh[-1].sendall(LIVE)
+            assert status(read_response(fresh[-1])) == 200
+        evicted = [read_until_closed(sock) for sock in flood[:3]]  # the oldest three, each told why
+        assert all(status(a) == 408 for a in evicted), evicted
+        assert all(b"slot went to another" in a for a in evicted)
+    finally:
+        for sock in [*flood, *fresh]:
+            sock.close()
 
 
 def test_an_unauthenticated_body_is_refused_on_the_headers_and_never_read(patient: MarinerServe) -> None:

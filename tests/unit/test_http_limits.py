@@ -4,19 +4,21 @@ credentials that never reach handler code. Real-socket attacks are in tests/inte
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from starlette.requests import Request
 from uvicorn.server import ServerState
 
 from mariner.server.config import ServerConfig, load_config
 from mariner.server.listeners import uvicorn_config
 from mariner.server.protocols.http_common import request_headers
-from mariner.server.protocols.http_limits import HttpLimits, LimitedHttpToolsProtocol
+from mariner.server.protocols.http_limits import STALE_HEAD_S, HttpLimits, LimitedHttpToolsProtocol
 from mariner.server.protocols.torchserve.grpc import request_headers as grpc_request_headers
 
 
@@ -51,10 +53,12 @@ async def ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def connection(
-    cfg: ServerConfig, state: ServerState | None = None
+    cfg: ServerConfig, state: ServerState | None = None, config: uvicorn.Config | None = None
 ) -> tuple[LimitedHttpToolsProtocol, FakeTransport]:
-    config = uvicorn_config(ok_app, "127.0.0.1", 0, cfg)
-    config.load()
+    """A connection to a listener made from `cfg` (or to `config`'s, which several may share)."""
+    if config is None:
+        config = uvicorn_config(ok_app, "127.0.0.1", 0, cfg)
+        config.load()
     proto = config.http_protocol_class(  # type: ignore[call-arg]
         config=config, server_state=state or ServerState(), app_state={}, _loop=asyncio.get_running_loop()
     )
@@ -162,6 +166,36 @@ async def test_a_connection_beyond_the_cap_is_answered_503_and_never_counted() -
     assert len(state.connections) == 0
     _, again = connection(cfg, state)
     assert not again.written, "a slot freed is a slot available"
+
+
+@in_loop
+async def test_on_a_full_listener_a_stale_unproven_connection_gives_its_slot_to_a_new_one() -> None:
+    cfg = replace(ServerConfig(), http_max_connections=2)
+    state = ServerState()
+    listener = uvicorn_config(ok_app, "127.0.0.1", 0, cfg)
+    listener.load()
+    connect = functools.partial(connection, config=listener)
+    served, served_transport = connect(cfg, state)
+    served.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # a real client: a complete head
+    trickler, trickler_transport = connect(cfg, state)
+    trickler.data_received(b"GET /pi")  # half a request line, then nothing
+    early, early_transport = connect(cfg, state)
+    assert early_transport.written.startswith(b"HTTP/1.1 503 "), "within the grace nobody is evicted"
+    early.connection_lost(None)
+    type(trickler).unproven[trickler] -= STALE_HEAD_S  # as if the trickler had waited the grace
+    fresh, fresh_transport = connect(cfg, state)
+    assert not fresh_transport.written, "the new connection is served"
+    assert trickler_transport.closed
+    assert trickler_transport.written.startswith(b"HTTP/1.1 408 "), "it had sent something: told why"
+    assert not served_transport.closed, "a connection that completed a request keeps its slot"
+    trickler.connection_lost(None)
+    # Only unproven connections are evicted: with the new one proven too, a fourth is refused.
+    fresh.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    last, last_transport = connect(cfg, state)
+    assert last_transport.written.startswith(b"HTTP/1.1 503 ")
+    for proto in (served, fresh, last):
+        proto.connection_lost(None)
+    await asyncio.sleep(0)
 
 
 @in_loop
