@@ -198,6 +198,45 @@ async def test_on_a_full_listener_a_stale_unproven_connection_gives_its_slot_to_
     await asyncio.sleep(0)
 
 
+async def _settle(transport: FakeTransport, cap: int = 2_000) -> None:
+    for _ in range(cap):  # bounded: the app's task and the timers need a few loop turns
+        if transport.closed:
+            return
+        await asyncio.sleep(0.002)
+
+
+@in_loop
+async def test_at_shutdown_an_idle_keep_alive_connection_answers_a_request_already_sent() -> None:
+    cfg = replace(ServerConfig(), http_keep_alive_s=600.0)
+    proto, transport = connection(cfg)
+    proto.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    for _ in range(100):
+        if transport.written.endswith(b"ok"):
+            break
+        await asyncio.sleep(0.002)
+    transport.written = b""
+    proto.shutdown()  # idle: uvicorn would close it here, resetting a request on its way
+    assert not transport.closed
+    proto.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # it was on its way
+    await _settle(transport)
+    assert transport.written.startswith(b"HTTP/1.1 200 "), transport.written[:60]
+    assert b"connection: close" in transport.written.lower()
+    assert transport.closed, "closed once that answer is written"
+    proto.connection_lost(None)
+
+
+@in_loop
+async def test_at_shutdown_an_idle_connection_with_nothing_on_its_way_closes_after_the_linger() -> None:
+    proto, transport = connection(replace(ServerConfig(), http_keep_alive_s=600.0))
+    proto.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.sleep(0.01)
+    proto.shutdown()
+    assert not transport.closed
+    await _settle(transport)
+    assert transport.closed
+    proto.connection_lost(None)
+
+
 @in_loop
 async def test_timers_end_a_stalled_head_with_408_and_an_unused_connection_silently() -> None:
     cfg = replace(ServerConfig(), http_header_timeout_s=0.01)
