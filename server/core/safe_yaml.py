@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from mariner.server.core.capped_text import TextRefused, capped_text
+
 __all__ = ["MAX_DEPTH", "MAX_NODES", "YamlRefused", "load_yaml"]
 
 MAX_DEPTH = 64
@@ -64,12 +66,10 @@ def load_yaml(data: bytes, *, max_bytes: int) -> Any:
 
     Raises YamlRefused for text over `max_bytes`, text that is not UTF-8, an alias, nesting or
     size past the caps, and YAML that does not parse (with its line and column)."""
-    if len(data) > max_bytes:
-        raise YamlRefused(f"is {len(data)} bytes, more than the limit of {max_bytes}")
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise YamlRefused(f"is not UTF-8 text ({exc.reason})") from None
+        text = capped_text(data, max_bytes)
+    except TextRefused as exc:
+        raise YamlRefused(str(exc)) from None
     loader = _BoundedLoader(text)
     try:
         return loader.get_single_data()

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from mariner.server.core.capped_text import TextRefused, capped_text
+
 MAX_FILE_BYTES = 64 * 1024
 MAX_REQUIREMENTS = 500
 # Names pip would take for a local archive file rather than a package of the index.
@@ -43,13 +45,11 @@ def read_requirements(path: Path, *, shown_as: str) -> list[str]:
     """The requirements of the file at `path`, each in canonical form; `shown_as` names the file in
     errors (its name inside the archive)."""
     with path.open("rb") as f:
-        raw = f.read(MAX_FILE_BYTES + 1)
-    if len(raw) > MAX_FILE_BYTES:
-        raise RequirementsRefused(f"{shown_as} is larger than {MAX_FILE_BYTES} bytes")
+        raw = f.read(MAX_FILE_BYTES + 1)  # one byte past the cap is enough to refuse it
     try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise RequirementsRefused(f"{shown_as} is not UTF-8 text (byte {exc.start})") from None
+        text = capped_text(raw, MAX_FILE_BYTES, bom=True)
+    except TextRefused as exc:
+        raise RequirementsRefused(f"{shown_as} {exc}") from None
     return parse_requirements(text, shown_as=shown_as)
 
 

@@ -203,7 +203,7 @@ def test_requirements_are_read_as_pip_reads_a_plain_list() -> None:
 def test_a_requirements_file_too_large_or_not_utf8_is_refused(tmp_path: Path) -> None:
     big = tmp_path / "big.txt"
     big.write_bytes(b"# x\n" * (MAX_FILE_BYTES // 4 + 1))
-    with pytest.raises(RequirementsRefused, match="larger than 65536 bytes"):
+    with pytest.raises(RequirementsRefused, match="more than the limit of 65536"):
         read_requirements(big, shown_as="big.txt")
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"caf\xe9\n")

@@ -146,13 +146,20 @@ def _sized(name: str) -> int:
     return int(name.rsplit(":", 1)[1])
 
 
+def sized_stream(held: HeldBytes, count: int, size: int, **source: Any) -> tuple[Source, Gates, Any]:
+    """`count` gated requests of `size` bytes each, on a pipeline counting them in `held`; the
+    answers' iterator is the third item (its first answer is awaited by the caller)."""
+    names = [f"r{i}:{size}" for i in range(count)]
+    feed = Source(names, **source)
+    gates = Gates(gates={name: asyncio.Event() for name in names})
+    pipe = pipe_of(feed, gates, held=held, size=_sized)
+    return feed, gates, pipe.responses()
+
+
 def test_a_stream_stops_reading_at_its_own_byte_budget_and_goes_on_as_answers_are_written() -> None:
     async def main() -> None:
         held = HeldBytes(HeldLimits(limit=1000, stream_limit=100))
-        source = Source([f"r{i}:30" for i in range(50)])
-        gates = Gates(gates={f"r{i}:30": asyncio.Event() for i in range(50)})
-        pipe = pipe_of(source, gates, held=held, size=_sized)
-        answers = pipe.responses()
+        source, gates, answers = sized_stream(held, 50, 30)
         first = asyncio.ensure_future(anext(answers))
         await until(lambda: source.read == 4, "the stream to hold its budget")
         await asyncio.sleep(0.05)  # time enough to read more, were it allowed
@@ -176,10 +183,7 @@ def test_streams_stop_reading_at_their_share_of_the_frontends_budget() -> None:
     async def main() -> None:
         held = HeldBytes(HeldLimits(limit=200, stream_limit=200))  # streams together: 100
         held.add(90)  # a unary call's bytes
-        source = Source([f"r{i}:20" for i in range(10)])
-        gates = Gates(gates={f"r{i}:20": asyncio.Event() for i in range(10)})
-        pipe = pipe_of(source, gates, held=held, size=_sized)
-        answers = pipe.responses()
+        source, gates, answers = sized_stream(held, 10, 20)
         first = asyncio.ensure_future(anext(answers))
         await until(lambda: source.read == 1, "one read")
         await asyncio.sleep(0.05)
@@ -200,12 +204,10 @@ def test_streams_stop_reading_at_their_share_of_the_frontends_budget() -> None:
 def test_a_cancelled_stream_releases_the_bytes_it_held() -> None:
     async def main() -> None:
         held = HeldBytes(HeldLimits(limit=1000, stream_limit=100))
-        source = Source([f"r{i}:40" for i in range(5)], hold=asyncio.Event())
-        gates = Gates(gates={f"r{i}:40": asyncio.Event() for i in range(5)})
-        pipe = pipe_of(source, gates, held=held, size=_sized)
+        _, _, answers = sized_stream(held, 5, 40, hold=asyncio.Event())
 
         async def consume() -> None:
-            async for _ in pipe.responses():
+            async for _ in answers:
                 pass
 
         task = asyncio.ensure_future(consume())
