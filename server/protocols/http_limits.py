@@ -270,7 +270,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         extensions[DISCONNECT_HOOK] = self._on_disconnect
 
     def on_body(self, body: bytes) -> None:
-        if self.held is not None:
+        # Counted as uvicorn keeps it: not once the answer is complete (the rest is dropped).
+        if self.held is not None and self._holding and not self.cycle.response_complete:
             if not self.held.take(len(body)):
                 self._refuse(self._over_budget(len(body)))
             self._holding[-1] += len(body)

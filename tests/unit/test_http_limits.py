@@ -17,6 +17,7 @@ from uvicorn.server import ServerState
 
 from mariner.server.config import ServerConfig, load_config
 from mariner.server.listeners import uvicorn_config
+from mariner.server.protocols.held_bytes import HeldBytes, HeldLimits
 from mariner.server.protocols.http_common import request_headers
 from mariner.server.protocols.http_limits import STALE_HEAD_S, HttpLimits, LimitedHttpToolsProtocol
 from mariner.server.protocols.torchserve.grpc import request_headers as grpc_request_headers
@@ -235,6 +236,29 @@ async def test_at_shutdown_an_idle_connection_with_nothing_on_its_way_closes_aft
     await _settle(transport)
     assert transport.closed
     proto.connection_lost(None)
+
+
+@in_loop
+async def test_held_body_bytes_are_counted_as_they_arrive_and_released_with_the_answer() -> None:
+    held = HeldBytes(HeldLimits(limit=100, stream_limit=10))
+    listener = uvicorn_config(ok_app, "127.0.0.1", 0, ServerConfig(), held=held)
+    listener.load()
+    proto, transport = connection(ServerConfig(), config=listener)
+    proto.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n0123456789")
+    assert held.held == 10, "what arrived, not what was promised"
+    await asyncio.sleep(0.01)  # ok_app answers without reading the body
+    assert transport.written.endswith(b"ok")
+    assert held.held == 0, "released with the answer"
+    proto.data_received(b"x" * 20)  # the rest of that body, after its answer: dropped, not counted
+    assert held.held == 0
+    held.add(90)  # others hold 90 of 100: a body of 30 cannot fit and is refused unread
+    proto.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n")
+    assert b"HTTP/1.1 503 " in transport.written
+    assert b"retry-after: 1" in transport.written
+    assert b"frontend_max_held_mb" in transport.written
+    assert transport.closed
+    proto.connection_lost(None)
+    assert held.held == 90
 
 
 @in_loop
