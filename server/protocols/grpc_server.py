@@ -33,6 +33,11 @@ KEEPALIVE_TIMEOUT_S = 20.0
 # Clients may ping no more often than this; more pings are strikes, and after grpc's two strikes
 # the connection ends with GOAWAY ENHANCE_YOUR_CALM (a ping flood costs the server a write each).
 MIN_CLIENT_PING_INTERVAL_S = 10.0
+# How long a connection may leave the server's SETTINGS unacknowledged before it is closed. A
+# real HTTP/2 client acknowledges them within a round trip; a connection that sends the preface
+# and nothing more (the review's flood: 1,000 of them held every slot for the 60 s idle timeout,
+# and new clients got UNAVAILABLE) now gives its slot back after this.
+SETTINGS_ACK_TIMEOUT_S = 5.0
 # The flow-control window of one call: what a client may send before the server has asked for
 # it. grpc's default grows it by probing the link (BDP), to several MiB on loopback, so a call
 # refused on its metadata (no token, draining) still had most of its message pushed into the
@@ -81,6 +86,7 @@ def server_options(
         ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_INTERVAL_S * 1000)),
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.http2.settings_timeout", int(SETTINGS_ACK_TIMEOUT_S * 1000)),
     ]
 
 

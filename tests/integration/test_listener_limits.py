@@ -31,6 +31,7 @@ import pytest
 import requests
 
 from mariner.server import protogen
+from mariner.server.protocols.grpc_server import SETTINGS_ACK_TIMEOUT_S
 from tests.integration import h2_frames as h2
 from tests.mariner_serve import MarinerServe
 
@@ -140,6 +141,35 @@ def test_idle_grpc_connections_are_capped_health_answers_and_idle_ones_end(
     with grpc.insecure_channel(server.grpc_target) as channel:
         reply = pb.stub(channel).ModelInfer(infer_request(pb, 1), timeout=WAIT, metadata=AUTH)
     assert reply.outputs
+
+
+def test_connections_that_only_send_the_preface_give_their_slots_back(
+    model_store: Path, pb: SimpleNamespace
+) -> None:
+    """The review's flood: connections that send the HTTP/2 preface and never acknowledge the
+    server's SETTINGS held every slot until the idle timeout (60 s, the default here), and new
+    clients got UNAVAILABLE. They are closed once SETTINGS_ACK_TIMEOUT_S passes."""
+    srv = MarinerServe(model_store, f"{MODEL}.mar", grpc_max_connections=CAP).start()
+    flood = [raw_grpc_connection(srv.ports.grpc_inference) for _ in range(CAP)]
+    try:
+        for _sock, reader in flood:
+            assert h2.settings_of(reader.frames(timeout=0.1)), "the flood holds a served slot"
+        with grpc.insecure_channel(srv.grpc_target) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb.stub(channel).ServerLive(pb.m.ServerLiveRequest(), timeout=5)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE, "every slot is taken"
+        started = time.monotonic()
+        for _sock, reader in flood:
+            while not reader.closed and time.monotonic() - started < WAIT:
+                reader.frames(timeout=1.0)
+        took = time.monotonic() - started
+        assert all(reader.closed for _sock, reader in flood)
+        assert took < SETTINGS_ACK_TIMEOUT_S + 5.0, f"closed after {took:.1f} s, not the idle timeout"
+        with grpc.insecure_channel(srv.grpc_target) as channel:
+            assert pb.stub(channel).ServerLive(pb.m.ServerLiveRequest(), timeout=WAIT).live
+    finally:
+        for sock, _ in flood:
+            sock.close()
+        srv.stop()
 
 
 def test_max_concurrent_streams_is_advertised_and_half_open_streams_beyond_it_are_refused(
