@@ -95,17 +95,15 @@ def _wrap(
     the wrapper per call cost more than the rest of the interceptor chain together."""
     message = _message(method)
 
-    async def run_held(request: Any, context: grpc.aio.ServicerContext, inner: Callable[..., Any]) -> Any:
+    async def hold(context: grpc.aio.ServicerContext) -> int:
+        """Take the bytes of the message this call read from `held`, or end the call
+        RESOURCE_EXHAUSTED with retry-after when they do not fit; the bytes taken."""
         assert held is not None
         size = _MESSAGE_BYTES.get()
         if not held.take(size):
             context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(RETRY_AFTER_SECONDS)),))
             await abort(context, held.refusal(size))
-        try:
-            result = inner(request, context)
-            return await result if inspect.isawaitable(result) else result
-        finally:
-            held.release(size)
+        return size
 
     kw = {
         "request_deserializer": _safe(handler.request_deserializer),
@@ -133,10 +131,13 @@ def _wrap(
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if request is _BAD:
                 await context.abort(_INVALID, message)
-            if held is not None:
-                return await run_held(request, context, inner_uu)
-            result = inner_uu(request, context)
-            return await result if inspect.isawaitable(result) else result
+            size = await hold(context) if held is not None else 0
+            try:
+                result = inner_uu(request, context)
+                return await result if inspect.isawaitable(result) else result
+            finally:
+                if held is not None:
+                    held.release(size)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
     if handler.unary_stream:
@@ -145,10 +146,7 @@ def _wrap(
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if request is _BAD:
                 await context.abort(_INVALID, message)
-            size = _MESSAGE_BYTES.get()
-            if held is not None and not held.take(size):
-                context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(RETRY_AFTER_SECONDS)),))
-                await abort(context, held.refusal(size))
+            size = await hold(context) if held is not None else 0
             try:
                 async for item in _drain(inner_us(request, context)):
                     yield item

@@ -6,10 +6,11 @@ from 142 MiB to 5 GB in 25 s, and every other client's latency with it. So a fro
 request bytes it holds, from the moment a request is read until its answer is written (or the
 call ends), and keeps the total under `limit`:
 
-- A unary call (HTTP, gRPC) takes its bytes before it runs: an HTTP request by its
-  Content-Length before the body is read, a gRPC message by its size on the wire. When they do
-  not fit, it is refused at once, 503 / RESOURCE_EXHAUSTED with Retry-After, so the client backs
-  off or goes to another replica; nothing waits for room.
+- A unary call (HTTP, gRPC) takes its bytes before it runs: a gRPC message by its size on the
+  wire; an HTTP body as it arrives, after its Content-Length was checked against the room left
+  before a byte of it is read (`http_limits`). When they do not fit, it is refused at once,
+  503 / RESOURCE_EXHAUSTED with Retry-After, so the client backs off or goes to another replica;
+  nothing waits for room.
 - A stream may wait, so streams give way first: a stream reads its next message only while the
   frontend holds under `limit * STREAM_SHARE` and the stream itself holds under `stream_limit`.
   Otherwise it stops reading, and HTTP/2 flow control pushes back on its client, until answers

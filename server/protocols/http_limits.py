@@ -295,10 +295,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         assert self.held is not None
         length = next((v for k, v in self.headers if k == b"content-length"), b"")
         # A body larger than the whole budget is larger than any the server takes: the app
-        # answers it 413, unread, whatever the load.
-        if length.isdigit() and int(length) <= self.held.limits.limit and not self.held.fits(int(length)):
+        # answers it 413, unread, whatever the load. Without a Content-Length, nothing to check.
+        size = int(length) if length.isdigit() else None
+        if size is not None and size <= self.held.limits.limit and not self.held.fits(size):
             self.held.refused += 1
-            self._refuse(self._over_budget(int(length)))
+            self._refuse(self._over_budget(size))
         self._holding.append(0)
 
     def _over_budget(self, size: int) -> bytes:
