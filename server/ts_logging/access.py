@@ -71,7 +71,11 @@ class HttpAccessLog:
 
 
 def _peer(context: Any) -> str:
-    """grpc's peer (`ipv4:127.0.0.1:51234`, `ipv6:[::1]:51234`) as Java writes the address."""
+    """grpc's peer (`ipv4:127.0.0.1:51234`, `ipv6:[::1]:51234`) as Java writes the address.
+
+    Read when the call starts, never once it ended: a streaming call's generator can be closed
+    after grpc finished and freed the call, and `peer()` on a freed call reads freed memory (the
+    frontend died with SIGSEGV under the fuzz tests)."""
     try:
         peer = str(context.peer())
     except Exception:  # noqa: BLE001 - no peer known: TorchServe's fallback
@@ -111,9 +115,9 @@ def grpc_access_log(thread: str) -> Any:
     return GrpcAccessLog()
 
 
-def _log_call(context: Any, method: str, thread: str, start: float, failed: bool) -> None:
+def _log_call(context: Any, peer: str, method: str, thread: str, start: float, failed: bool) -> None:
     message = access_message(
-        _peer(context),
+        peer,
         "gRPC",
         method,
         "HTTP/2.0",
@@ -133,13 +137,13 @@ def _wrapped(grpc: Any, handler: Any, method: str, thread: str) -> Any:
         inner = handler.unary_unary or handler.stream_unary
 
         async def unary(request: Any, context: Any) -> Any:
-            start, failed = time.monotonic(), True
+            start, failed, peer = time.monotonic(), True, _peer(context)
             try:
                 result = await inner(request, context)
                 failed = False
                 return result
             finally:
-                _log_call(context, method, thread, start, failed)
+                _log_call(context, peer, method, thread, start, failed)
 
         make = (
             grpc.unary_unary_rpc_method_handler
@@ -150,7 +154,7 @@ def _wrapped(grpc: Any, handler: Any, method: str, thread: str) -> Any:
     inner_stream = handler.unary_stream or handler.stream_stream
 
     async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
-        start, failed = time.monotonic(), True
+        start, failed, peer = time.monotonic(), True, _peer(context)
         try:
             produced = inner_stream(request, context)
             if inspect.isasyncgen(produced):
@@ -160,7 +164,7 @@ def _wrapped(grpc: Any, handler: Any, method: str, thread: str) -> Any:
                 await produced
             failed = False
         finally:
-            _log_call(context, method, thread, start, failed)
+            _log_call(context, peer, method, thread, start, failed)
 
     make = (
         grpc.unary_stream_rpc_method_handler

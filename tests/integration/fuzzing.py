@@ -60,8 +60,9 @@ DOCUMENTED_GRPC = frozenset(
      SC.UNAUTHENTICATED, SC.PERMISSION_DENIED, SC.UNIMPLEMENTED, SC.INTERNAL}
 )  # fmt: skip
 # The table plus the transport-level 405 (method), 413 (body size) and 431 (request line and
-# headers over --http-max-header-bytes: a target of a few long segments crosses its 32 KiB).
-DOCUMENTED_HTTP = frozenset({200, 400, 401, 403, 404, 405, 413, 431, 500, 501, 503, 504})
+# headers over --http-max-header-bytes: a target of a few long segments crosses its 32 KiB), and
+# TorchServe's 202 "Processing worker updates..." to a scale without `synchronous=true`.
+DOCUMENTED_HTTP = frozenset({200, 202, 400, 401, 403, 404, 405, 413, 431, 500, 501, 503, 504})
 # What a message must never contain: a traceback, a frame, an exception's repr.
 LEAK = re.compile(r"Traceback \(most recent call last\)|File \"|<class '|Error\(|Exception\(")
 # uvicorn's answer to bytes that are not HTTP at all (bad request line, header or chunking):

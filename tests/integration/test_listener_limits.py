@@ -6,7 +6,9 @@ reproduced at a bounded scale against a real `mariner serve` on port 0 (tokens o
 - MAX_CONCURRENT_STREAMS is advertised, and half-open streams beyond it are refused;
 - a rapid-reset burst (HEADERS + RST_STREAM pairs) leaves a victim's calls answered;
 - unauthenticated large requests are refused before their message is read, so a victim with a
-  token keeps its latency.
+  token keeps its latency;
+- streams grpc ends for an over-limit message leave every frontend alive (the access log once
+  read the peer of a freed call).
 
 Verdicts are counts and answers; latency figures are printed (`pytest -s`), and bounded only
 loosely. Waits are polls or blocking reads with generous bounds.
@@ -350,3 +352,26 @@ def test_refused_calls_are_answered_before_their_message_is_sent(server: Mariner
             answered = [f for f in reader.frames(timeout=1.0) if f.kind == h2.HEADERS and f.stream == 1]
         assert answered, "no answer to a call whose message never came"
         assert answered[-1].flags & h2.END_STREAM, "the answer did not end the call (trailers-only)"
+
+
+def test_streams_that_grpc_ends_over_the_message_limit_leave_the_frontend_serving(
+    server: MarinerServe, pb: SimpleNamespace
+) -> None:
+    """A stream whose second message is over max_request_bytes is ended by grpc itself; the access
+    log's line for it is written after that. Reading the peer then read a freed call: the frontend
+    died with SIGSEGV within a few such streams. Every one is answered RESOURCE_EXHAUSTED, and the
+    same frontends serve on."""
+    pids = server.frontend_pids()
+    call = grpc.insecure_channel(server.grpc_target).stream_stream(
+        "/org.pytorch.serve.grpc.inference.InferenceAPIsService/StreamPredictions2"
+    )
+    over = b"\x00" * (9 << 20)  # max_request_bytes is 8 MiB
+    codes = []
+    for _ in range(40):
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter([b"", over]), metadata=AUTH, timeout=WAIT))
+        codes.append(err.value.code())
+    assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, set(codes)
+    assert server.frontend_pids() == pids, "a frontend died"
+    assert "exited with" not in server.log_text()
+    assert http_predict(server).status_code == 200
