@@ -13,8 +13,10 @@ check every process runs before it listens.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -55,20 +57,64 @@ class EmbeddedUvicorn(uvicorn.Server):
         yield
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Drop idle TLS connections at once, then uvicorn's own graceful shutdown.
+        """Drop idle TLS connections at once, serve the connections the kernel had already
+        accepted, then uvicorn's own graceful shutdown.
 
         uvicorn closes an idle keep-alive connection politely; over TLS that sends close_notify
         and waits for the peer's, which a client that has simply stopped using the connection
         never sends. asyncio then waits its 30 s TLS shutdown timeout and uvicorn its whole grace
         period, although no request is in flight. An idle connection has nothing left to send,
         so aborting it loses nothing; connections with a response in progress are left alone.
+
+        Closing a listening socket resets every connection still in its accept queue: the
+        client's connect had succeeded and its request was sent, so it saw a reset instead of
+        an answer (clients reconnecting through a SIGTERM saw one in a few hundred calls). So
+        the queue is emptied first, in the same step as the close, and those connections are
+        served like the others: their request is answered (503 while draining) and they close.
         """
         if self.config.is_ssl:
             for connection in list(self.server_state.connections):
                 cycle = getattr(connection, "cycle", None)
                 if cycle is None or cycle.response_complete:
                     connection.transport.abort()
+        queued = [conn for server in self.servers for conn in _accept_queued(server, self.config.backlog)]
+        for server in self.servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        for conn in queued:
+            try:
+                await loop.connect_accepted_socket(self._protocol, conn, ssl=self.config.ssl)
+            except OSError as exc:  # the client left meanwhile
+                log.debug("a queued connection ended before it was served: %s", exc)
+                conn.close()
         await super().shutdown(sockets)
+
+    def _protocol(self) -> asyncio.Protocol:
+        """A connection's protocol, as uvicorn's `startup` makes it."""
+        protocol: asyncio.Protocol = self.config.http_protocol_class(  # type: ignore[call-arg]
+            config=self.config, server_state=self.server_state, app_state=self.lifespan.state
+        )
+        return protocol
+
+
+def _accept_queued(server: asyncio.AbstractServer, most: int) -> list[socket.socket]:
+    """The connections waiting in `server`'s accept queues (at most `most` per socket), accepted
+    without blocking; the listening sockets stay open (EmbeddedUvicorn.shutdown)."""
+    out: list[socket.socket] = []
+    for listening in getattr(server, "sockets", None) or ():
+        with socket.socket(fileno=os.dup(listening.fileno())) as dup:
+            dup.setblocking(False)
+            for _ in range(most):
+                try:
+                    conn, _addr = dup.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    log.debug("accepting a queued connection failed: %s", exc)
+                    break
+                conn.setblocking(False)
+                out.append(conn)
+    return out
 
 
 def http_limits(cfg: ServerConfig) -> HttpLimits:
