@@ -96,14 +96,18 @@ fuzz: venv protos models
 	MARINER_FUZZ_EXAMPLES=$(MARINER_FUZZ_EXAMPLES) $(PY) -m tests.fuzz_main $(PYTEST_ARGS)
 
 # The attacks the process model was hardened against, replayed against real servers on 127.0.0.1
-# (bounded in count and time; about 3 minutes here), with the victims' latency under each flood
+# (bounded in count and time; about 2.5 minutes here), with the victims' latency under each flood
 # printed: worker budget and lifecycle races, gRPC connection/stream limits, rapid reset and an
-# unauthenticated flood, drain, trust (work dir, peers, frames), secrets, parent death, register
-# input and archive bombs. They are part of `make test` too.
+# unauthenticated flood, slow HTTP heads and bodies, drain, trust (work dir, peers, frames),
+# secrets, parent death, register input, archive bombs (YAML alias bombs included), the bytes a
+# frontend holds, requirements files that reach beyond packages, and handler statuses HTTP cannot
+# carry. They are part of `make test` too.
 ATTACK_TESTS := tests/integration/test_lifecycle_races.py tests/integration/test_listener_limits.py \
 	tests/e2e/test_drain.py tests/integration/test_trust.py tests/integration/test_secrets_env.py \
 	tests/e2e/test_parent_death.py tests/integration/test_register_input.py tests/unit/test_archive_bombs.py \
-	tests/integration/test_held_bytes.py
+	tests/integration/test_held_bytes.py tests/integration/test_http_limits.py \
+	tests/integration/test_bad_archives.py tests/unit/test_requirements.py \
+	tests/integration/test_model_requirements.py tests/integration/test_runtime_handlers.py
 attacks: venv protos models
 	$(PY) -m pytest -s -q $(ATTACK_TESTS) $(PYTEST_ARGS)
 
