@@ -66,7 +66,7 @@ def _attacker(target: str, n: int, size: int, stop: Any, sent: list[int]) -> Non
             pass  # refused or cut: the attacker does not care
 
 
-def _attack(target: str, streams: int, size: int, stop: Any, total: Any) -> None:
+def _attack(target: str, streams: int, size: int, stop: Any, total: Any, cpu: Any) -> None:
     """The attackers, in a process of their own: serializing large messages holds the GIL, which
     would otherwise slow the victim's client rather than the server."""
     sent = [0] * streams
@@ -79,11 +79,21 @@ def _attack(target: str, streams: int, size: int, stop: Any, total: Any) -> None
     for t in threads:
         t.join(timeout=130)
     total.value = sum(sent)
+    cpu.value = sum(psutil.Process().cpu_times()[:2])
 
 
 def _frontend(server: MarinerProcess) -> psutil.Process:
     sup = psutil.Process(server.pid)
     return next(c for c in sup.children() if "mariner.server.frontend" in " ".join(c.cmdline()))
+
+
+def _workers(server: MarinerProcess) -> list[psutil.Process]:
+    sup = psutil.Process(server.pid)
+    return [p for p in sup.children(recursive=True) if "mariner.server.workers.main" in " ".join(p.cmdline())]
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
 def _pcts(ms: list[float]) -> str:
@@ -115,10 +125,13 @@ def main() -> None:
         rss0 = frontend.memory_info().rss
         quiet = _victim(url, args.seconds)
         ctx = multiprocessing.get_context("spawn")
-        stop, total = ctx.Event(), ctx.Value("i", 0)
+        stop, total, attacker_cpu = ctx.Event(), ctx.Value("i", 0), ctx.Value("d", 0.0)
         size = int(args.message_mib * MIB)
-        attack = ctx.Process(target=_attack, args=(server.grpc_target, args.streams, size, stop, total))
-        cpu0 = sum(frontend.cpu_times()[:2])
+        attack = ctx.Process(
+            target=_attack, args=(server.grpc_target, args.streams, size, stop, total, attacker_cpu)
+        )
+        workers = _workers(server)
+        cpu0, wcpu0, t0 = sum(frontend.cpu_times()[:2]), _cpu(workers), time.monotonic()
         attack.start()
         peak = [rss0]
 
@@ -134,6 +147,8 @@ def main() -> None:
         stop.set()
         attack.join(timeout=130)
         cpu = sum(frontend.cpu_times()[:2]) - cpu0
+        wcpu, took = _cpu(workers) - wcpu0, time.monotonic() - t0
+        acpu = attacker_cpu.value
         time.sleep(5.0)
         rss1 = frontend.memory_info().rss
     print(f"victim quiet:        {_pcts(quiet)}")
@@ -144,7 +159,11 @@ def main() -> None:
     print(f"p99 ratio: {ratio:.2f}x")
     print(f"attack messages sent: {total.value} ({total.value * args.message_mib:.0f} MiB)")
     per = cpu / max(1, total.value) * 1e3
-    print(f"frontend CPU during the attack: {cpu:.1f} s, {per:.1f} ms per attack message")
+    print(
+        f"CPU during the {took:.1f} s attack: frontend {cpu:.1f} s ({per:.1f} ms per attack message), "
+        f"workers {wcpu:.1f} s ({wcpu / max(1, total.value) * 1e3:.1f} ms per attack message), "
+        f"the attacking client {acpu:.1f} s (on the same {psutil.cpu_count()} cores)"
+    )
     print(
         f"frontend RSS: {rss0 / MIB:.0f} MiB before, {peak[0] / MIB:.0f} MiB peak under attack, "
         f"{rss1 / MIB:.0f} MiB 5 s after"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import os
 import pickle
 import struct
@@ -33,11 +35,14 @@ from mariner.server.workers.peer import PeerRefused, check_peer
 
 # Buffers this large or larger travel through shared memory instead of the socket.
 SHM_THRESHOLD = 256 * 1024
+# Segments adding up to this many bytes are filled in a thread, off the event loop (`write_message`).
+THREAD_FILL_BYTES = 1024 * 1024
 # The largest frame either side accepts (header + body; shared-memory buffers do not count).
 MAX_FRAME = 64 * 1024 * 1024
 SHM_PREFIX = "mrnr"
 
 _LEN = struct.Struct(">II")
+log = logging.getLogger("mariner.worker")
 
 INSTANCE_FAILED = "instance_failed"
 
@@ -163,16 +168,23 @@ def _view(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def _to_shm(buf: pickle.PickleBuffer) -> ShmRef:
-    view = buf.raw()
-    name = f"{SHM_PREFIX}{os.getpid()}_{os.urandom(6).hex()}"
+def _fill(name: str, view: memoryview) -> None:
+    """Create segment `name` holding `view`. Written with pwrite, which copies in the kernel with
+    the GIL released, so a thread can fill segments while the event loop goes on (`write_message`)."""
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, view.nbytes))
     try:
         _untrack(shm._name)  # type: ignore[attr-defined]  # private: the name with its leading "/"
-        _view(shm)[: view.nbytes] = view
+        fd: int = shm._fd  # type: ignore[attr-defined]  # private: the segment's descriptor
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(fd, view[done:], done)
     finally:
         shm.close()
-    return ShmRef(name, view.nbytes)
+
+
+def _fill_all(fills: Sequence[tuple[str, memoryview]]) -> None:
+    for name, view in fills:
+        _fill(name, view)
 
 
 def _from_shm(ref: ShmRef) -> bytearray:
@@ -198,23 +210,35 @@ def unlink_segments(names: Iterable[str]) -> int:
     return gone
 
 
-def encode(msg: Any) -> tuple[bytes, list[ShmRef]]:
-    """One frame for `msg`, and the shared-memory segments it created (for cleanup on failure)."""
+def _encode_unfilled(msg: Any) -> tuple[bytes, list[ShmRef], list[tuple[str, memoryview]]]:
+    """One frame for `msg`, the segments it names, and what each must hold: the frame may be
+    sent only once every segment is filled (`_fill`)."""
     refs: list[ShmRef] = []
+    fills: list[tuple[str, memoryview]] = []
 
     def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        if buf.raw().nbytes < SHM_THRESHOLD:
+        view = buf.raw()
+        if view.nbytes < SHM_THRESHOLD:
             return True  # small: stays inside the pickle
-        refs.append(_to_shm(buf))
+        name = f"{SHM_PREFIX}{os.getpid()}_{os.urandom(6).hex()}"
+        refs.append(ShmRef(name, view.nbytes))
+        fills.append((name, view))
         return False
 
+    body = pickle.dumps(_prepare(msg), protocol=5, buffer_callback=out_of_band)
+    header = pickle.dumps(tuple(refs), protocol=5) if refs else b""
+    return _LEN.pack(len(header) + len(body), len(header)) + header + body, refs, fills
+
+
+def encode(msg: Any) -> tuple[bytes, list[ShmRef]]:
+    """One frame for `msg`, and the shared-memory segments it created (for cleanup on failure)."""
+    frame, refs, fills = _encode_unfilled(msg)
     try:
-        body = pickle.dumps(_prepare(msg), protocol=5, buffer_callback=out_of_band)
+        _fill_all(fills)
     except BaseException:
         unlink_segments(r.name for r in refs)
         raise
-    header = pickle.dumps(tuple(refs), protocol=5) if refs else b""
-    return _LEN.pack(len(header) + len(body), len(header)) + header + body, refs
+    return frame, refs
 
 
 def decode(header: bytes, body: bytes) -> Any:
@@ -312,11 +336,19 @@ class SentSegments:
 async def write_message(
     writer: asyncio.StreamWriter, msg: Any, *, sent: SentSegments | None = None
 ) -> list[ShmRef]:
-    """Write one message and drain; returns the segments it created (also recorded in `sent`)."""
-    frame, refs = encode(msg)
+    """Write one message and drain; returns the segments it created (also recorded in `sent`).
+
+    Segments of `THREAD_FILL_BYTES` or more in all are filled in a thread: copying a batch of
+    twelve 7 MiB requests took the frontend's event loop one step of 100 ms and more, and every
+    other call on that frontend waited for it."""
+    frame, refs, fills = _encode_unfilled(msg)
     if sent is not None:
         sent.add(refs)
     try:
+        if sum(view.nbytes for _, view in fills) >= THREAD_FILL_BYTES:
+            await _fill_off_loop(fills)
+        else:
+            _fill_all(fills)
         writer.write(frame)
         await writer.drain()
     except BaseException:
@@ -324,6 +356,22 @@ async def write_message(
             unlink_segments(r.name for r in refs)
         raise
     return refs
+
+
+async def _fill_off_loop(fills: Sequence[tuple[str, memoryview]]) -> None:
+    filled = asyncio.get_running_loop().run_in_executor(None, _fill_all, fills)
+    try:
+        await asyncio.shield(filled)
+    except asyncio.CancelledError:
+        # The thread goes on creating segments; unlink them once it is done, as nobody reads them.
+        filled.add_done_callback(functools.partial(_unlink_filled, fills))
+        raise
+
+
+def _unlink_filled(fills: Sequence[tuple[str, memoryview]], filled: asyncio.Future[None]) -> None:
+    if not filled.cancelled() and filled.exception() is not None:
+        log.debug("filling shared memory failed after its call was cancelled: %s", filled.exception())
+    unlink_segments(name for name, _ in fills)
 
 
 async def ask_describe(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,105 @@ def test_segments_a_peer_never_read_are_released_with_the_connection() -> None:
     assert sent.release() == 1
     assert _segments() == before
     assert sent.release() == 0, "releasing twice finds nothing"
+
+
+class _Sink:
+    """A StreamWriter's write side that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    async def drain(self) -> None:
+        return None
+
+
+def _slow_fill(monkeypatch: pytest.MonkeyPatch, started: threading.Event, go: threading.Event) -> list[str]:
+    """Make every segment fill wait for `go` (set `started` first); returns the fill threads' names."""
+    threads: list[str] = []
+    fill = protocol._fill
+
+    def slow(name: str, view: memoryview) -> None:
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert go.wait(10), "the test never let the fill go on"
+        fill(name, view)
+
+    monkeypatch.setattr(protocol, "_fill", slow)
+    return threads
+
+
+def test_a_large_batch_is_copied_to_shared_memory_while_the_event_loop_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Twelve 7 MiB requests copied on the loop held a frontend's every other call for 100 ms and
+    more; from `THREAD_FILL_BYTES` on they are copied in a thread, and the frame is written only
+    once every segment holds its bytes."""
+    before = _segments()
+    started, go = threading.Event(), threading.Event()
+    threads = _slow_fill(monkeypatch, started, go)
+    blob = os.urandom(protocol.THREAD_FILL_BYTES)
+    sink = _Sink()
+
+    async def main() -> int:
+        write = asyncio.create_task(protocol.write_message(sink, _batch(blob, np.zeros(1))))  # type: ignore[arg-type]
+        ticks = 0
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        for _ in range(5):  # the fill is stuck in its thread, yet the loop goes on
+            await asyncio.sleep(0)
+            ticks += 1
+        assert not sink.frames, "the frame left before its segment was filled"
+        go.set()
+        await write
+        return ticks
+
+    assert asyncio.run(main()) == 5
+    assert threads
+    assert all(t != threading.main_thread().name for t in threads)
+    out = protocol.decode(*_split(sink.frames[0]))
+    assert out.requests[0].data["body"] == blob
+    assert _segments() == before
+
+
+def test_a_small_batch_is_copied_on_the_loop_without_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    started, go = threading.Event(), threading.Event()
+    go.set()
+    threads = _slow_fill(monkeypatch, started, go)
+    sink = _Sink()
+    refs = asyncio.run(protocol.write_message(sink, _batch(os.urandom(protocol.SHM_THRESHOLD), np.zeros(1))))  # type: ignore[arg-type]
+    assert threads == [threading.main_thread().name]
+    protocol.unlink_segments(r.name for r in refs)
+
+
+def test_a_write_cancelled_while_its_segments_fill_leaves_none_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = _segments()
+    started, go = threading.Event(), threading.Event()
+    _slow_fill(monkeypatch, started, go)
+    sink = _Sink()
+
+    async def main() -> None:
+        write = asyncio.create_task(
+            protocol.write_message(sink, _batch(os.urandom(protocol.THREAD_FILL_BYTES), np.zeros(1)))  # type: ignore[arg-type]
+        )
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        write.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await write
+        go.set()  # the thread now creates its segment, and it is unlinked once it is done
+        for _ in range(200):
+            if _segments() == before:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not sink.frames
+    assert _segments() == before
 
 
 def test_an_oversized_frame_is_refused_and_leaks_nothing() -> None:
