@@ -26,6 +26,16 @@ return it, but cost 3.6x the CPU per large message in page faults.)
 A message is counted once it is read, so the total can pass a threshold by the messages read at
 the same moment (each at most the largest message the server accepts); the budget bounds what
 accumulates, not one read. One event loop per frontend: nothing here is thread-safe.
+
+Large stream messages are also read in turn (`in_turn`). A 7 MiB message costs the frontend's one
+event loop about 10 ms in one step (grpc's receive, the protobuf parse and the copies into Python
+bytes), and a stream reads its next message as soon as its last one is counted: twelve streams
+sending such messages finished their reads together, and another client's next step waited
+behind all twelve. So a stream whose last message was large (`LARGE_MESSAGE_BYTES`) takes the
+frontend's one turn for its next read and, once it has read, lets whatever waited run before
+the next stream's read: another client's step waits for about one large read, not twelve. A read
+whose message has not come within `TURN_S` (its client is slow to send) gives the turn up and
+goes on waiting without it, so an idle stream never holds the others back.
 """
 
 from __future__ import annotations
@@ -34,8 +44,9 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from mariner.server.core.errors import Code, ServingError
 
@@ -47,6 +58,12 @@ MIB = 1 << 20
 # A burst past this many bytes held is trimmed once the bytes held fall under a quarter of it.
 TRIM_AFTER_BYTES = 64 * MIB
 TRIM_DELAY_S = 1.0
+# A stream whose last message was at least this large reads its next one in turn (docstring).
+LARGE_MESSAGE_BYTES = 1 * MIB
+# How long a read may hold the turn while its message has not come.
+TURN_S = 0.05
+
+T = TypeVar("T")
 
 
 def _libc_trim() -> Callable[[], object] | None:
@@ -99,6 +116,8 @@ class HeldBytes:
         self._burst = 0  # the most held since the last trim
         self._trim_pending = False
         self.trims = 0
+        self._turn = asyncio.Lock()
+        self.turns = 0  # reads taken in turn (tests read it)
 
     def fits(self, n: int) -> bool:
         """Whether `n` more bytes of a unary call fit (always when nothing is held, so the largest
@@ -145,6 +164,28 @@ class HeldBytes:
         """Return once streams may read again."""
         while not self.streams_may_read():
             await self._stream_room.wait()
+
+    async def in_turn(self, requests: AsyncIterator[T]) -> T:
+        """The next message of `requests`, read in the frontend's turn (module docstring); raises
+        what reading raises (StopAsyncIteration at the end of the stream)."""
+        await self._turn.acquire()
+        read = asyncio.ensure_future(anext(requests))
+        holding = True
+        try:
+            await asyncio.wait({read}, timeout=TURN_S)
+            if not read.done():  # the client is slow to send: the others read meanwhile
+                self._turn.release()
+                holding = False
+            message = await read
+            self.turns += 1
+            if holding:
+                await asyncio.sleep(0)  # what waited behind this read runs before the next one
+            return message
+        finally:
+            if holding:
+                self._turn.release()
+            if not read.done():
+                read.cancel()
 
     def refusal(self, n: int) -> ServingError:
         """What a unary call that did not fit is told (RESOURCE_EXHAUSTED: 503 and Retry-After)."""

@@ -17,7 +17,9 @@ request: that is answered in-stream), and yield what `StreamPipeline.responses()
 - Bytes held: with a frontend's budget (`held`, see `held_bytes`) and a `size` for each request,
   a request's bytes are held from its read until its answer is written; the reader also stops
   while the stream holds `stream_limit` bytes or more, or while the frontend's streams together
-  hold their share of the budget, and goes on as answers written release bytes.
+  hold their share of the budget, and goes on as answers written release bytes. After a large
+  message the next read waits for the frontend's turn (`HeldBytes.in_turn`), so the large
+  messages of many streams are read one at a time with other clients' work in between.
 - One writer: answers leave through the one generator the servicer yields from (grpc.aio
   allows one writer per call).
 - Intermediate answers: a request's answer function may `emit` extra messages ahead of its own
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from mariner.server.core.streams import MAX_HELD_BYTES
-from mariner.server.protocols.held_bytes import HeldBytes
+from mariner.server.protocols.held_bytes import LARGE_MESSAGE_BYTES, HeldBytes
 
 log = logging.getLogger("mariner.stream")
 
@@ -181,6 +183,7 @@ class StreamPipeline(Generic[Req, Resp]):
     # -- reading --------------------------------------------------------------------------------
     async def _read(self) -> None:
         state = self._state
+        last = 0  # the size of the last message read: after a large one, the next waits its turn
         try:
             while True:
                 while self._full():  # stop reading, let HTTP/2 push back
@@ -193,7 +196,10 @@ class StreamPipeline(Generic[Req, Resp]):
                     self.ending = Ending.DRAINED
                     return
                 try:
-                    request = await anext(self._requests)
+                    if self._held is not None and last >= LARGE_MESSAGE_BYTES:
+                        request = await self._held.in_turn(self._requests)
+                    else:
+                        request = await anext(self._requests)
                 except StopAsyncIteration:
                     self.ending = Ending.DONE
                     return
@@ -202,6 +208,7 @@ class StreamPipeline(Generic[Req, Resp]):
                     size = self._size(request)
                     self._bytes += size
                     self._held.add(size)
+                last = size
                 self._start(request, size)
         except asyncio.CancelledError:
             if not self._drain_seen:  # the call itself was cancelled

@@ -15,7 +15,7 @@ import pytest
 
 from mariner.server import protogen
 from mariner.server.core.types import InferRequest, InferResult
-from mariner.server.protocols.held_bytes import HeldBytes, HeldLimits
+from mariner.server.protocols.held_bytes import LARGE_MESSAGE_BYTES, HeldBytes, HeldLimits
 from mariner.server.protocols.stream_pipeline import WINDOW, Ending, StreamPipeline, StreamStats
 from tests.unit.test_grpc_adapters import FakePlane
 
@@ -199,6 +199,81 @@ def test_streams_stop_reading_at_their_share_of_the_frontends_budget() -> None:
         assert held.held == 0
 
     asyncio.run(main())
+
+
+@dataclass
+class SlowReads:
+    """A request iterator whose every read takes a few turns of the loop, counting how many reads
+    of all such iterators are under way at once (after each one's first)."""
+
+    items: list[str]
+    shared: dict[str, int]
+    hold: asyncio.Event | None = None  # after the items: wait on this (never set: an idle client)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        for n, item in enumerate(self.items):
+            if n:
+                self.shared["now"] += 1
+                self.shared["most"] = max(self.shared["most"], self.shared["now"])
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if n:
+                self.shared["now"] -= 1
+            yield item
+        if self.hold is not None:
+            await self.hold.wait()
+
+
+async def collect(pipe: StreamPipeline[str, str]) -> list[str]:
+    return [r async for r in pipe.responses()]
+
+
+def test_large_messages_of_many_streams_are_read_one_at_a_time() -> None:
+    """Twelve streams of 7 MiB messages finished their reads together and another client's next
+    step waited behind all of them; after a large message a stream reads in the frontend's turn."""
+
+    async def main() -> None:
+        held = HeldBytes(HeldLimits(limit=1 << 40, stream_limit=1 << 40))
+        shared = {"now": 0, "most": 0}
+        big = LARGE_MESSAGE_BYTES
+        pipes = [
+            pipe_of(SlowReads([f"s{k}-{i}:{big}" for i in range(5)], shared), Gates(), held=held, size=_sized)
+            for k in range(4)
+        ]
+        answers = await asyncio.gather(*(collect(p) for p in pipes))
+        assert [len(a) for a in answers] == [5, 5, 5, 5]
+        assert shared["most"] == 1, "two large reads were under way at once"
+        assert held.turns == 4 * 4, "every read after a large message took the turn"
+        assert held.held == 0
+
+        small = HeldBytes(HeldLimits(limit=1 << 40, stream_limit=1 << 40))
+        shared.update(now=0, most=0)
+        pipes = [
+            pipe_of(SlowReads([f"s{k}-{i}:100" for i in range(5)], shared), Gates(), held=small, size=_sized)
+            for k in range(4)
+        ]
+        await asyncio.gather(*(collect(p) for p in pipes))
+        assert small.turns == 0, "small messages are read without waiting for a turn"
+        assert shared["most"] > 1
+
+    asyncio.run(main())
+
+
+def test_a_stream_slow_to_send_gives_the_turn_up() -> None:
+    async def main() -> None:
+        held = HeldBytes(HeldLimits(limit=1 << 40, stream_limit=1 << 40))
+        shared = {"now": 0, "most": 0}
+        big = LARGE_MESSAGE_BYTES
+        idle = SlowReads([f"idle:{big}"], shared, hold=asyncio.Event())  # then sends nothing
+        busy = SlowReads([f"b{i}:{big}" for i in range(5)], shared)
+        idle_answers = pipe_of(idle, Gates(), held=held, size=_sized).responses()
+        assert await anext(idle_answers) == f"answer:idle:{big}"  # its reader now waits its turn
+        got = [r async for r in pipe_of(busy, Gates(), held=held, size=_sized).responses()]
+        assert len(got) == 5, "the busy stream was answered in full while the idle one waited"
+        await idle_answers.aclose()
+        assert held.held == 0
+
+    asyncio.run(asyncio.wait_for(main(), CAP_S))
 
 
 def test_a_cancelled_stream_releases_the_bytes_it_held() -> None:
