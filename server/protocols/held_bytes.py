@@ -169,23 +169,25 @@ class HeldBytes:
         """The next message of `requests`, read in the frontend's turn (module docstring); raises
         what reading raises (StopAsyncIteration at the end of the stream)."""
         await self._turn.acquire()
-        read = asyncio.ensure_future(anext(requests))
         holding = True
+
+        def give_up() -> None:  # the client is slow to send: the others read meanwhile
+            nonlocal holding
+            holding = False
+            self._turn.release()
+
+        timer = asyncio.get_running_loop().call_later(TURN_S, give_up)
         try:
-            await asyncio.wait({read}, timeout=TURN_S)
-            if not read.done():  # the client is slow to send: the others read meanwhile
-                self._turn.release()
-                holding = False
-            message = await read
+            message = await anext(requests)
+            timer.cancel()
             self.turns += 1
             if holding:
                 await asyncio.sleep(0)  # what waited behind this read runs before the next one
             return message
         finally:
+            timer.cancel()
             if holding:
                 self._turn.release()
-            if not read.done():
-                read.cancel()
 
     def refusal(self, n: int) -> ServingError:
         """What a unary call that did not fit is told (RESOURCE_EXHAUSTED: 503 and Retry-After)."""
