@@ -39,6 +39,7 @@ from mariner.server.core.batching import (
     BatchRunner,
     RunnerRetired,
     async_communication,
+    max_batch_bytes,
 )
 from mariner.server.core.dataplane import DataPlane
 from mariner.server.core.endpoint import ModelEndpoint, ModelSource
@@ -156,6 +157,10 @@ class RemoteEndpoint(ModelEndpoint):
         self.entry = entry
         self.token_counter = token_counter_or_none(
             entry.model_config, entry.archive_file, Path(entry.model_dir)
+        )
+        # Checked when the supervisor opened the archive, which refuses a bad value.
+        self.policy = dataclasses.replace(
+            self.policy, max_batch_bytes=max_batch_bytes(entry.model_config, entry.archive_file)
         )
         self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
         self._ever_ready = False

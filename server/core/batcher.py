@@ -22,6 +22,20 @@ Semantics (DESIGN.md):
   starvation), then the waiting requests whose lengths are closest to it join while the batch's
   padded tokens (total rows x longest row) stay within maxBatchTokens and its items within
   max_batch_size. A single request over the budget goes alone.
+- Fair order: the queue is ordered by caller (the client's connection, `batching.CALLER`) and
+  bytes, not by arrival alone (weighted fair queueing). Each request gets a finish tag: the later
+  of its caller's last tag and the queue's virtual time, plus its cost (its input bytes and a
+  constant per request). The virtual time moves, as each batch is taken, by the batch's cost
+  divided by the callers that have requests waiting: the service each of them would have had
+  if the model served them side by side. A caller's requests keep their order; callers share the
+  model by bytes, so one with little queued goes before the backlog of one sending large inputs,
+  and a large input still runs in its turn (no starvation). Requests of equal size from different
+  callers stay in arrival order: under ordinary load the order is FIFO.
+- A batch stops before its inputs pass `max_batch_bytes` (its first request goes whatever its
+  size): a batch cannot be interrupted once its worker took it, so a request arriving just after
+  waits at most about one such batch. It also stops at a request whose inputs are over
+  LARGER_INPUT_FACTOR times its largest (and over SMALL_INPUT_BYTES): that request starts the
+  next batch, so small requests do not wait for a large one's compute within their own batch.
 """
 
 from __future__ import annotations
@@ -32,10 +46,11 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 
 from mariner.server.core.batching import (
+    CALLER,
     BatchObserver,
     BatchPolicy,
     BatchRunner,
@@ -63,12 +78,23 @@ _TIMEOUT_ONLY = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
 GROUPING_WINDOW_PER_SLOT = 4
 _MIN_GROUPING_WINDOW = 32
 
+# What a request costs in the fair order besides its input bytes: callers of small requests share
+# by count as much as by bytes.
+REQUEST_COST_BYTES = 1024
+# A request whose inputs are over LARGER_INPUT_FACTOR times the largest of a batch (and over
+# SMALL_INPUT_BYTES) starts the next batch instead of joining it: small requests are not made to
+# wait for a large one's compute, which batching them together would not save.
+LARGER_INPUT_FACTOR = 8
+SMALL_INPUT_BYTES = 64 << 10
+
 
 @dataclass
 class _Pending:
     req: InferRequest
     future: asyncio.Future[InferResult]
     enqueued: float
+    caller: Hashable = None
+    tag: int = 0  # its finish tag in the fair order (module docstring)
 
 
 class Batcher:
@@ -112,6 +138,9 @@ class Batcher:
         self._tokens = tokens
         self._queued_tokens = 0  # sum of the queued requests' own padded tokens (rows x longest)
         self._window = max(_MIN_GROUPING_WINDOW, GROUPING_WINDOW_PER_SLOT * policy.max_batch_size)
+        self._vtime = 0  # the fair order's virtual time (module docstring)
+        self._last_tag: dict[Hashable, int] = {}  # caller -> tag of its last request queued
+        self._waiting: dict[Hashable, int] = {}  # caller -> its requests in the queue
 
     # -- public ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -159,13 +188,43 @@ class Batcher:
             req = replace(req, tokens=self._tokens.cost(req))
             self._queued_tokens += _own_tokens(req)
         fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(req, fut, self._clock()))
+        self._enqueue(_Pending(req, fut, self._clock(), CALLER.get()))
         self._queued_items += req.items
         self._observer.queue_depth(self._queued_items)
         if req.deadline is not None:
             self._deadlines.watch(req.deadline)
         self._arrival.set()
         return await fut  # a cancelled caller cancels `fut`; the dispatcher then skips it
+
+    def _enqueue(self, p: _Pending) -> None:
+        """Place `p` in the fair order (module docstring): after every queued request with a tag
+        no later than its own, so equal tags keep their arrival order."""
+        caller = p.caller
+        p.tag = max(self._vtime, self._last_tag.get(caller, 0)) + p.req.size + REQUEST_COST_BYTES
+        self._last_tag[caller] = p.tag
+        self._waiting[caller] = self._waiting.get(caller, 0) + 1
+        queue = self._queue
+        at = len(queue)
+        while at and queue[at - 1].tag > p.tag:  # most arrivals go last: the loop stops at once
+            at -= 1
+        if at == len(queue):
+            queue.append(p)
+        else:
+            queue.insert(at, p)
+
+    def _taken(self, batch: list[_Pending]) -> None:
+        """Move the virtual time on by `batch`'s cost shared among the callers that were waiting,
+        and forget the callers that cannot be behind it any more."""
+        if not self._queue:  # nobody waits: every caller starts afresh
+            self._vtime = 0
+            self._last_tag.clear()
+            return
+        callers = len(self._waiting) + len({p.caller for p in batch if p.caller not in self._waiting})
+        cost = sum(p.req.size for p in batch) + REQUEST_COST_BYTES * len(batch)
+        self._vtime += cost // callers
+        if len(self._last_tag) > 2 * len(self._waiting) + 64:
+            vtime = self._vtime
+            self._last_tag = {c: t for c, t in self._last_tag.items() if t > vtime or c in self._waiting}
 
     async def close(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish queued and in-flight ones (within `timeout`), stop."""
@@ -279,22 +338,33 @@ class Batcher:
         return batch
 
     def _take(self, budget: int) -> list[_Pending]:
-        """Pop up to `budget` items' worth of live requests, failing the dead ones."""
-        if self._tokens is not None:
-            return self._take_by_length(budget)
+        """Pop up to `budget` items' worth of live requests within the batch byte cut, in the
+        fair order, failing the dead ones."""
+        batch = self._take_by_length(budget) if self._tokens is not None else self._take_in_order(budget)
+        if batch:
+            self._taken(batch)
+        return batch
+
+    def _take_in_order(self, budget: int) -> list[_Pending]:
         batch: list[_Pending] = []
-        items = 0
+        items = size = largest = 0
+        max_bytes = self.policy.max_batch_bytes
         now = self._clock()
         while self._queue:
             p = self._queue[0]
             if self._dead(p, now):
                 self._pop()
                 continue
-            if items + p.req.items > budget:
+            n = p.req.size
+            if items + p.req.items > budget or (
+                batch and (size + n > max_bytes or n > max(SMALL_INPUT_BYTES, LARGER_INPUT_FACTOR * largest))
+            ):
                 break
             self._pop()
             batch.append(p)
             items += p.req.items
+            size += n
+            largest = max(largest, n)
         self._observer.queue_depth(self._queued_items)
         return batch
 
@@ -304,6 +374,11 @@ class Batcher:
     def _forget(self, p: _Pending) -> None:
         """Account for `p` leaving the queue (already removed from the deque)."""
         self._queued_items -= p.req.items
+        left = self._waiting[p.caller] - 1
+        if left:
+            self._waiting[p.caller] = left
+        else:
+            del self._waiting[p.caller]
         if self._tokens is not None:
             self._queued_tokens -= _own_tokens(p.req)
 
@@ -480,6 +555,7 @@ class Batcher:
         self._queue.extendleft(reversed(live))
         for p in live:
             self._queued_items += p.req.items
+            self._waiting[p.caller] = self._waiting.get(p.caller, 0) + 1
             if self._tokens is not None:
                 self._queued_tokens += _own_tokens(p.req)
         self._observer.queue_depth(self._queued_items)

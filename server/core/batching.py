@@ -4,11 +4,13 @@ the dispatcher itself)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mariner.server.core.errors import ServingError
+from mariner.server.core.setting_values import positive_int
 from mariner.server.core.types import InferRequest, InferResult, TokenCost
 
 
@@ -61,6 +63,33 @@ class NullObserver:
         pass
 
 
+# Who sent the request being submitted: the client's connection (an HTTP connection's address
+# pair, grpc's peer), set by the protocol when a call starts. Requests of one caller run in their
+# order; callers share a model by bytes (the batcher's fair order). A context variable rather than
+# an argument because the one call path from every protocol to the batcher carries no connection,
+# and a call's own task (and every task a stream starts) sees what was set when the call began.
+# None (unknown) is one caller like any other.
+CALLER: ContextVar[Hashable] = ContextVar("mariner_caller", default=None)
+
+# The bytes one batch holds at most unless the archive's model-config says otherwise
+# (`maxBatchBytes`); its first request goes whatever its size. A batch runs without pause once its
+# worker took it, so its size bounds how long a request that arrived just after waits, whoever
+# sent it. Large inputs then run in batches of a few, which costs them little on a CPU (a worker's
+# time on such a batch goes to the inputs, not to the call); a model that gains from large
+# batches of large inputs (a GPU model fed raw image tensors: 32 of 600 KB make 19 MiB) raises it.
+MAX_BATCH_BYTES = 8 << 20
+BATCH_BYTES_KEY = "maxBatchBytes"
+
+
+def max_batch_bytes(model_config: Mapping[str, Any], archive_file: str) -> int:
+    """The archive's `maxBatchBytes` (a positive integer of bytes), MAX_BATCH_BYTES when unset;
+    ServingError (INVALID_ARGUMENT) naming the key, the value and the archive otherwise."""
+    value = model_config.get(BATCH_BYTES_KEY)
+    if value is None:
+        return MAX_BATCH_BYTES
+    return positive_int(BATCH_BYTES_KEY, value, f"the model-config of {archive_file}")
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     max_batch_size: int = 8
@@ -72,10 +101,13 @@ class BatchPolicy:
     # Batches one runner may hold at once: 1 (it answers one before it gets the next), or more
     # for a model whose worker runs several calls at once (asyncCommunication).
     runner_concurrency: int = 1
+    # A batch stops taking requests before its inputs pass this many bytes (MAX_BATCH_BYTES).
+    max_batch_bytes: int = MAX_BATCH_BYTES
 
     def __post_init__(self) -> None:
         if (
             self.max_batch_size < 1
+            or self.max_batch_bytes < 1
             or self.max_queue < 1
             or self.max_batch_delay_s < 0
             or self.runner_concurrency < 1

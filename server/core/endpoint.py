@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from mariner.server.core.archive import ModelArchive
 from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy, BatchRunner
+from mariner.server.core.batching import BatchPolicy, BatchRunner, max_batch_bytes
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.model_settings import (
     REGISTER_CALL,
@@ -93,6 +93,7 @@ def resolve_model(
         *(layer for _, layer in _named_layers(archive, spec, default_max_queue, layers))
     )
     load_token_counter(archive.model_config, archive.path.name, archive.model_dir)  # refuses a bad one
+    max_batch_bytes(archive.model_config, archive.path.name)  # refuses a bad one
     try:
         signature = ModelSignature.from_config(archive.model_config.get("signature"))
     except (ValueError, KeyError, TypeError) as exc:

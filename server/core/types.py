@@ -46,6 +46,8 @@ class InferRequest:
       input from this field, so no client-chosen field name ("tensors" in a form) can pose as one.
     `items` is the number of batch slots the request takes (N for a tensor request; 1 otherwise).
     `deadline` is a `time.monotonic()` instant after which the answer is useless.
+    `size` is the bytes of its inputs as the frontend read them (a body, the input map's values,
+    the tensors): the batcher's fair order and its batches' byte cut count it (0: not counted).
     """
 
     model: str
@@ -59,6 +61,7 @@ class InferRequest:
     tensors: Mapping[str, np.ndarray] | None = None
     # Set by the frontend's token counter before queueing when the model has one (tokenCounter).
     tokens: TokenCost | None = None
+    size: int = 0
 
     def with_deadline(self, deadline: float | None) -> InferRequest:
         """A copy with `deadline`: what `dataclasses.replace` gives, at a sixth of its cost (every

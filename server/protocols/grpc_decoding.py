@@ -25,6 +25,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 
+from mariner.server.core.batching import CALLER
 from mariner.server.core.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, abort
 from mariner.server.protocols.held_bytes import HeldBytes
 
@@ -86,7 +87,8 @@ async def _drain(result: Any) -> AsyncIterator[Any]:
 def _wrap(
     handler: grpc.RpcMethodHandler, method: str, held: HeldBytes | None = None
 ) -> grpc.RpcMethodHandler:
-    """`handler` with its undecodable requests answered INVALID_ARGUMENT naming `method`, and,
+    """`handler` with its undecodable requests answered INVALID_ARGUMENT naming `method`, its
+    caller (grpc's peer, read when the call starts) set for the batcher's fair order, and,
     with `held`, a unary request's bytes held in the frontend's budget while it runs (refused
     RESOURCE_EXHAUSTED with retry-after when they do not fit; a stream's are counted by its
     pipeline, message by message).
@@ -129,6 +131,7 @@ def _wrap(
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            CALLER.set(context.peer())
             if request is _BAD:
                 await context.abort(_INVALID, message)
             size = await hold(context) if held is not None else 0
@@ -144,6 +147,7 @@ def _wrap(
         inner_us = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            CALLER.set(context.peer())
             if request is _BAD:
                 await context.abort(_INVALID, message)
             size = await hold(context) if held is not None else 0
@@ -159,6 +163,7 @@ def _wrap(
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            CALLER.set(context.peer())
             result = inner_su(checked(requests, context), context)
             return await result if inspect.isawaitable(result) else result
 
@@ -168,6 +173,7 @@ def _wrap(
     async def stream_stream(
         requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
+        CALLER.set(context.peer())
         async for item in _drain(inner_ss(checked_stream(requests), context)):
             yield item
 

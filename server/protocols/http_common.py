@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from mariner.server.core.batching import CALLER
 from mariner.server.core.errors import (
     RETRY_AFTER_SECONDS,
     STATUS,
@@ -229,6 +230,7 @@ async def infer_unless_client_gone(
     Elsewhere a watcher task waits on the ASGI `receive` (the body is already read, so the next
     message is `http.disconnect`), which costs a task per request.
     """
+    CALLER.set(scope.get("client"))  # the connection: the batcher's fair order (batching.CALLER)
     task = asyncio.current_task()
     assert task is not None
     gone = False

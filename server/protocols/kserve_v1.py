@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mariner.server.core.batching import CALLER
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
@@ -154,6 +155,8 @@ def routes(
                 instances = await offload_if_large(len(body), parse_instances, body)
                 headers = request_headers(request, max_headers)
                 headers[EXPLAIN_HEADER] = "True" if explain else "False"
+                CALLER.set(request.scope.get("client"))  # the batcher's fair order (batching.CALLER)
+                share = len(body) // max(1, len(instances))
                 reqs = [
                     InferRequest(
                         model=model,
@@ -162,6 +165,7 @@ def routes(
                         protocol=PROTOCOL,
                         request_id=f"{request_id}-{i}" if len(instances) > 1 else request_id,
                         headers=headers,
+                        size=share,
                     )
                     for i, instance in enumerate(instances)
                 ]

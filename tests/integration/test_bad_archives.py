@@ -68,7 +68,7 @@ ALIAS_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' +
 
 
 def bad_store(root: Path) -> tuple[Path, Path]:
-    """good.mar and three broken archives; returns (store, the marker the escaping handler would
+    """good.mar and broken archives; returns (store, the marker the escaping handler would
     write if it ever ran)."""
     store = root / "store"
     build_fault_archive(store, name="good")
@@ -78,7 +78,11 @@ def bad_store(root: Path) -> tuple[Path, Path]:
         {"modelName": "badcfg", "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"},
         {"h.py": HANDLER, "c.yaml": "batchSize: lots\n"},
     )
-    for name, config in (("bomb", ALIAS_BOMB), ("devids", "deviceIds: [-1]\n")):
+    for name, config in (
+        ("bomb", ALIAS_BOMB),
+        ("devids", "deviceIds: [-1]\n"),
+        ("batchbytes", "maxBatchBytes: -5\n"),
+    ):
         write_mar(
             store / f"{name}.mar",
             {"modelName": name, "modelVersion": "1.0", "handler": "h.py", "configFile": "c.yaml"},
@@ -118,12 +122,13 @@ def test_a_store_with_bad_archives_serves_the_good_one_and_reports_the_rest(tmp_
         listed = [
             m["modelName"] for m in requests.get(f"{srv.management}/models", timeout=30).json()["models"]
         ]
-        assert listed == ["badcfg", "badjson", "bomb", "devids", "escape", "good"]
+        assert listed == ["badcfg", "badjson", "batchbytes", "bomb", "devids", "escape", "good"]
         reasons = {
             "badjson": "MANIFEST.json is not valid JSON",
             "badcfg": "batchSize must be a positive integer, got 'lots'",
             "bomb": "holds an alias (*name) at line 2",
             "devids": "deviceIds must be a list of at most 1024 GPU ids",
+            "batchbytes": "maxBatchBytes must be a positive integer, got -5",
             "escape": "model.handler",
         }
         for model, says in reasons.items():

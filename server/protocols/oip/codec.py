@@ -241,16 +241,18 @@ def prepare(
     sig = signature_of(handle)
     rows = match_signature(inputs, sig)
     check_requested(requested, sig)
+    tensors = {name: arr for name, (_, arr) in inputs.items()}
     req = InferRequest(
         model=handle.name,
         version=handle.version,
         data={},
-        tensors={name: arr for name, (_, arr) in inputs.items()},
+        tensors=tensors,
         protocol=protocol,
         request_id=request_id,
         headers=headers,
         deadline=deadline,
         items=rows,
+        size=sum(arr.nbytes for arr in tensors.values()),
     )
     return Prepared(req, handle, sig, tuple(requested))
 

@@ -151,14 +151,16 @@ def to_infer_request(
     if not request.model_name:
         raise ServingError(Code.INVALID_ARGUMENT, "model_name is required: name a model this server serves")
     deadline = time.monotonic() + time_remaining if time_remaining is not None else None
+    data = input_map(request)
     return InferRequest(
         model=request.model_name,
         version=request.model_version or None,
-        data=input_map(request),
+        data=data,
         protocol=PROTOCOL,
         request_id=request_id or new_request_id(),
         headers=request_headers(metadata) if headers is None else headers,
         deadline=deadline,
+        size=sum(len(v) for v in data.values()),
     )
 
 

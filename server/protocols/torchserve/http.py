@@ -242,6 +242,7 @@ class Predictions:
                 protocol=protocol,
                 request_id=request_id,
                 headers=headers,
+                size=len(body),
             )
             return await infer(req)
 
