@@ -88,13 +88,13 @@ LARGER_INPUT_FACTOR = 8
 SMALL_INPUT_BYTES = 64 << 10
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     req: InferRequest
     future: asyncio.Future[InferResult]
     enqueued: float
-    caller: Hashable = None
-    tag: int = 0  # its finish tag in the fair order (module docstring)
+    caller: Hashable
+    tag: int  # its finish tag in the fair order (module docstring)
 
 
 class Batcher:
@@ -188,7 +188,7 @@ class Batcher:
             req = replace(req, tokens=self._tokens.cost(req))
             self._queued_tokens += _own_tokens(req)
         fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        self._enqueue(_Pending(req, fut, self._clock(), CALLER.get()))
+        self._enqueue(req, fut, CALLER.get())
         self._queued_items += req.items
         self._observer.queue_depth(self._queued_items)
         if req.deadline is not None:
@@ -196,21 +196,23 @@ class Batcher:
         self._arrival.set()
         return await fut  # a cancelled caller cancels `fut`; the dispatcher then skips it
 
-    def _enqueue(self, p: _Pending) -> None:
-        """Place `p` in the fair order (module docstring): after every queued request with a tag
-        no later than its own, so equal tags keep their arrival order."""
-        caller = p.caller
-        p.tag = max(self._vtime, self._last_tag.get(caller, 0)) + p.req.size + REQUEST_COST_BYTES
-        self._last_tag[caller] = p.tag
-        self._waiting[caller] = self._waiting.get(caller, 0) + 1
+    def _enqueue(self, req: InferRequest, fut: asyncio.Future[InferResult], caller: Hashable) -> None:
+        """Queue `req` in the fair order (module docstring): after every queued request with a
+        tag no later than its own, so equal tags keep their arrival order."""
+        last = self._last_tag.get(caller, 0)
+        tag = (last if last > self._vtime else self._vtime) + req.size + REQUEST_COST_BYTES
+        self._last_tag[caller] = tag
+        waiting = self._waiting
+        waiting[caller] = waiting.get(caller, 0) + 1
+        p = _Pending(req, fut, self._clock(), caller, tag)
         queue = self._queue
-        at = len(queue)
-        while at and queue[at - 1].tag > p.tag:  # most arrivals go last: the loop stops at once
-            at -= 1
-        if at == len(queue):
+        if not queue or queue[-1].tag <= tag:  # most arrivals go last
             queue.append(p)
-        else:
-            queue.insert(at, p)
+            return
+        at = len(queue) - 1
+        while at and queue[at - 1].tag > tag:
+            at -= 1
+        queue.insert(at, p)
 
     def _taken(self, batch: list[_Pending]) -> None:
         """Move the virtual time on by `batch`'s cost shared among the callers that were waiting,
@@ -374,11 +376,12 @@ class Batcher:
     def _forget(self, p: _Pending) -> None:
         """Account for `p` leaving the queue (already removed from the deque)."""
         self._queued_items -= p.req.items
-        left = self._waiting[p.caller] - 1
+        waiting = self._waiting
+        left = waiting[p.caller] - 1
         if left:
-            self._waiting[p.caller] = left
+            waiting[p.caller] = left
         else:
-            del self._waiting[p.caller]
+            del waiting[p.caller]
         if self._tokens is not None:
             self._queued_tokens -= _own_tokens(p.req)
 
