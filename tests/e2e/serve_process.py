@@ -33,17 +33,26 @@ def drain_totals(log: str) -> tuple[int, int, int, int]:
 
 
 class ServeProcess:
-    """`python -m mariner.server.cli serve` on five free ports; `extra_args` are more flags."""
+    """`python -m mariner.server.cli serve` on five free ports; `extra_args` are more flags.
+    `launcher` replaces `python -m mariner.server.cli` (an installed `mariner` script), run from
+    `cwd` (the repository by default)."""
 
     def __init__(
-        self, model_store: Path, models: str, log_path: Path, extra_args: Sequence[str] = ()
+        self,
+        model_store: Path,
+        models: str,
+        log_path: Path,
+        extra_args: Sequence[str] = (),
+        *,
+        launcher: Sequence[str] = (sys.executable, "-m", "mariner.server.cli"),
+        cwd: Path = REPO,
     ) -> None:
         self.ports = dict(
             zip(("http", "mgmt", "metrics", "grpc", "grpc_mgmt"), pick_free_ports().all(), strict=True)
         )
         self.log_path = log_path
         cmd = [
-            sys.executable, "-m", "mariner.server.cli", "serve",
+            *launcher, "serve",
             "--model-store", str(model_store), "--models", models,
             "--inference-address", f"127.0.0.1:{self.ports['http']}",
             "--management-address", f"127.0.0.1:{self.ports['mgmt']}",
@@ -60,7 +69,7 @@ class ServeProcess:
         logs = str(log_path.parent / "logs")
         env = {**os.environ, "LOG_LOCATION": logs, "METRICS_LOCATION": logs}
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def url(self, which: str = "http") -> str:
