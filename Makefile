@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
 
-.PHONY: attacks bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
+.PHONY: attacks bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit test-experiments lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
 venv: $(STAMP)
 
@@ -80,7 +80,7 @@ bench: models protos java
 # Start-up of an archive naming a TorchServe built-in handler (base_handler), Mariner against
 # stock TorchServe, 3 interleaved rounds; prints the medians and their ratio.
 bench-startup: $(STAMP) java
-	$(PY) -m mariner.loadtest.startup --rounds 3
+	$(PY) -m mariner.loadtest.experiments.startup --rounds 3
 
 # Mariner alone at 64 clients: frontends 1/2 x workers 1/2 (bench/scaling.md).
 bench-scaling: models protos
@@ -140,7 +140,12 @@ format: venv
 	$(VENV)/bin/ruff check --fix .
 
 test: venv protos java k8s-tools promtool triton-venv kserve-venv models lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/experiments $(PYTEST_ARGS)
+
+# The one-off measurement tools of loadtest/experiments/ (not the product's): their own target,
+# which CI runs after `make test`.
+test-experiments: venv protos
+	$(PY) -m pytest tests/experiments $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(STORE)/*.mar $(STORE)/index.json $(STORE)/report

@@ -3,7 +3,7 @@
 In prometheus_client's multiprocess mode every `inc`, `set` and `observe` is a locked write
 into a memory-mapped file (a histogram observation is two: its sum and its bucket), and a
 frontend records several per request: the call's count and duration, its queue wait, the
-queue depth on arrival. Measured on the call path (`python -m mariner.loadtest.percall`),
+queue depth on arrival. Measured on the call path (`python -m mariner.loadtest.experiments.percall`),
 those writes were the largest single piece of Mariner's own per-call work. A batch's requests
 all finish in the same loop turn, so the writes of a turn are summed here and written once per
 child when the turn ends: a counter gets one `inc` of the sum, a histogram one write per bucket

@@ -5,7 +5,7 @@ passes, whether the request is still queued or its batch is running: the caller 
 DEADLINE_EXCEEDED at that moment, and a queued one never reaches the device. An
 `asyncio.timeout_at` around each request did that at the cost of a timer armed and cancelled
 per request on the frontend's event loop, one of the larger pieces of Mariner's own per-call
-work (`python -m mariner.loadtest.percall`). Deadlines almost never pass, so one timer set for
+work (`python -m mariner.loadtest.experiments.percall`). Deadlines almost never pass, so one timer set for
 the earliest deadline the batcher holds does the same: noting a later deadline is a comparison;
 when the timer fires, the batcher fails what has expired and the timer moves to the earliest
 deadline left.

@@ -10,7 +10,7 @@ and metrics (8082) are apps of their own in mariner.server.control.
 
 TorchServe's `POST|PUT /predictions/{model}[/{version}[/{url_path}]]`, the route most traffic takes, goes
 straight to its endpoint: Starlette's error middleware, router and per-route exception wrapper
-cost 40-47 µs of the ~197 µs a call takes in-process (`python -m mariner.loadtest.percall`,
+cost 40-47 µs of the ~197 µs a call takes in-process (`python -m mariner.loadtest.experiments.percall`,
 the three ways in interleaved), and the endpoint needs none of them: every failure is answered
 inside it (`protocols.call.run_call`), so the error middleware only ever saw a bug. Every other request,
 and any path that is not exactly that shape, goes through the Starlette app as before.

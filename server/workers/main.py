@@ -14,7 +14,7 @@ event loop, so its CUDA stream and thread-local torch state (OpenMP's thread cou
 thread) stay put. The loop reads frames only between batches: a handler thread beside the loop
 cost 78-94 µs of CPU per request at batch 32 over the handler's own work (the two threads
 handing the GIL back and forth while frames arrived), against 2-27 µs on one thread, which
-serves 10-86% more requests per second (`python -m mariner.loadtest.worker_overhead`). The
+serves 10-86% more requests per second (`python -m mariner.loadtest.experiments.worker_overhead`). The
 handler is called with no running loop, as TorchServe calls it from a plain thread: one that
 runs `asyncio.run` itself still works.
 

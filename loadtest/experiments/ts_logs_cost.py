@@ -13,7 +13,7 @@ small blocks so a shared machine's drift falls on each alike:
 The record pipe is drained by a thread, as the supervisor's reader would: the frontend's own CPU
 (`time.process_time` of this process less that thread's) is what is counted.
 
-    python -m mariner.loadtest.ts_logs_cost      # prints the table in microseconds per call
+    python -m mariner.loadtest.experiments.ts_logs_cost      # prints the table in microseconds per call
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mariner.loadtest.percall import (
+from mariner.loadtest.experiments.percall import (
     CONCURRENCY,
     Piece,
     _drive,
@@ -126,7 +126,7 @@ def pieces(calls: int, rounds: int) -> list[Piece]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m mariner.loadtest.ts_logs_cost", description=__doc__.split("\n")[0]
+        prog="python -m mariner.loadtest.experiments.ts_logs_cost", description=__doc__.split("\n")[0]
     )
     ap.add_argument(
         "--calls", type=int, default=CONCURRENCY * 200, help="calls per way and round (%(default)s)"

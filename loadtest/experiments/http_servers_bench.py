@@ -1,6 +1,6 @@
 """Interleaved comparison of HTTP servers under the same app: uvicorn vs granian (ASGI, RSGI).
 
-Every server x app pair (`mariner.loadtest.http_servers`) runs as a process of its own for the
+Every server x app pair (`mariner.loadtest.experiments.http_servers`) runs as a process of its own for the
 whole comparison; each repeat measures every pair once, one after the other (A, B, C, A, B, C...),
 so a noisy neighbour on a shared machine hits all of them alike. A measurement is a closed loop
 from a separate, spawned client process on uvloop: `connections` keep-alive HTTP/1.1
@@ -10,7 +10,7 @@ without queueing). Server CPU is the server process's user + system time over th
 (psutil), divided by the requests answered in it. Ratios are taken per repeat against uvicorn
 serving the same app, then the median over repeats is reported.
 
-    python -m mariner.loadtest.http_servers_bench --repeats 3 --seconds 5 --json out.json
+    python -m mariner.loadtest.experiments.http_servers_bench --repeats 3 --seconds 5 --json out.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 import psutil
 
 from mariner.loadtest.closedloop import Percentiles
+from mariner.loadtest.experiments.http_servers import ANSWER, APPS, HOST, MODEL, PORT_LINE, SERVERS
 from mariner.loadtest.http_connection import HttpConnection
-from mariner.loadtest.http_servers import ANSWER, APPS, HOST, MODEL, PORT_LINE, SERVERS
 
 BODY = b'{"data": [0, 1, 2, 3, 4, 5, 6, 7]}'
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -138,11 +138,11 @@ def _client_main(port: int, connections: int, seconds: float, pipe: Connection) 
 
 # -- the parent ----------------------------------------------------------------------------------
 class ServerProc:
-    """One `mariner.loadtest.http_servers` process, started and ready (its port announced)."""
+    """One `mariner.loadtest.experiments.http_servers` process, started and ready (its port announced)."""
 
     def __init__(self, server: str, app: str) -> None:
         self.server, self.app = server, app
-        cmd = [sys.executable, "-m", "mariner.loadtest.http_servers", server, app]
+        cmd = [sys.executable, "-m", "mariner.loadtest.experiments.http_servers", server, app]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.port = self._read_port()
         self.ps = psutil.Process(self.proc.pid)
@@ -288,7 +288,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mariner.loadtest.http_servers_bench")
+    parser = argparse.ArgumentParser(prog="mariner.loadtest.experiments.http_servers_bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0, help="timed phase at --connections")
     parser.add_argument("--connections", type=int, default=64)

@@ -1,6 +1,6 @@
 """How often a child started from a process busy in gRPC dies before it runs, by how it is started.
 
-    python -m mariner.loadtest.child_starts --children 300
+    python -m mariner.loadtest.experiments.child_starts --children 300
 
 The supervisor has gRPC threads at work while it starts frontends, the zygote, workers and pip.
 Started with a `preexec_fn`, or with uvloop's `create_subprocess_exec`, a child runs Python's
@@ -72,7 +72,9 @@ def _run_in_this_process(way: str, children: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mariner.loadtest.child_starts", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m mariner.loadtest.experiments.child_starts", description=__doc__
+    )
     parser.add_argument("--children", type=int, default=300, help="children per way (300)")
     parser.add_argument("--way", choices=WAYS, help="one way only (default: each in turn)")
     args = parser.parse_args(argv)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-m",
-                "mariner.loadtest.child_starts",
+                "mariner.loadtest.experiments.child_starts",
                 "--way",
                 way,
                 "--children",

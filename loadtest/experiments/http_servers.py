@@ -1,9 +1,9 @@
 """One HTTP server process for the HTTP-server evaluation: uvicorn or granian over the same app.
 
-`python -m mariner.loadtest.http_servers SERVER APP` binds a listener itself (a SO_REUSEPORT
+`python -m mariner.loadtest.experiments.http_servers SERVER APP` binds a listener itself (a SO_REUSEPORT
 socket on 127.0.0.1, port 0, exactly as a frontend binds it with `listeners.reuseport_listener`),
 serves APP on it with SERVER on one uvloop event loop, and prints the port on stdout once it is
-listening. It runs until SIGTERM. The driver (`mariner.loadtest.http_servers_bench`) measures it.
+listening. It runs until SIGTERM. The driver (`mariner.loadtest.experiments.http_servers_bench`) measures it.
 
 Servers:
 - `uvicorn`: `listeners.uvicorn_config` + `EmbeddedUvicorn`, the frontend's own configuration
@@ -279,7 +279,7 @@ async def serve(server: str, app_name: str, cfg: ServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mariner.loadtest.http_servers")
+    parser = argparse.ArgumentParser(prog="mariner.loadtest.experiments.http_servers")
     parser.add_argument("server", choices=SERVERS)
     parser.add_argument("app", choices=APPS)
     parser.add_argument("--limits", default="{}", help="JSON: ServerConfig http_*/tls_* fields to change")

@@ -1,4 +1,4 @@
-"""The HTTP-server evaluation harness (mariner.loadtest.http_servers*): every server it compares
+"""The HTTP-server evaluation harness (mariner.loadtest.experiments.http_servers*): every server it compares
 starts on a socket we bound, answers the fixed body under a short closed loop, and reports a
 sample the comparison can use; granian's part needs granian, which is not a project dependency.
 
@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from mariner.loadtest.http_servers_bench import PAIRS, ServerProc, measure, summary
+from mariner.loadtest.experiments.http_servers_bench import PAIRS, ServerProc, measure, summary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,7 +52,7 @@ def test_a_short_closed_loop_is_answered_without_errors(server: str, app: str) -
 
 @pytest.mark.skipif(not HAS_GRANIAN, reason=NO_GRANIAN)
 def test_granian_embedded_serves_beside_grpc_aio_in_our_loop() -> None:
-    from mariner.loadtest.http_server_limits import grpc_beside_granian
+    from mariner.loadtest.experiments.http_server_limits import grpc_beside_granian
     from mariner.server import event_loop
 
     found: dict[str, object] = {}
@@ -68,7 +68,7 @@ def test_granian_embedded_serves_beside_grpc_aio_in_our_loop() -> None:
 
 def test_the_summary_pairs_each_server_with_uvicorn_serving_the_same_app() -> None:
     from mariner.loadtest.closedloop import Percentiles
-    from mariner.loadtest.http_servers_bench import Sample
+    from mariner.loadtest.experiments.http_servers_bench import Sample
 
     def sample(server: str, rps: float, cpu: float) -> Sample:
         return Sample(server, "floor", 64, int(rps), 0, 1.0, rps, cpu, 0.5, Percentiles.of([1.0, 2.0]))

@@ -16,7 +16,7 @@ code and the same batches, in one run, interleaved:
 Rounds alternate, and the medians are printed (a shared machine moves each figure by tens of
 percent between runs; the difference within one round is what to read).
 
-    python -m mariner.loadtest.worker_overhead --archive model_store/digits_torchscript.mar
+    python -m mariner.loadtest.experiments.worker_overhead --archive model_store/digits_torchscript.mar
 """
 
 from __future__ import annotations

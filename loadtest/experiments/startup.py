@@ -1,5 +1,5 @@
 """Start-up time of an archive that names a TorchServe built-in handler, Mariner against stock
-TorchServe on the same machine: `python -m mariner.loadtest.startup [--rounds 3]`.
+TorchServe on the same machine: `python -m mariner.loadtest.experiments.startup [--rounds 3]`.
 
 The archive is built the way TorchServe's docs build one (`torch-model-archiver --handler
 base_handler --serialized-file model.pt`, a small TorchScript model made here), so both servers

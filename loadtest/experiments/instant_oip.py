@@ -6,7 +6,7 @@ for reasons of its own. It speaks the calls perf_analyzer makes (server and mode
 model config, statistics, infer) with grpc's default server options, no batcher and no worker:
 the fastest answer a client can get here, which is what makes a client's start-up races show.
 
-    python -m mariner.loadtest.instant_oip --port 17270
+    python -m mariner.loadtest.experiments.instant_oip --port 17270
 """
 
 from __future__ import annotations

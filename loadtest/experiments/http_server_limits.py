@@ -1,9 +1,9 @@
 """Probes of the HTTP limits a frontend enforces, run against uvicorn and against granian.
 
-Each probe starts `mariner.loadtest.http_servers SERVER floor` with short limits (2 s header,
+Each probe starts `mariner.loadtest.experiments.http_servers SERVER floor` with short limits (2 s header,
 body and keep-alive timeouts, 32 KiB head, 8 connections) and records, over a raw socket, what
 the server does: the status line it answered (if any) and when the connection closed. The
-findings go into bench/http-servers.md; `python -m mariner.loadtest.http_server_limits` prints
+findings go into bench/http-servers.md; `python -m mariner.loadtest.experiments.http_server_limits` prints
 them as JSON. A probe waits at most a few seconds beyond the limit it tests, so "open" means
 "still open when the probe gave up", i.e. the limit was not enforced.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from mariner.loadtest.http_servers import HOST, PORT_LINE
+from mariner.loadtest.experiments.http_servers import HOST, PORT_LINE
 
 LIMITS: dict[str, Any] = {
     "http_header_timeout_s": 2.0,
@@ -39,7 +39,7 @@ class Server:
     """One server process with `limits`, as a context manager; `port` once it listens."""
 
     def __init__(self, server: str, limits: dict[str, Any]) -> None:
-        cmd = [sys.executable, "-m", "mariner.loadtest.http_servers", server, "floor"]
+        cmd = [sys.executable, "-m", "mariner.loadtest.experiments.http_servers", server, "floor"]
         cmd += ["--limits", json.dumps(limits)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
@@ -243,8 +243,7 @@ async def grpc_beside_granian(calls: int = 200) -> dict[str, Any]:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from mariner.loadtest.http_connection import HttpConnection
-    from mariner.loadtest.http_servers import (
+    from mariner.loadtest.experiments.http_servers import (
         ANSWER,
         MODEL,
         floor_app,
@@ -252,6 +251,7 @@ async def grpc_beside_granian(calls: int = 200) -> dict[str, Any]:
         granian_server,
         wait_serving,
     )
+    from mariner.loadtest.http_connection import HttpConnection
     from mariner.server.config import ServerConfig
     from mariner.server.listeners import reuseport_listener
 

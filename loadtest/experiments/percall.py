@@ -10,7 +10,7 @@ worker (a batch of 32 requests out, 32 results back, both pickled and checked ag
 allowlist). CPU time (`time.process_time`) over many calls, best of several rounds: a lower
 bound that noise can only raise.
 
-    python -m mariner.loadtest.percall            # prints the per-piece table in microseconds
+    python -m mariner.loadtest.experiments.percall            # prints the per-piece table in microseconds
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def table(pieces: Sequence[Piece]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m mariner.loadtest.percall", description=__doc__.split("\n")[0]
+        prog="python -m mariner.loadtest.experiments.percall", description=__doc__.split("\n")[0]
     )
     ap.add_argument("--calls", type=int, default=CONCURRENCY * 200, help="calls per round (%(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds; the best is kept (default %(default)s)")
