@@ -5,7 +5,7 @@ inputs pass `max_batch_bytes`. Pure asyncio with the fake clock of test_batcher.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
@@ -52,6 +52,21 @@ def order(runner: FakeRunner) -> list[str]:
     return [rid for batch in runner.batches for rid in batch]
 
 
+async def next_batch(runner: FakeRunner) -> None:
+    """Let the held runner answer the batch it has; it holds the next one it is given."""
+    runner.release()
+    runner.hold()
+    await settle()
+
+
+async def until(runner: FakeRunner, done: Callable[[], bool]) -> None:
+    """Batch after batch until `done()`, then let the runner answer the rest freely."""
+    while not done():
+        await next_batch(runner)
+    runner.release()
+    await settle()
+
+
 def test_a_small_request_goes_before_another_callers_backlog_of_large_ones() -> None:
     """The held-bytes attack on one model: twelve streams keep large messages queued; a victim's
     small request used to wait behind all of them (FIFO), now behind none but the running batch."""
@@ -70,10 +85,7 @@ def test_a_small_request_goes_before_another_callers_backlog_of_large_ones() -> 
         assert runner.batches[1] == ["small"]  # next, and alone: no large input joins a small one
         assert result(victim) == echo("small")
         runner.hold()
-        while not all(t.done() for t in attack):
-            runner.release()
-            runner.hold()
-            await settle()
+        await until(runner, lambda: all(t.done() for t in attack))
         # Every large message ran, one per batch (two pass the cut), each caller in its order.
         assert sorted(order(runner)) == sorted(["small"] + [f"big{n}" for n in range(9)])
         assert all(len(batch) == 1 for batch in runner.batches)
@@ -93,12 +105,7 @@ def test_one_callers_requests_keep_their_order_whatever_their_sizes() -> None:
         sizes = [5 * MIB, 10, 3 * MIB, 0, 1 * MIB, 7]
         tasks = [submit_as(b, "one", f"r{i}", s) for i, s in enumerate(sizes)]
         await settle()
-        for _ in sizes:
-            runner.release()
-            runner.hold()
-            await settle()
-        runner.release()
-        await settle()
+        await until(runner, lambda: len(order(runner)) == len(sizes))
         assert order(runner) == [f"r{i}" for i in range(len(sizes))]
         assert all(t.done() for t in tasks)
         await b.close()
@@ -117,11 +124,7 @@ def test_requests_of_equal_size_from_many_callers_stay_in_arrival_order() -> Non
         for caller, rid in arrivals:
             submit_as(b, caller, rid, 300)
             await settle(2)
-        while len(order(runner)) < len(arrivals):
-            runner.release()
-            runner.hold()
-            await settle()
-        runner.release()
+        await until(runner, lambda: len(order(runner)) == len(arrivals))
         assert order(runner) == [rid for _, rid in arrivals]
         await b.close()
 
@@ -141,14 +144,9 @@ def test_a_large_request_is_not_starved_by_a_caller_of_small_ones() -> None:
         big = submit_as(b, "large", "big", 10 * REQUEST_COST_BYTES)
         smalls = [submit_as(b, "small", f"s{i}", 0) for i in range(1, 40)]
         await settle()
-        while not big.done():
-            runner.release()
-            runner.hold()
-            await settle()
+        await until(runner, big.done)
         before = order(runner).index("big")
         assert 8 <= before <= 12, order(runner)  # 10 of the small caller's, give or take the rounding
-        runner.release()
-        await settle()
         assert all(t.done() for t in smalls)
         await b.close()
 
@@ -165,12 +163,7 @@ def test_a_batch_stops_before_its_bytes_pass_the_cut_and_an_oversized_request_go
         for rid, size in [("a", 40), ("b", 40), ("c", 40), ("huge", 500), ("d", 10)]:
             submit_as(b, "c", rid, size)
         await settle()
-        for _ in range(4):
-            runner.release()
-            runner.hold()
-            await settle()
-        runner.release()
-        await settle()
+        await until(runner, lambda: len(runner.batches) == 5)
         assert runner.batches == [["first"], ["a", "b"], ["c"], ["huge"], ["d"]]
         await b.close()
 
@@ -192,12 +185,7 @@ def test_a_much_larger_input_starts_the_next_batch_and_similar_ones_batch_togeth
         for rid, size in sizes:
             submit_as(b, "c", rid, size)
         await settle()
-        for _ in range(4):
-            runner.release()
-            runner.hold()
-            await settle()
-        runner.release()
-        await settle()
+        await until(runner, lambda: len(runner.batches) == 4)
         # 60 KB joins 300 B (under SMALL_INPUT_BYTES); 600 KB is more than 8x 60 KB; the small
         # s3 joins the images; 9 MiB is more than 8x 600 KB; s4 joins the 9 MiB one.
         assert runner.batches == [["first"], ["s1", "s2"], ["img1", "img2", "img3", "s3"], ["huge", "s4"]]
