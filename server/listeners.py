@@ -1,5 +1,4 @@
-"""Listener plumbing shared by every process that serves HTTP: the single-process server
-(app.py), the frontends and the supervisor.
+"""Listener plumbing shared by every process that serves HTTP: the frontends and the supervisor.
 
 Here live the embedded uvicorn server (the caller, not uvicorn, owns SIGTERM), the uvicorn
 config built from the server's settings (TLS, access log, graceful-shutdown bound, and the

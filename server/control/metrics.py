@@ -160,7 +160,7 @@ class Metrics:
         raise TypeError(f"cannot defer the writes of {type(child).__name__}")
 
     def render(self) -> bytes:
-        """This process's samples (the single-process server; a frontend's own view)."""
+        """This process's samples (a frontend's own view)."""
         return self.exposition()[0]
 
     def exposition(self, accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
@@ -176,7 +176,7 @@ class Metrics:
         return encode(families, spec, accept, names)
 
     def _sample_gpu(self) -> None:
-        # Only a process that already uses CUDA (a thread-mode server running models) samples;
+        # Only a process that already uses CUDA samples;
         # `is_initialized` never initialises CUDA, `is_available` may (see supervisor.devices).
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():

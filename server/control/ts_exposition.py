@@ -59,7 +59,7 @@ def expose(
             ]
             family = fixed
         first = seen.get(family.name)
-        if first is not None:  # declared in two registries (the single-process server): one family
+        if first is not None:  # declared in two registries (ours and the handlers'): one family
             first.samples.extend(family.samples)
             continue
         seen[family.name] = family

@@ -113,10 +113,8 @@ def build_management_server(
     on_change: Callable[[], Awaitable[None]] | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
-    """The gRPC management server (7071), not yet bound: management, health and reflection.
-
-    The single-process server and the supervisor of `mariner serve` both serve it.
-    """
+    """The gRPC management server (7071) of the supervisor, not yet bound: management, health
+    and reflection."""
     management = grpc.aio.server(
         options=server_options(max_message_bytes), interceptors=[SafeDecoding(), *interceptors]
     )

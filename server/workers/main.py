@@ -1,12 +1,12 @@
 """A model worker process: `python -m mariner.server.workers.main [SPEC.json]` (spec on stdin
 when no path is given).
 
-It puts only its archive's directory on `sys.path`, loads the handler (a `ModelHost`, the same
-code the in-process runner uses), listens on the spec's Unix socket, and writes one JSON line to
-its ready pipe (`--ready-fd N`; without it, its stdout, which then points at stderr):
-`{"ready": true, "pid", "device", "load_seconds"}`, or `{"ready": false, "error"}` followed by
-exit code 3 when loading failed. Its stdout and stderr are the handler's, line-buffered, and its
-own log goes to stdout in TorchServe's backend format (the bare message): the supervisor reads
+It puts only its archive's directory on `sys.path`, loads the handler (a `ModelHost`), listens
+on the spec's Unix socket, and writes one JSON line to its ready pipe (`--ready-fd N`; without
+it, its stdout, which then points at stderr): `{"ready": true, "pid", "device",
+"load_seconds"}`, or `{"ready": false, "error"}` followed by exit code 3 when loading failed.
+Its stdout and stderr are the handler's, line-buffered, and its own log goes to stdout in
+TorchServe's backend format (the bare message): the supervisor reads
 both as TorchServe's frontend reads a backend's (`ts_logging.worker_output`).
 
 One thread: the handler is loaded and called on the main thread, which also runs the worker's
