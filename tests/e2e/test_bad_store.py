@@ -58,6 +58,7 @@ def test_a_bad_store_serves_the_good_model_and_reports_the_rest(tmp_path: Path) 
             "escape": "points outside the archive",
             "bomb": "holds an alias (*name)",
             "devids": "deviceIds must be a list",
+            "batchbytes": "maxBatchBytes must be a positive integer",
         }
         for name, says in reasons.items():
             entry = _describe(srv, name)
