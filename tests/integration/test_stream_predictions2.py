@@ -319,9 +319,11 @@ def test_an_undecodable_message_ends_the_stream_after_answering_what_came_before
             call = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=None)(
                 metadata=AUTH, timeout=CAP_S
             )
-            for raw in (good, b"\xff\xff\xff\xff", good):
+            # Nothing is written after the bad message: the server may already have ended the call,
+            # and a write racing that end fails in the client's own core (INTERNAL), not here.
+            for raw in (good, b"\xff\xff\xff\xff"):
                 await call.write(raw)
-            await call.done_writing()
+            await call.done_writing()  # a no-op once the call has ended
             got: list[Any] = []
 
             async def read_all() -> None:
