@@ -216,6 +216,12 @@ async def offload_if_large(
     return await run_in_threadpool(fn, *args)
 
 
+def note_caller(scope: Mapping[str, Any]) -> None:
+    """Set this call's caller for the batcher's fair order (`batching.CALLER`): the HTTP
+    connection, by its client address pair."""
+    CALLER.set(scope.get("client"))
+
+
 async def infer_unless_client_gone(
     dataplane: CallPlane,
     req: InferRequest,
@@ -230,7 +236,7 @@ async def infer_unless_client_gone(
     Elsewhere a watcher task waits on the ASGI `receive` (the body is already read, so the next
     message is `http.disconnect`), which costs a task per request.
     """
-    CALLER.set(scope.get("client"))  # the connection: the batcher's fair order (batching.CALLER)
+    note_caller(scope)
     task = asyncio.current_task()
     assert task is not None
     gone = False

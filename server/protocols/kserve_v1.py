@@ -41,7 +41,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.core.batching import CALLER
 from mariner.server.core.errors import Code, ServingError
 from mariner.server.core.request_ids import new_request_id
 from mariner.server.core.types import InferRequest, InferResult, WireProtocol
@@ -55,6 +54,7 @@ from mariner.server.protocols.http_common import (
     compact_json_response,
     error_json_response,
     make_guard,
+    note_caller,
     offload_if_large,
     read_body,
     request_headers,
@@ -155,7 +155,7 @@ def routes(
                 instances = await offload_if_large(len(body), parse_instances, body)
                 headers = request_headers(request, max_headers)
                 headers[EXPLAIN_HEADER] = "True" if explain else "False"
-                CALLER.set(request.scope.get("client"))  # the batcher's fair order (batching.CALLER)
+                note_caller(request.scope)
                 share = len(body) // max(1, len(instances))
                 reqs = [
                     InferRequest(

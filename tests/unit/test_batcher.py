@@ -128,7 +128,7 @@ class FakeRunner:
             self.running -= 1
 
 
-def req(rid: str, *, items: int = 1, deadline: float | None = None) -> InferRequest:
+def req(rid: str, *, items: int = 1, deadline: float | None = None, size: int = 0) -> InferRequest:
     return InferRequest(
         model="digits",
         version="1",
@@ -137,6 +137,7 @@ def req(rid: str, *, items: int = 1, deadline: float | None = None) -> InferRequ
         request_id=rid,
         deadline=deadline,
         items=items,
+        size=size,
     )
 
 

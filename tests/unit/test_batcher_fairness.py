@@ -13,23 +13,12 @@ import pytest
 from mariner.server.core.batcher import REQUEST_COST_BYTES, Batcher
 from mariner.server.core.batching import CALLER, MAX_BATCH_BYTES, BatchPolicy, max_batch_bytes
 from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from tests.unit.test_batcher import FakeClock, FakeRunner, echo, result, run, settle
+from mariner.server.core.types import InferResult
+from tests.unit.test_batcher import FakeClock, FakeRunner, echo, req, result, run, settle
 
 pytestmark = pytest.mark.unit
 
 MIB = 1 << 20
-
-
-def sized(rid: str, size: int) -> InferRequest:
-    return InferRequest(
-        model="digits",
-        version="1",
-        data={"body": rid},
-        protocol=WireProtocol.TS_GRPC,
-        request_id=rid,
-        size=size,
-    )
 
 
 def submit_as(b: Batcher, caller: Hashable, rid: str, size: int = 0) -> asyncio.Task[InferResult]:
@@ -37,7 +26,7 @@ def submit_as(b: Batcher, caller: Hashable, rid: str, size: int = 0) -> asyncio.
 
     async def call() -> InferResult:
         CALLER.set(caller)
-        return await b.submit(sized(rid, size))
+        return await b.submit(req(rid, size=size))
 
     return asyncio.get_running_loop().create_task(call(), name=f"submit-{rid}")
 
