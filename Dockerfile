@@ -52,7 +52,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # torchvision comes beside it from the same index (pyproject's `vision` extra, same pin: 0.28.0
 # requires torch==2.13.0): there, a CPU build with its C ops. From the registry (`make image`)
 # it is the CUDA build, whose C ops cannot load beside the CPU torch: the worker then runs nms on
-# a pure-torch kernel (server/workers/torchvision_ops.py; docs/torchserve-torchvision.md).
+# a pure-torch kernel (server/worker/torchvision_ops.py; docs/torchserve-torchvision.md).
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0 torchvision==0.28.0
 # The whole build context (.dockerignore trims it to sources): every package pyproject.toml
 # includes comes along without being listed here.

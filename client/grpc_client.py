@@ -32,7 +32,7 @@ from mariner.client.types import (
     encode_payload,
     with_port,
 )
-from mariner.server.core.tensors import CONTENTS_FIELD
+from mariner.server.contracts.tensors import CONTENTS_FIELD
 
 T = TypeVar("T")
 TRANSPORT = "grpc"

@@ -242,7 +242,7 @@ def archive_settings(settings: Settings) -> Settings:
     both servers run the archive as built (TorchServe's own defaults, 1 and 100 ms, otherwise)."""
     if settings.batch_size > 0 and settings.max_batch_delay_ms >= 0:
         return settings
-    from mariner.server.core.archive import open_archive
+    from mariner.server.common.archive import open_archive
 
     with tempfile.TemporaryDirectory(prefix="bench-config-") as tmp:
         config = open_archive(settings.store / f"{settings.model}.mar", Path(tmp)).model_config

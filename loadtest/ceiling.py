@@ -93,10 +93,10 @@ def measure_in_process(spec: CeilingSpec, bodies: Sequence[bytes]) -> RawResult:
     """Load the archive's handler as the server does and time it (in this process)."""
     import torch
 
-    from mariner.server.core.archive import open_archive
-    from mariner.server.core.context import Context
-    from mariner.server.core.runner import load_entry_point
-    from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+    from mariner.server.common.archive import open_archive
+    from mariner.server.worker.context import Context
+    from mariner.server.worker.runner import load_entry_point
+    from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
 
     torch.set_num_threads(spec.torch_threads)  # the servers get the same setting
     gpu_id = 0 if torch.cuda.is_available() else None
@@ -254,7 +254,7 @@ def median_raw(runs: Sequence[RawResult]) -> RawResult | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from mariner.loadtest.workloads import family_of, workload
-    from mariner.server.core.archive import open_archive
+    from mariner.server.common.archive import open_archive
 
     repo = Path(__file__).resolve().parent.parent
     p = argparse.ArgumentParser(prog="python -m mariner.loadtest.bench ceiling", description=__doc__)

@@ -84,12 +84,12 @@ def _attack(target: str, streams: int, size: int, stop: Any, total: Any, cpu: An
 
 def _frontend(server: MarinerProcess) -> psutil.Process:
     sup = psutil.Process(server.pid)
-    return next(c for c in sup.children() if "mariner.server.frontend" in " ".join(c.cmdline()))
+    return next(c for c in sup.children() if "mariner.server.frontend.main" in " ".join(c.cmdline()))
 
 
 def _workers(server: MarinerProcess) -> list[psutil.Process]:
     sup = psutil.Process(server.pid)
-    return [p for p in sup.children(recursive=True) if "mariner.server.workers.main" in " ".join(p.cmdline())]
+    return [p for p in sup.children(recursive=True) if "mariner.server.worker.main" in " ".join(p.cmdline())]
 
 
 def _cpu(procs: list[psutil.Process]) -> float:

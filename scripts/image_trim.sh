@@ -21,7 +21,7 @@ before=$(du -sm "$venv" | cut -f1)
 
 "$venv/bin/python" -m pip uninstall -q -y pip setuptools wheel 2> /dev/null || true
 rm -rf "$site/ts/frontend" "$venv/bin/torchserve"
-# `torchserve` is Mariner's launcher instead (TorchServe's command line; server/torchserve_command.py).
+# `torchserve` is Mariner's launcher instead (TorchServe's command line; server/compat/torchserve/command.py).
 ln -s mariner-torchserve "$venv/bin/torchserve"
 rm -rf "$site/torch/include"
 find "$site" -depth -type d -name tests -prune -exec rm -rf {} +

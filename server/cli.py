@@ -2,7 +2,7 @@
 
 `mariner serve` also takes the `torchserve` command line users already type (`--ts-config`,
 `--model-store`, `--models a=a.mar b.mar`, `--start`, `--foreground`, `--ncs`, ...; see
-server/torchserve_flags.py and docs/torchserve-config.md).
+server/compat/torchserve/flags.py and docs/torchserve-config.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _private_metrics_dir(argv: Sequence[str]) -> Path:
 
         with contextlib.suppress(OSError, ValueError, AttributeError, yaml.YAMLError):
             work_dir = (yaml.safe_load(Path(config_file).read_text()) or {}).get("work_dir")
-    from mariner.server.private_dir import check_private, ensure_private_dir
+    from mariner.server.supervisor.private_dir import check_private, ensure_private_dir
 
     parent = None
     if work_dir:
@@ -59,10 +59,10 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
 def _serve(argv: Sequence[str]) -> int:
     """`mariner serve`: the supervisor, which starts the frontends and the model workers."""
     if "-h" in argv or "--help" in argv:
-        from mariner.server.config import build_parser
+        from mariner.server.common.config import build_parser
 
         build_parser().parse_args(["--help"])
-    from mariner.server.core.errors import ServingError
+    from mariner.server.contracts.errors import ServingError
 
     try:
         metrics_dir = _private_metrics_dir(argv)
@@ -76,14 +76,14 @@ def _serve(argv: Sequence[str]) -> int:
 
 
 def _supervise(argv: Sequence[str]) -> int:
-    from mariner.server.config import frontend_count, load_config
-    from mariner.server.core.errors import ServingError
-    from mariner.server.logs import setup_logging
+    from mariner.server.common.config import frontend_count, load_config
+    from mariner.server.common.logs import setup_logging
+    from mariner.server.contracts.errors import ServingError
 
     try:
         cfg = load_config(argv)
         frontend_count(cfg)
-        from mariner.server.control.ts_metrics import use_metrics_config, use_metrics_mode
+        from mariner.server.compat.torchserve.metrics import use_metrics_config, use_metrics_mode
 
         use_metrics_config(cfg.metrics_config)  # checked now; children inherit it
         use_metrics_mode(cfg.metrics_mode, cfg.model_metrics_auto_detect, cfg.disable_system_metrics)
@@ -91,7 +91,7 @@ def _supervise(argv: Sequence[str]) -> int:
         print(f"mariner serve: bad configuration: {exc}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
     from mariner.server.supervisor import run
 
     try:
@@ -112,14 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "serve" and rest[:1] == ["torchserve"]:
         # The images' entrypoint is `mariner serve`; a KServe TorchServe ServingRuntime passes
-        # `torchserve --start ...` as its args (server/torchserve_command.py).
-        from mariner.server.torchserve_command import main as torchserve
+        # `torchserve --start ...` as its args (server/compat/torchserve/command.py).
+        from mariner.server.compat.torchserve.command import main as torchserve
 
         return torchserve(rest[1:], kserve=True)
     if command == "serve":
         return _serve(rest)
     if command == "torchserve":
-        from mariner.server.torchserve_command import main as torchserve
+        from mariner.server.compat.torchserve.command import main as torchserve
 
         return torchserve(rest)
     if command in ("predict", "infer"):

@@ -230,14 +230,14 @@ class MarinerServe:
         return [int(w["pid"]) for w in desc["workers"] if w.get("pid")]
 
     def frontend_pids(self) -> list[int]:
-        """The frontend processes (children of the supervisor running mariner.server.frontend)."""
+        """The frontend processes (children of the supervisor running mariner.server.frontend.main)."""
         import psutil
 
         assert self.supervisor_pid is not None
         return [
             c.pid
             for c in psutil.Process(self.supervisor_pid).children()
-            if "mariner.server.frontend" in " ".join(c.cmdline())
+            if "mariner.server.frontend.main" in " ".join(c.cmdline())
         ]
 
     def open_connections(self, port: int | None = None) -> int:

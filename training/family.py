@@ -44,7 +44,7 @@ def index_entry(
     mar: Path, *, model: str, version: str, fmt: str, device: str, verification: dict[str, Any]
 ) -> dict[str, Any]:
     """An archive's index.json entry: the allowlist's sha256 and size beside its verification."""
-    from mariner.server.core.archive import sha256_file
+    from mariner.server.common.archive import sha256_file
 
     return {
         "model": model,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mariner.handlers.handler_support import load_module_from
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 
 FP32_MAX_ABS_DIFF = 1e-4  # fp32 variants: same math, only op order and fusion may differ
 INT8_MAX_ACC_DROP = 0.01  # int8 variants: at most one accuracy point lost

@@ -5,7 +5,7 @@
 The supervisor has gRPC threads at work while it starts frontends, the zygote, workers and pip.
 Started with a `preexec_fn`, or with uvloop's `create_subprocess_exec`, a child runs Python's
 after-fork work and gRPC's fork handlers before exec, and now and then dies there (SIGABRT,
-SIGSEGV). `mariner.server.child_process.ChildProcess` starts it with plain `Popen` (vfork, nothing
+SIGSEGV). `mariner.server.common.child_process.ChildProcess` starts it with plain `Popen` (vfork, nothing
 run before exec). This tool starts `python -c pass` N times each way, one at a time, while a
 grpc.aio server on 127.0.0.1 and three client threads keep gRPC busy, and prints how the children
 ended. Each way runs in a fresh interpreter of its own, so one way's state cannot reach another.
@@ -52,7 +52,7 @@ async def _one_way(way: str, children: int) -> dict[str, int]:
         if way == "preexec_fn":
             popen = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: None)
             return await asyncio.to_thread(popen.wait)
-        from mariner.server.child_process import ChildProcess
+        from mariner.server.common.child_process import ChildProcess
 
         return await ChildProcess.start(argv, start_new_session=True).wait()
 

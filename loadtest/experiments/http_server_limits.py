@@ -252,8 +252,8 @@ async def grpc_beside_granian(calls: int = 200) -> dict[str, Any]:
         wait_serving,
     )
     from mariner.loadtest.http_connection import HttpConnection
-    from mariner.server.config import ServerConfig
-    from mariner.server.listeners import reuseport_listener
+    from mariner.server.common.config import ServerConfig
+    from mariner.server.common.listeners import reuseport_listener
 
     loop = asyncio.get_running_loop()
     loops: set[int] = set()
@@ -300,7 +300,7 @@ async def grpc_beside_granian(calls: int = 200) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
 
     servers = list(argv) if argv else ["uvicorn", "granian-asgi"]
     found: dict[str, Any] = {s: probe(s) for s in servers}

@@ -41,9 +41,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server import event_loop
-from mariner.server.config import ServerConfig
-from mariner.server.listeners import EmbeddedUvicorn, reuseport_listener, uvicorn_config
+from mariner.server.common import event_loop
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.listeners import EmbeddedUvicorn, reuseport_listener, uvicorn_config
 
 SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi")
 APPS = ("raw", "floor", "mariner")
@@ -110,14 +110,15 @@ class FloorRsgi:
 
 def mariner_app() -> Any:
     """The frontend's inference app over a real DataPlane whose one model answers in-process."""
-    from mariner.server.control.metrics import Metrics, MetricsConfig
-    from mariner.server.core.dataplane import DataPlane
-    from mariner.server.core.endpoint import ModelEndpoint, ModelSource
-    from mariner.server.core.model_settings import ModelSettings
-    from mariner.server.core.types import InferRequest, InferResult, ModelState
-    from mariner.server.protocols.http_drain import DrainAware
-    from mariner.server.protocols.http_listener import inference_app
-    from mariner.server.security import HttpTokenAuth, load_tokens
+    from mariner.server.common.metrics import Metrics, MetricsConfig
+    from mariner.server.common.model_settings import ModelSettings
+    from mariner.server.common.models import ModelSource
+    from mariner.server.common.security import HttpTokenAuth, load_tokens
+    from mariner.server.contracts.types import InferRequest, InferResult, ModelState
+    from mariner.server.frontend.dataplane import DataPlane
+    from mariner.server.frontend.endpoint import ModelEndpoint
+    from mariner.server.frontend.protocols.http_drain import DrainAware
+    from mariner.server.frontend.protocols.http_listener import inference_app
 
     class Answering:
         """A BatchRunner that answers every request of a batch with the fixed body at once."""

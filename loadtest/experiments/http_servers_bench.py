@@ -124,7 +124,7 @@ async def _closed_loop(port: int, connections: int, seconds: float, pipe: Connec
 
 
 def _client_main(port: int, connections: int, seconds: float, pipe: Connection) -> None:
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
 
     async def run() -> int:
         result = await _closed_loop(port, connections, seconds, pipe)

@@ -67,11 +67,12 @@ def _cpu_per_call(calls: int, run: Callable[[], object]) -> float:
 
 def _plane() -> Any:
     """A DataPlane with one ready digits endpoint whose runner answers at once."""
-    from mariner.server.control.metrics import Metrics
-    from mariner.server.core.dataplane import DataPlane
-    from mariner.server.core.endpoint import ModelEndpoint, ModelSource
-    from mariner.server.core.model_settings import ModelSettings
-    from mariner.server.core.types import InferRequest, InferResult, ModelState
+    from mariner.server.common.metrics import Metrics
+    from mariner.server.common.model_settings import ModelSettings
+    from mariner.server.common.models import ModelSource
+    from mariner.server.contracts.types import InferRequest, InferResult, ModelState
+    from mariner.server.frontend.dataplane import DataPlane
+    from mariner.server.frontend.endpoint import ModelEndpoint
 
     class Instant:
         id = "digits-1"
@@ -106,7 +107,7 @@ async def _drive(call: Callable[[int], Any], calls: int) -> None:
 
 
 def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
-    from mariner.server.protocols.torchserve import grpc as ts_grpc
+    from mariner.server.frontend.protocols.torchserve import grpc as ts_grpc
 
     pb = ts_grpc.inference_pb2
     wire = pb.PredictionsRequest(model_name="digits", input={"data": BODY}).SerializeToString()
@@ -150,7 +151,7 @@ def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
         return (time.process_time() - t0) / calls * 1e6
 
     def run_async(fn: Callable[[], Any]) -> float:
-        from mariner.server import event_loop
+        from mariner.server.common import event_loop
 
         return event_loop.run(fn())
 
@@ -202,8 +203,8 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     called with a Request built by hand."""
     from starlette.requests import Request
 
-    from mariner.server.protocols.http_limits import DISCONNECT_HOOK
-    from mariner.server.protocols.http_listener import inference_app
+    from mariner.server.common.http_limits import DISCONNECT_HOOK
+    from mariner.server.frontend.protocols.http_listener import inference_app
 
     receiver, send = http_receiver, http_send
 
@@ -244,7 +245,7 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
         n = max(1, calls // block) * block
         return {name: cpu / n * 1e6 for name, cpu in spent.items()}
 
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
 
     event_loop.run(interleaved())  # warm-up
     best = [event_loop.run(interleaved()) for _ in range(rounds)]
@@ -262,8 +263,8 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
 
 
 def codec_pieces(calls: int, rounds: int) -> list[Piece]:
-    from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-    from mariner.server.workers import protocol
+    from mariner.server.contracts import worker_wire as protocol
+    from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
 
     requests = tuple(
         InferRequest(

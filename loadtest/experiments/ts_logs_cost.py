@@ -55,11 +55,11 @@ def _drain(fd: int, stop: threading.Event, spent: list[float]) -> None:
 
 
 async def _interleaved(calls: int) -> dict[str, float]:
-    from mariner.server.core.metrics_spec import METRICS_MODE_ENV
-    from mariner.server.protocols.http_listener import inference_app
-    from mariner.server.ts_logging import emit
-    from mariner.server.ts_logging.access import HttpAccessLog
-    from mariner.server.ts_logging.records import RecordPipe
+    from mariner.server.common.metrics_spec import METRICS_MODE_ENV
+    from mariner.server.compat.torchserve.logs import emit
+    from mariner.server.compat.torchserve.logs.access import HttpAccessLog
+    from mariner.server.compat.torchserve.logs.records import RecordPipe
+    from mariner.server.frontend.protocols.http_listener import inference_app
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -106,7 +106,7 @@ async def _interleaved(calls: int) -> dict[str, float]:
 
 
 def pieces(calls: int, rounds: int) -> list[Piece]:
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
 
     event_loop.run(_interleaved(calls // 4))  # warm-up
     best = [event_loop.run(_interleaved(calls)) for _ in range(rounds)]

@@ -44,7 +44,7 @@ class Round:
 
 
 def _requests(bodies: Sequence[bytes], batch: int, start: int, model: str) -> list[Any]:
-    from mariner.server.core.types import InferRequest, WireProtocol
+    from mariner.server.contracts.types import InferRequest, WireProtocol
 
     return [
         InferRequest(model, "1.0", {"data": bodies[(start + i) % len(bodies)]}, WireProtocol.TS_GRPC, f"r{i}")
@@ -88,10 +88,10 @@ async def measure(
     archive_path: Path, *, batch: int, inflight: int, seconds: float, rounds: int
 ) -> list[Round]:
     from mariner.loadtest.workloads import family_of, workload
-    from mariner.server.core.archive import open_archive
-    from mariner.server.core.runner import ModelHost, Placement
-    from mariner.server.workers.connection import WorkerConnection
-    from mariner.server.workers.process import WorkerProcess, worker_spec
+    from mariner.server.common.archive import open_archive
+    from mariner.server.frontend.worker_client import WorkerConnection
+    from mariner.server.supervisor.worker_process import WorkerProcess, worker_spec
+    from mariner.server.worker.runner import ModelHost, Placement
 
     bodies = workload(family_of(archive_path.stem)).bodies
     with tempfile.TemporaryDirectory(prefix="worker-overhead-") as work:

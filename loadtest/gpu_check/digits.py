@@ -15,8 +15,8 @@ import requests
 import torch
 
 from mariner.loadtest.gpu_check.families import workers_on
-from mariner.server.core.archive import open_archive
-from mariner.server.core.context import Context
+from mariner.server.common.archive import open_archive
+from mariner.server.worker.context import Context
 from mariner.training.data import load_splits
 from mariner.training.verify import load_handler_class
 
@@ -130,7 +130,7 @@ def out_of_memory(sec: Section, store: Path, device: str, work: Path) -> None:
         sec.status = "skipped"
         sec.notes.append("Needs CUDA: a capped memory fraction is a CUDA allocator feature.")
         return
-    from mariner.server.core.failures import Failure, classify
+    from mariner.server.worker.failures import Failure, classify
 
     mdir, manifest, config = stage(store / "digits_eager.mar", work / "oom")
     handler = load_on(mdir, manifest, config, device)

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import yaml
 
-from mariner.server.core.archive import ModelArchive, open_archive
-from mariner.server.core.context import Context
-from mariner.server.core.entry_point import load_entry_point
-from mariner.server.protocols.torchserve.forms import decode_value, mime_type
-from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+from mariner.server.common.archive import ModelArchive, open_archive
+from mariner.server.compat.torchserve.forms import decode_value, mime_type
+from mariner.server.worker.context import Context
+from mariner.server.worker.entry_point import load_entry_point
+from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
 
 FAMILIES = {"minilm": "minilm_", "resnet18": "resnet18_"}
 COSINE_FP32 = 0.9999

@@ -4,7 +4,7 @@
         --port 8000 --batch-size 32 --max-wait-ms 5 --torch-threads 1
 
 A peer, not a port of the handler: the worker opens the archive and loads its handler exactly as
-Mariner's workers and the raw ceiling do (`mariner.server.core.archive`, the runner's entry-point
+Mariner's workers and the raw ceiling do (`mariner.server.common.archive`, the runner's entry-point
 loader, a TorchServe-shaped Context), so mosec does the same per-request work: the JSON body
 decoded by the handler, one TorchScript forward per batch of up to batchSize requests, the same
 top-k answer, encoded as TorchServe encodes a dict (JSON, indent 2). mosec's own part is what it
@@ -46,9 +46,9 @@ class ArchiveHandler(Worker):
         super().__init__()
         import torch
 
-        from mariner.server.core.archive import open_archive
-        from mariner.server.core.context import Context
-        from mariner.server.core.runner import load_entry_point
+        from mariner.server.common.archive import open_archive
+        from mariner.server.worker.context import Context
+        from mariner.server.worker.runner import load_entry_point
 
         torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
         self._work = tempfile.TemporaryDirectory(prefix="mosec-archive-")

@@ -7,9 +7,9 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import LayerSource, ModelSettings
+from mariner.server.common.archive import ModelArchive
+from mariner.server.common.model_settings import LayerSource, ModelSettings
+from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor.machine import FORKED_WORKER_BASE
 from mariner.server.supervisor.versions import Version
 from mariner.server.supervisor.worker_budget import Ask, VersionUse, WorkerBudget

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mariner.server.core.setting_values import device_ids
+from mariner.server.contracts.setting_values import device_ids
 
 log = logging.getLogger("mariner.devices")
 
@@ -68,7 +68,7 @@ def visible_gpus() -> int:
 def device_ids_of(model_config: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The model-config's `deviceIds` (TorchServe's key: the GPUs this model may use), or None
     when it names none. Raises ServingError for a value that is not a list of GPU ids (an
-    archive's is checked when it is registered: `core.model_settings.archive_overrides`)."""
+    archive's is checked when it is registered: `common.model_settings.archive_overrides`)."""
     return device_ids("deviceIds", model_config.get("deviceIds"), "the model-config")
 
 

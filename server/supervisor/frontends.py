@@ -1,6 +1,6 @@
 """The frontend processes of `mariner serve` and the model table broadcast to them.
 
-Frontends are fresh interpreters (`python -m mariner.server.frontend`), never forks, started
+Frontends are fresh interpreters (`python -m mariner.server.frontend.main`), never forks, started
 with the supervisor's environment less every secret (the tokens travel in the config over the
 control channel) and SIGKILLed by the kernel the moment the supervisor dies, so an orphan never
 holds the inference ports (`parent_death`; started from the loop's thread, which lives as long
@@ -23,16 +23,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mariner.server.child_process import ChildProcess
-from mariner.server.config import ServerConfig
-from mariner.server.control import channel
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.workflow_dag import WorkflowDag
+from mariner.server.common import control_channel as channel
+from mariner.server.common import parent_death
+from mariner.server.common.child_env import child_env
+from mariner.server.common.child_process import ChildProcess
+from mariner.server.common.config import ServerConfig
+from mariner.server.compat.torchserve.tokens import Key
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.worker_api import ModelEntry
+from mariner.server.contracts.workflow_dag import WorkflowDag
 from mariner.server.supervisor.children import Backoff, mark_dead
-from mariner.server.torchserve_tokens import Key
-from mariner.server.workers import parent_death
-from mariner.server.workers.api import ModelEntry
-from mariner.server.workers.child_env import child_env
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -113,7 +113,7 @@ class FrontendPool:
     async def _spawn(self, f: _Frontend) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log_fd = self._records() if self._records is not None else None
-        argv = [sys.executable, "-m", "mariner.server.frontend", "--control-fd", str(child.fileno())]
+        argv = [sys.executable, "-m", "mariner.server.frontend.main", "--control-fd", str(child.fileno())]
         if log_fd is not None:
             argv += ["--log-fd", str(log_fd)]
         try:

@@ -32,16 +32,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.config import ServerConfig, frontend_count, model_specs, pinned_digests
-from mariner.server.control import health
-from mariner.server.control.management_grpc import SERVICE_NAME as MANAGEMENT_SERVICE
-from mariner.server.control.management_http import management_app
-from mariner.server.control.metrics import Metrics, MetricsConfig
-from mariner.server.control.metrics_http import metrics_app
-from mariner.server.control.workflow_http import workflow_routes
-from mariner.server.core.dataplane import SERVED_STATES
-from mariner.server.core.types import ModelState
-from mariner.server.listeners import (
+from mariner.server.common import health
+from mariner.server.common.child_env import forget_secrets
+from mariner.server.common.config import ServerConfig, frontend_count, model_specs, pinned_digests
+from mariner.server.common.connection_budget import raise_descriptor_limit
+from mariner.server.common.grpc_server import bind_port
+from mariner.server.common.http_common import json_response
+from mariner.server.common.listeners import (
     EmbeddedUvicorn,
     check_exposure,
     grpc_tls,
@@ -50,21 +47,32 @@ from mariner.server.listeners import (
     split_address,
     uvicorn_config,
 )
-from mariner.server.private_dir import ensure_private_dir
-from mariner.server.protocols.connection_budget import raise_descriptor_limit
-from mariner.server.protocols.grpc_server import bind_port, build_management_server
-from mariner.server.protocols.http_common import json_response
-from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
+from mariner.server.common.metrics import Metrics, MetricsConfig
+from mariner.server.common.models import SERVED_STATES
+from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, Tokens
+from mariner.server.compat.torchserve.logs.access import HttpAccessLog, grpc_access_log
+from mariner.server.compat.torchserve.tokens import (
+    KEY_FILE_NAME,
+    Key,
+    KeyKind,
+    TokenApi,
+    TorchServeKeys,
+    start_keys,
+)
+from mariner.server.contracts.types import ModelState
 from mariner.server.supervisor.frontends import FrontendPool
+from mariner.server.supervisor.management.grpc import SERVICE_NAME as MANAGEMENT_SERVICE
+from mariner.server.supervisor.management.grpc import build_management_server
+from mariner.server.supervisor.management.http import management_app
+from mariner.server.supervisor.management.workflow_http import workflow_routes
+from mariner.server.supervisor.metrics_http import metrics_app
 from mariner.server.supervisor.ports import reserve_port
+from mariner.server.supervisor.private_dir import ensure_private_dir
 from mariner.server.supervisor.registry import ModelRegistry
 from mariner.server.supervisor.snapshots import ConfigSnapshots
 from mariner.server.supervisor.ts_logs import TsLogs
+from mariner.server.supervisor.worker_process import socket_dir_for
 from mariner.server.supervisor.workflows import WorkflowRegistry
-from mariner.server.torchserve_tokens import KEY_FILE_NAME, Key, KeyKind, TokenApi, TorchServeKeys, start_keys
-from mariner.server.ts_logging.access import HttpAccessLog, grpc_access_log
-from mariner.server.workers.child_env import forget_secrets
-from mariner.server.workers.process import socket_dir_for
 
 log = logging.getLogger("mariner.supervisor")
 

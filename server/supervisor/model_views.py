@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mariner.server.core.dataplane import SERVED_STATES, resolve_version, version_ready
-from mariner.server.core.errors import ServingError
-from mariner.server.core.failed_models import FailedModels
-from mariner.server.core.model_settings import snapshot_state
-from mariner.server.core.types import ModelInfo
+from mariner.server.common.model_settings import snapshot_state
+from mariner.server.common.models import SERVED_STATES, resolve_version, version_ready
+from mariner.server.contracts.errors import ServingError
+from mariner.server.contracts.types import ModelInfo
+from mariner.server.contracts.worker_api import ModelEntry
+from mariner.server.supervisor.failed_models import FailedModels
 from mariner.server.supervisor.versions import Version, failed_entry, model_info, table_entry
-from mariner.server.workers.api import ModelEntry
 
 
 class ModelViews:
@@ -24,7 +24,7 @@ class ModelViews:
         self.draining = False
         self._versions: dict[str, dict[str, Version]] = {}
         self._defaults: dict[str, str] = {}
-        self._failed = FailedModels()  # asked for at start-up, refused (see core.failed_models)
+        self._failed = FailedModels()  # asked for at start-up, refused (see supervisor.failed_models)
         self._registering: set[tuple[str, str]] = set()  # not part of readiness until registered
         self._frontends_ok = frontends_ok
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from mariner.server.listeners import reuseport_socket, split_address
+from mariner.server.common.listeners import reuseport_socket, split_address
 
 
 def reserve_port(address: str) -> socket.socket:

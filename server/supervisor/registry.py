@@ -18,33 +18,32 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mariner.server.config import ServerConfig, server_layers
-from mariner.server.control.metrics import Metrics, MultiprocessMetrics
-from mariner.server.core.archive import (
+from mariner.server.common.archive import (
     UNLISTED,
     ArchiveLimits,
     ModelArchive,
     open_archive,
     resolve_in_store,
+    with_envelope,
     with_handler,
 )
-from mariner.server.core.dataplane import require_management
-from mariner.server.core.endpoint import ModelSpec, resolve_model, resolve_worker_origin
-from mariner.server.core.entry_point import with_envelope
-from mariner.server.core.errors import Code, ServingError, TorchServeAnswer
-from mariner.server.core.failed_models import FailedModel
-from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.core.types import InferResult, ModelInfo, WireProtocol
+from mariner.server.common.config import ServerConfig, server_layers
+from mariner.server.common.metrics import Metrics, MultiprocessMetrics
+from mariner.server.common.model_settings import SettingsOverrides
+from mariner.server.common.models import ModelSpec, require_management, resolve_model, resolve_worker_origin
+from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer
+from mariner.server.contracts.types import InferResult, ModelInfo, WireProtocol
+from mariner.server.contracts.worker_wire import ask_describe, describe_request
 from mariner.server.supervisor.admission import admit, check_scale
 from mariner.server.supervisor.devices import allocator
+from mariner.server.supervisor.failed_models import FailedModel
 from mariner.server.supervisor.machine import archive_estimate
 from mariner.server.supervisor.model_views import ModelViews
 from mariner.server.supervisor.requirements import PipLimits, requirements_step
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import Limits, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool
-from mariner.server.workers.process import WorkerOutputs
-from mariner.server.workers.protocol import ask_describe, describe_request
+from mariner.server.supervisor.worker_process import WorkerOutputs
 
 log = logging.getLogger("mariner.supervisor")
 
@@ -134,7 +133,7 @@ class ModelRegistry(ModelViews):
                     Code.ALREADY_EXISTS,
                     f"Model version {archive.version} is already registered for model {archive.name}",
                 )
-            # The one resolution of a version's settings (core.endpoint.resolve_model).
+            # The one resolution of a version's settings (frontend.endpoint.resolve_model).
             settings, signature = resolve_model(
                 archive, spec, default_max_queue=self.cfg.max_queue, layers=self._layers
             )
@@ -155,7 +154,7 @@ class ModelRegistry(ModelViews):
 
     async def open_models(self, specs: Sequence[ModelSpec]) -> list[Version]:
         """Check and unpack every archive; a bad one is logged in one line and kept as a FAILED
-        version with the reason (see `core.failed_models`), the others serve."""
+        version with the reason (see `supervisor.failed_models`), the others serve."""
         opened = []
         for spec in specs:
             archive: ModelArchive | None = None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from mariner.server.core.capped_text import TextRefused, capped_text
+from mariner.server.contracts.capped_text import TextRefused, capped_text
 
 MAX_FILE_BYTES = 64 * 1024
 MAX_REQUIREMENTS = 500

@@ -11,7 +11,7 @@ with the server's own interpreter and the index the server's pip is configured w
 the version's private unpacked directory, never the server's environment, so two models may pin
 different versions of one package and removing the model removes its packages. The worker puts
 that directory right after the archive's directory on its `sys.path`
-(`workers.main.isolate_sys_path`), before the server's site-packages, as TorchServe's PYTHONPATH
+(`worker.main.isolate_sys_path`), before the server's site-packages, as TorchServe's PYTHONPATH
 does for its `pip install -t <model dir>`.
 
 pip is bounded: binary wheels only unless the operator allows builds
@@ -42,10 +42,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mariner.server.child_process import ChildProcess, stream_reader
-from mariner.server.core.archive import ModelArchive, requirements_dir
-from mariner.server.core.archive_fields import inside
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.common.archive import ModelArchive, requirements_dir
+from mariner.server.common.archive_fields import inside
+from mariner.server.common.child_process import ChildProcess, stream_reader
+from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor.requirement_lines import RequirementsRefused, read_requirements
 
 log = logging.getLogger("mariner.supervisor")

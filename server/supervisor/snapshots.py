@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mariner.server.config import ServerConfig
-from mariner.server.config_snapshots import snapshot_dir, write_snapshot
-from mariner.server.listeners import LISTENER_NAMES, tls_listeners
-from mariner.server.torchserve_properties import read_properties, substitute_env
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_snapshots import snapshot_dir, write_snapshot
+from mariner.server.common.listeners import LISTENER_NAMES, tls_listeners
+from mariner.server.compat.torchserve.properties import read_properties, substitute_env
 
 log = logging.getLogger("mariner.supervisor")
 

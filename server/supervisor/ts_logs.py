@@ -15,14 +15,14 @@ import contextlib
 import logging
 import os
 
-from mariner.server.config import ServerConfig
-from mariner.server.control.ts_metrics import current_spec, log_system_metrics, metrics_mode
-from mariner.server.core.metrics_spec import model_metrics_auto_detect, system_metrics_disabled
-from mariner.server.ts_logging import emit, words
-from mariner.server.ts_logging.pump import LineReader, OutputPump
-from mariner.server.ts_logging.records import MAX_RECORD_LINE, decode, widen_pipe
-from mariner.server.ts_logging.sink import LogSettings, LogSink
-from mariner.server.ts_logging.worker_output import LOG_MODES, BackendMetrics, WorkerOutput
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.metrics_spec import model_metrics_auto_detect, system_metrics_disabled
+from mariner.server.compat.torchserve.logs import emit, words
+from mariner.server.compat.torchserve.logs.pump import LineReader, OutputPump
+from mariner.server.compat.torchserve.logs.records import MAX_RECORD_LINE, decode, widen_pipe
+from mariner.server.compat.torchserve.logs.sink import LogSettings, LogSink
+from mariner.server.compat.torchserve.logs.worker_output import LOG_MODES, BackendMetrics, WorkerOutput
+from mariner.server.compat.torchserve.metrics import current_spec, log_system_metrics, metrics_mode
 
 log = logging.getLogger("mariner.logs")
 

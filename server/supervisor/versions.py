@@ -8,13 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.endpoint import ModelSource, ModelSpec, resident_bytes, version_info
-from mariner.server.core.failed_models import FailedModel
-from mariner.server.core.model_settings import ModelSettings
-from mariner.server.core.tensors import ModelSignature
-from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo, instance_id
-from mariner.server.workers.api import ModelEntry, WorkerEndpoint
+from mariner.server.common.archive import ModelArchive
+from mariner.server.common.model_settings import ModelSettings
+from mariner.server.common.models import ModelSource, ModelSpec, resident_bytes, version_info
+from mariner.server.contracts.tensors import ModelSignature
+from mariner.server.contracts.types import ModelInfo, ModelState, WorkerInfo, instance_id
+from mariner.server.contracts.worker_api import ModelEntry, WorkerEndpoint
+from mariner.server.supervisor.failed_models import FailedModel
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Instance:
 
     index: int
     generation: int = 0
-    process: Any = None  # mariner.server.workers.process.WorkerProcess
+    process: Any = None  # mariner.server.supervisor.worker_process.WorkerProcess
     endpoint: WorkerEndpoint | None = None
     status: str = "LOADING"
     started_at: float | None = None

@@ -34,8 +34,8 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from mariner.server.config import ServerConfig
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.common.config import ServerConfig
+from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor.machine import (
     FORKED_WORKER_BASE,
     MIB,

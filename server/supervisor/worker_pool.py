@@ -10,7 +10,7 @@ the same way, never left to end the task silently.
 Retries follow TorchServe's policy in time: a slot whose worker keeps failing (start failures
 and exits alike, since its last ready start) is retried with the backoff until it has been
 failing for the archive's `maxRetryTimeoutInSec` (TorchServe's model-config key, default 300 s),
-then left FAILED. Each retry is told in TorchServe's words too (`ts_logging.words`: "Worker
+then left FAILED. Each retry is told in TorchServe's words too (`compat.torchserve.logs.words`: "Worker
 disconnected", "Auto recovery start timestamp", "Retry worker"...), a start past its
 startupTimeout as TorchServe's "Backend worker error", for the tools that wait for them.
 
@@ -33,17 +33,17 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from mariner.server.control.metrics import Metrics
-from mariner.server.control.ts_metrics import log_worker_load
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import ModelSettings
+from mariner.server.common.metrics import Metrics
+from mariner.server.common.model_settings import ModelSettings
+from mariner.server.compat.torchserve.logs import words
+from mariner.server.compat.torchserve.metrics import log_worker_load
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.worker_api import WorkerSpec
 from mariner.server.supervisor.children import MAX_BACKOFF_S, Backoff, mark_dead
 from mariner.server.supervisor.devices import allocator, device_ids_of
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import WorkerBudget
-from mariner.server.ts_logging import words
-from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import (
+from mariner.server.supervisor.worker_process import (
     START_ENV,
     WorkerLoadFailed,
     WorkerOutputs,
@@ -279,7 +279,7 @@ class WorkerPool:
     async def _run_slot(self, v: Version, inst: Instance, recovery: words.Recovery) -> None:
         """Start the instance's worker; whenever it fails to start or exits, restart it with
         exponential backoff, until it has been failing for maxRetryTimeoutInSec."""
-        from mariner.server.workers.process import WorkerProcess
+        from mariner.server.supervisor.worker_process import WorkerProcess
 
         gpu = self._gpu_for(v)
         backoff = Backoff()

@@ -2,7 +2,7 @@
 
 A workflow (`.war` from the workflow store: `--workflow-store`, `workflow_store`, else the model
 store, as TorchServe) is a graph of models and functions. Registering one opens and checks the
-archive off the event loop (`core.workflow_archive`), then registers each node through the
+archive off the event loop (`supervisor.workflow_archive`), then registers each node through the
 `ModelRegistry`, the one owner of the model lifecycle, as TorchServe does: a model node is the
 archive its `url` names in the model store, served as `<workflow>__<node>` with the
 specification's batch size, batch delay and `max-workers` workers (TorchServe starts that many);
@@ -28,16 +28,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from mariner.server.core.archive import resolve_in_store
-from mariner.server.core.dataplane import require_management
-from mariner.server.core.endpoint import ModelSpec
-from mariner.server.core.entry_point import with_envelope
-from mariner.server.core.errors import Code, ServingError, TorchServeAnswer, torchserve_answer
-from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.core.workflow_archive import WorkflowArchive, function_node_archive, open_workflow
-from mariner.server.core.workflow_dag import WorkflowDag, node_model_name, workflow_not_found
-from mariner.server.core.workflow_spec import NodeSpec, WorkflowInfo
+from mariner.server.common.archive import resolve_in_store, with_envelope
+from mariner.server.common.model_settings import SettingsOverrides
+from mariner.server.common.models import ModelSpec, require_management
+from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer, torchserve_answer
+from mariner.server.contracts.workflow_dag import WorkflowDag, node_model_name, workflow_not_found
 from mariner.server.supervisor.registry import ModelRegistry
+from mariner.server.supervisor.workflow_archive import WorkflowArchive, function_node_archive, open_workflow
+from mariner.server.supervisor.workflow_spec import NodeSpec, WorkflowInfo
 
 log = logging.getLogger("mariner.workflows")
 T = TypeVar("T")

@@ -138,7 +138,7 @@ def test_the_supervisor_starts_every_child_without_running_python_between_fork_a
         assert r.status_code == 200, r.text
         children = psutil.Process(srv.supervisor_pid).children()
         commands = [" ".join(c.cmdline()) for c in children]
-        assert any("mariner.server.workers.zygote" in c for c in commands), commands
+        assert any("mariner.server.worker.zygote" in c for c in commands), commands
         assert len(srv.frontend_pids()) == 2
         log = srv.log_text()
         assert log.count("requires a GPU") >= 2, srv.log_tail()  # the spawned worker was retried

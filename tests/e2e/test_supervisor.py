@@ -63,11 +63,11 @@ def _running(pid: int, module: str) -> set[int]:
 
 
 def frontend_pids(pid: int) -> set[int]:
-    return _running(pid, "mariner.server.frontend")
+    return _running(pid, "mariner.server.frontend.main")
 
 
 def worker_pids(pid: int) -> set[int]:
-    return _running(pid, "mariner.server.workers.main")
+    return _running(pid, "mariner.server.worker.main")
 
 
 def requests_total(metrics_url: str) -> float:

@@ -53,7 +53,7 @@ def test_a_short_closed_loop_is_answered_without_errors(server: str, app: str) -
 @pytest.mark.skipif(not HAS_GRANIAN, reason=NO_GRANIAN)
 def test_granian_embedded_serves_beside_grpc_aio_in_our_loop() -> None:
     from mariner.loadtest.experiments.http_server_limits import grpc_beside_granian
-    from mariner.server import event_loop
+    from mariner.server.common import event_loop
 
     found: dict[str, object] = {}
 

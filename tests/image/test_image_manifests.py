@@ -154,7 +154,7 @@ def test_serving_packages_import_as_the_pod_user(
 # BaseHandler and vision built-ins (torchvision, captum), and torchvision's nms.
 _TS_HANDLERS = """
 import os, torch, ts
-from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
 ensure_torchvision_importable()
 from ts.torch_handler.base_handler import BaseHandler
 from ts.torch_handler.image_classifier import ImageClassifier

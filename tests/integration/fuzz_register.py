@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from hypothesis import strategies as st
 
-from mariner.server.core.names import control_problem, model_name_problem
+from mariner.server.contracts.names import control_problem, model_name_problem
 from tests.integration.fuzzing import MODEL, VERSION, http_request, mostly
 
 REGISTER_PARAMS = ("url", "model_name", "batch_size", "max_batch_delay", "response_timeout",

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.data import DigitsSplits, load_splits
 from mariner.training.model import DigitsCNN
 

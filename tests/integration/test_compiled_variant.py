@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.verify import load_handler_class
 
 pytestmark = pytest.mark.integration

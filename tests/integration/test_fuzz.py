@@ -42,7 +42,7 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.names import control_problem
+from mariner.server.contracts.names import control_problem
 from tests.integration.fuzz_multipart import MultipartCase, multipart_cases
 from tests.integration.fuzz_register import (
     RegisterCase,

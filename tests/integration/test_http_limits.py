@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from mariner.server import protogen
-from mariner.server.protocols.http_limits import STALE_HEAD_S
+from mariner.server.common.http_limits import STALE_HEAD_S
 from tests.integration.test_security import _self_signed
 from tests.mariner_serve import MarinerServe
 

@@ -34,10 +34,10 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from mariner.server.config import ServerConfig, build_parser, load_config, read_properties
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.listeners import check_exposure
-from mariner.server.security import OPEN_HTTP_HEALTH_PATHS, Tokens
+from mariner.server.common.config import ServerConfig, build_parser, load_config, read_properties
+from mariner.server.common.listeners import check_exposure
+from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, Tokens
+from mariner.server.contracts.errors import Code, ServingError
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
@@ -351,7 +351,7 @@ def _scrape(server: MarinerServe) -> LiveMetrics:
 
 
 GPU_WORKER_GAUGE = (
-    "from mariner.server.control.metrics import Metrics; "
+    "from mariner.server.common.metrics import Metrics; "
     "Metrics().gpu_memory_bytes.labels(device='cuda:0').set(0)"
 )
 
@@ -1086,7 +1086,7 @@ def test_kserve_torchserve_runtime_runs_mariner_from_torchserve_args(
     (KServe's layout) Mariner takes inference on 8080 (where KServe routes), management where the
     file says, the models of its model_snapshot, and starts beyond loopback because the file turns
     TorchServe's keys off under this runtime only."""
-    from mariner.server.torchserve_command import parse
+    from mariner.server.compat.torchserve.command import parse
 
     runtime = one(rendered, "kserve", "ServingRuntime", "kserve-torchserve-mariner")["spec"]
     (c,) = runtime["containers"]

@@ -28,7 +28,7 @@ from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
-WORKER_MODULE = "mariner.server.workers.main"
+WORKER_MODULE = "mariner.server.worker.main"
 ANSWER_BOUND_S = 30.0  # every management call answers within this, whatever it raced with
 SLOW_INIT_S = 2.0
 SLOW_HANDLER = f"""

@@ -33,7 +33,7 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from mariner.server.protocols.grpc_server import SETTINGS_ACK_TIMEOUT_S
+from mariner.server.common.grpc_server import SETTINGS_ACK_TIMEOUT_S
 from tests.integration import h2_frames as h2
 from tests.mariner_serve import MarinerServe
 

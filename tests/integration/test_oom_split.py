@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.runner import ModelHost, Placement
-from mariner.server.core.types import InferRequest, WireProtocol
-from mariner.server.workers.connection import WorkerConnection
-from mariner.server.workers.process import WorkerProcess, worker_spec
+from mariner.server.common.archive import ModelArchive
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.frontend.worker_client import WorkerConnection
+from mariner.server.supervisor.worker_process import WorkerProcess, worker_spec
+from mariner.server.worker.runner import ModelHost, Placement
 
 pytestmark = pytest.mark.integration
 

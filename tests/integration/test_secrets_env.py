@@ -74,7 +74,7 @@ def test_the_handler_sees_no_token_nor_its_variable(server: MarinerServe) -> Non
     zygotes = [
         p.pid
         for p in psutil.Process(server.supervisor_pid).children()
-        if "mariner.server.workers.zygote" in " ".join(p.cmdline())
+        if "mariner.server.worker.zygote" in " ".join(p.cmdline())
     ]
     for pid in (worker, *frontends, *zygotes):
         environ = _environ(pid)

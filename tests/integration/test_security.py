@@ -16,9 +16,9 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from mariner.server.config import ServerConfig
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.listeners import check_exposure
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.listeners import check_exposure
+from mariner.server.contracts.errors import Code, ServingError
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration

@@ -86,7 +86,7 @@ def stub(mariner: MarinerServe, ts: SimpleNamespace) -> Iterator[object]:
 
 
 def test_torchserve_proto_is_the_service_mariner_answers_under(ts: SimpleNamespace) -> None:
-    from mariner.server.protocols.oip.grpc import TORCHSERVE_METHODS, TORCHSERVE_SERVICE_NAME
+    from mariner.server.frontend.protocols.oip.grpc import TORCHSERVE_METHODS, TORCHSERVE_SERVICE_NAME
 
     (service,) = ts.descriptor.services_by_name.values()
     assert service.full_name == TORCHSERVE_SERVICE_NAME

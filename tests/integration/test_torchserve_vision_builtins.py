@@ -4,7 +4,7 @@ An archive that names TorchServe's `image_classifier` (no handler code of its ow
 from `ts.torch_handler`, which imports torchvision and captum) serves a small TorchScript model,
 and a module-level handler calls `torchvision.ops.nms`. With the registry's torchvision beside the
 CPU torch, both work only because the worker defines torchvision's nms before it imports the
-handler (server/workers/torchvision_ops.py); with a torchvision whose C ops load, they use those.
+handler (server/worker/torchvision_ops.py); with a torchvision whose C ops load, they use those.
 """
 
 from __future__ import annotations

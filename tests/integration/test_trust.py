@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.batching import InstanceFailed
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferRequest, WireProtocol
-from mariner.server.workers.api import WorkerEndpoint
-from mariner.server.workers.connection import WorkerConnection
+from mariner.server.common.batch_policy import InstanceFailed
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.contracts.worker_api import WorkerEndpoint
+from mariner.server.frontend.worker_client import WorkerConnection
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # whatever comes, and answers with a frame whose pickle calls os.system when loaded.
 FAKE_WORKER = """
 import os, socket, sys
-from mariner.server.workers import protocol
+from mariner.server.contracts import worker_wire as protocol
 
 class Payload:
     def __reduce__(self):
@@ -189,7 +189,7 @@ def test_a_socket_answered_by_another_user_is_refused(shared_dir: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root")
 def test_a_connection_from_another_user_is_refused(shared_dir: Path) -> None:
     """The check a worker makes on every connection it accepts, against a real other-uid client."""
-    from mariner.server.workers.peer import PeerRefused, check_peer
+    from mariner.server.contracts.peer import PeerRefused, check_peer
 
     path = shared_dir / "s.sock"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -260,7 +260,7 @@ def test_the_zygote_refuses_a_control_socket_its_parent_did_not_make() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     middleman = (
         "import subprocess, sys; fd = int(sys.argv[1]); sys.exit(subprocess.call("
-        "[sys.executable, '-m', 'mariner.server.workers.zygote', str(fd)], pass_fds=(fd,)))"
+        "[sys.executable, '-m', 'mariner.server.worker.zygote', str(fd)], pass_fds=(fd,)))"
     )
     with ours, theirs:
         done = subprocess.run(

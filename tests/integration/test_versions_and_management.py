@@ -148,7 +148,7 @@ def without_memory(doc: list[dict[str, Any]]) -> list[dict[str, Any]]:
     workers = {
         child.pid
         for child in psutil.Process().children(recursive=True)
-        if "mariner.server.workers.main" in " ".join(child.cmdline())
+        if "mariner.server.worker.main" in " ".join(child.cmdline())
     }
     for entry in doc:
         for worker in entry["workers"]:

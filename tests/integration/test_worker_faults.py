@@ -29,7 +29,7 @@ from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
 
-WORKER_MODULE = "mariner.server.workers.main"
+WORKER_MODULE = "mariner.server.worker.main"
 
 
 def _workers() -> list[psutil.Process]:

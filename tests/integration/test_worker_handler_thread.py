@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.types import InferRequest, WireProtocol
-from mariner.server.workers import zygote
-from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.connection import WorkerConnection
-from mariner.server.workers.process import WorkerProcess
+from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.contracts.worker_api import WorkerSpec
+from mariner.server.frontend.worker_client import WorkerConnection
+from mariner.server.supervisor import zygote_client as zygote
+from mariner.server.supervisor.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

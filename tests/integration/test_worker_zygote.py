@@ -24,10 +24,10 @@ from typing import Any
 import psutil
 import pytest
 
-from mariner.server.core.errors import ServingError
-from mariner.server.workers import zygote
-from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import WorkerProcess
+from mariner.server.contracts.errors import ServingError
+from mariner.server.contracts.worker_api import WorkerSpec
+from mariner.server.supervisor import zygote_client as zygote
+from mariner.server.supervisor.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -172,8 +172,8 @@ def test_workers_are_forked_from_a_zygote_that_never_initialised_cuda(model_dir:
                 assert "" not in got["sys_path"]
                 assert shared_kernel_objects(got, ours) == set()
                 assert shared_kernel_objects(got, theirs) == set()
-                assert "mariner.server.workers.main" in " ".join(psutil.Process(w.pid).cmdline())
-            assert "mariner.server.workers.zygote" in " ".join(psutil.Process(client.pid).cmdline())
+                assert "mariner.server.worker.main" in " ".join(psutil.Process(w.pid).cmdline())
+            assert "mariner.server.worker.zygote" in " ".join(psutil.Process(client.pid).cmdline())
             # The zygote holds nothing of the supervisor's but its end of the control socket.
             zygote_sockets = {t for t in theirs if t.startswith("socket:")}
             assert len(zygote_sockets) == 1
@@ -283,8 +283,8 @@ def test_spawn_when_asked_or_when_no_zygote_can_fork(
 SUPERVISOR = """
 import asyncio, json, os, sys
 from pathlib import Path
-from mariner.server.workers import zygote
-from mariner.server.workers.process import WorkerProcess
+from mariner.server.supervisor import zygote_client as zygote
+from mariner.server.supervisor.worker_process import WorkerProcess
 from tests.integration.test_worker_zygote import env_for, spec
 
 
@@ -332,12 +332,12 @@ def test_workers_and_zygote_end_when_the_supervisor_dies(model_dir: Path, report
 BARE_PARENT = """
 import subprocess, sys
 from pathlib import Path
-from mariner.server.workers.main import spec_to_json
+from mariner.server.worker.main import spec_to_json
 from tests.integration.test_worker_zygote import spec
 
 # A parent that arms nothing (no PDEATHSIG): only the worker's own watch on its parent is left.
 proc = subprocess.Popen(
-    [sys.executable, "-m", "mariner.server.workers.main"],
+    [sys.executable, "-m", "mariner.server.worker.main"],
     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
 )
 proc.stdin.write(spec_to_json(spec(Path(sys.argv[1]))).encode())

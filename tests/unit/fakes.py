@@ -19,10 +19,10 @@ import grpc
 import numpy as np
 import uvicorn
 
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.tensors import ModelSignature, TensorSpec
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server.common.metrics import Metrics
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.tensors import ModelSignature, TensorSpec
+from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
 
 START_TIMEOUT = 10
 
@@ -168,13 +168,11 @@ def serve(app: Any, **config: Any) -> Iterator[str]:
 async def grpc_inference_channel(plane: Any, max_message_bytes: int) -> AsyncIterator[grpc.aio.Channel]:
     """The real gRPC listeners over `plane` on port 0 (health polling off) and a channel to the
     inference port; both are closed on exit. Callers generate the stubs first (protogen)."""
-    from mariner.server.protocols.grpc_listener import build_grpc_servers
+    from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
 
     servers = build_grpc_servers(
         plane,
         inference_address="127.0.0.1:0",
-        management_address="127.0.0.1:0",
-        management_plane=plane,
         max_message_bytes=max_message_bytes,
         health_poll_s=None,
     )

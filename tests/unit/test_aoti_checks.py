@@ -19,7 +19,7 @@ import torch
 import mariner.handlers.digits_handler as dh
 import mariner.handlers.handler_support as dd
 from mariner.handlers.digits_handler import DigitsHandler
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training import export, package
 from mariner.training.model import DigitsCNN
 

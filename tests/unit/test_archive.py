@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import ArchiveLimits, open_archive, resolve_in_store
-from mariner.server.core.archive_fields import handler_file, inside
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.common.archive import ArchiveLimits, open_archive, resolve_in_store
+from mariner.server.common.archive_fields import handler_file, inside
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """Zip and gzip bombs are refused on what they declare before a byte is written, and stopped at
-the cap while streaming when their declarations lie (core/archive_budget.py)."""
+the cap while streaming when their declarations lie (common/archive_budget.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import ArchiveLimits, open_archive
-from mariner.server.core.archive_budget import Budget, GzipGuard
-from mariner.server.core.archive_formats import copy_directory, extract_file
-from mariner.server.core.errors import ServingError
+from mariner.server.common.archive import ArchiveLimits, open_archive
+from mariner.server.common.archive_budget import Budget, GzipGuard
+from mariner.server.common.archive_formats import copy_directory, extract_file
+from mariner.server.contracts.errors import ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import (
+from mariner.server.common.archive import (
     UNLISTED,
     ArchiveLimits,
     archive_file_name,
@@ -20,7 +20,7 @@ from mariner.server.core.archive import (
     resolve_in_store,
     store_archives,
 )
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy, RunnerRetired
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.common.batch_policy import BatchPolicy, RunnerRetired
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.frontend.batcher import Batcher
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy, BatchRunner, InstanceFailed
-from mariner.server.core.errors import Code
+from mariner.server.common.batch_policy import BatchPolicy, BatchRunner, InstanceFailed
+from mariner.server.contracts.errors import Code
+from mariner.server.frontend.batcher import Batcher
 from tests.unit.test_batcher import FakeClock, FakeRunner, error, result, run, settle, submit
 
 pytestmark = pytest.mark.unit

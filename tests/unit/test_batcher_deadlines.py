@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from mariner.server.core.errors import Code
+from mariner.server.contracts.errors import Code
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, error, make, result, run, settle, submit
 
 pytestmark = pytest.mark.unit
@@ -112,7 +112,7 @@ class StreamingRunner(FakeRunner):
         self.progress: list[object] = []
 
     async def run(self, requests):  # type: ignore[no-untyped-def]
-        from mariner.server.core.streams import BATCH_PROGRESS
+        from mariner.server.frontend.streams import BATCH_PROGRESS
 
         self.progress.append(BATCH_PROGRESS.get())
         return await super().run(requests)

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.batcher import REQUEST_COST_BYTES, Batcher
-from mariner.server.core.batching import CALLER, MAX_BATCH_BYTES, BatchPolicy, max_batch_bytes
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferResult
+from mariner.server.common.batch_policy import CALLER, MAX_BATCH_BYTES, BatchPolicy, max_batch_bytes
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferResult
+from mariner.server.frontend.batcher import REQUEST_COST_BYTES, Batcher
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, req, result, run, settle
 
 pytestmark = pytest.mark.unit

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy
-from mariner.server.core.token_groups import group_by_length, padded_tokens
-from mariner.server.core.types import InferRequest, TokenCost, WireProtocol
+from mariner.server.common.batch_policy import BatchPolicy
+from mariner.server.common.token_groups import group_by_length, padded_tokens
+from mariner.server.contracts.types import InferRequest, TokenCost, WireProtocol
+from mariner.server.frontend.batcher import Batcher
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, result, run, settle
 
 pytestmark = pytest.mark.unit
@@ -292,8 +292,8 @@ def test_group_by_length_prefers_the_closest_lengths() -> None:
 
 # -- a worker merging batches from several frontends --------------------------------------------
 def worker(model_config: dict[str, Any], batch_size: int = 8) -> Any:
-    from mariner.server.workers.api import WorkerSpec
-    from mariner.server.workers.main import Worker
+    from mariner.server.contracts.worker_api import WorkerSpec
+    from mariner.server.worker.main import Worker
 
     spec = WorkerSpec(
         model="minilm", version="1", instance=0, generation=0, model_dir="/nonexistent",
@@ -305,8 +305,8 @@ def worker(model_config: dict[str, Any], batch_size: int = 8) -> Any:
 
 
 def job(batch_id: int, *costs: TokenCost | None) -> Any:
-    from mariner.server.workers import protocol
-    from mariner.server.workers.main import _Job
+    from mariner.server.contracts import worker_wire as protocol
+    from mariner.server.worker.main import _Job
 
     reqs = tuple(
         InferRequest("minilm", "1", {}, WireProtocol.TS_HTTP, f"r{batch_id}.{i}", tokens=c)

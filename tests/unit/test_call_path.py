@@ -20,10 +20,11 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferResult
-from mariner.server.protocols import call as call_path
-from mariner.server.protocols.call import Failed, Ok, handler_error, run_call
+from mariner.server.common.handler_status import handler_error
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferResult
+from mariner.server.frontend.protocols import call as call_path
+from mariner.server.frontend.protocols.call import Failed, Ok, run_call
 from tests.unit.fakes import FakePlane, QuietMetrics, grpc_inference_channel, serve
 
 pytestmark = pytest.mark.unit
@@ -59,7 +60,7 @@ def plane(shared_plane: FakePlane) -> FakePlane:
 
 @pytest.fixture(scope="module")
 def url(shared_plane: FakePlane) -> Iterator[str]:
-    from mariner.server.protocols.http_listener import inference_app
+    from mariner.server.frontend.protocols.http_listener import inference_app
 
     with serve(inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)) as base:  # type: ignore[arg-type]
         yield base
@@ -214,7 +215,7 @@ def test_outcome_carries_the_value_or_the_mapped_error() -> None:
     plane = FakePlane()
 
     async def work(infer: Any) -> Any:
-        from mariner.server.core.types import InferRequest, WireProtocol
+        from mariner.server.contracts.types import InferRequest, WireProtocol
 
         req = InferRequest("digits", None, {"body": [1]}, WireProtocol.TS_HTTP, "r1")
         return await infer(req)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mariner.server.workers import child_env
+from mariner.server.common import child_env
 
 
 def test_secret_names_and_values_are_left_out(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.child_process import ChildProcess, stream_reader
+from mariner.server.common.child_process import ChildProcess, stream_reader
 
 
 def test_a_preexec_fn_is_refused_before_anything_starts() -> None:
@@ -23,7 +23,7 @@ def test_no_python_runs_in_the_child_before_exec(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os, sys\n"
-        "from mariner.server.child_process import ChildProcess\n"
+        "from mariner.server.common.child_process import ChildProcess\n"
         "os.register_at_fork(after_in_child=lambda: os.write(2, b'PYTHON-IN-CHILD\\n'))\n"
         "ChildProcess.start([sys.executable, '-c', 'pass']).popen.wait()\n"
         "import subprocess\n"

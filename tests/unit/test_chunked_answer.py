@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.types import InferResult
-from mariner.server.protocols.torchserve import chunked
-from mariner.server.protocols.torchserve.chunked import ChunkedAnswer
+from mariner.server.contracts.types import InferResult
+from mariner.server.frontend.protocols.torchserve import chunked
+from mariner.server.frontend.protocols.torchserve.chunked import ChunkedAnswer
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.config import ServerConfig, load_config, model_specs, read_properties, server_layers
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
+from mariner.server.common.config import (
+    ServerConfig,
+    load_config,
+    model_specs,
+    read_properties,
+    server_layers,
+)
+from mariner.server.common.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.config import ServerConfig, load_config, model_specs
-from mariner.server.config_snapshots import (
+from mariner.server.common.config import ServerConfig, load_config, model_specs
+from mariner.server.common.config_snapshots import (
     MAX_SNAPSHOTS,
     last_snapshot,
     properties_text,
     snapshot_dir,
     write_snapshot,
 )
-from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.listeners import tls_listeners
+from mariner.server.common.listeners import tls_listeners
+from mariner.server.common.model_settings import SettingsOverrides
+from mariner.server.compat.torchserve.properties import from_torchserve_properties, read_properties
 from mariner.server.supervisor.snapshots import ConfigSnapshots, snapshot_properties
-from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import resource
 
 import pytest
 
-from mariner.server.protocols.connection_budget import RESERVED_DESCRIPTORS, raise_descriptor_limit, share
-from mariner.server.protocols.grpc_server import STREAM_WINDOW_BYTES, GrpcLimits, server_options
+from mariner.server.common.connection_budget import RESERVED_DESCRIPTORS, raise_descriptor_limit, share
+from mariner.server.common.grpc_server import STREAM_WINDOW_BYTES, GrpcLimits, server_options
 
 
 def test_caps_that_fit_are_kept() -> None:

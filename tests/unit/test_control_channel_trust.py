@@ -9,7 +9,7 @@ import pickle
 import struct
 from pathlib import Path
 
-from mariner.server.control import channel
+from mariner.server.common import control_channel as channel
 
 
 class _Payload:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mariner.server.core.dataplane import DataPlane
+from mariner.server.frontend.dataplane import DataPlane
 from tests.unit.fakes import QuietMetrics
 
 

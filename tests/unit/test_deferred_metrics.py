@@ -8,14 +8,14 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from mariner.server.control.deferred import (
+from mariner.server.common.deferred_metrics import (
     WRITES,
     DeferredCounter,
     DeferredGauge,
     DeferredHistogram,
     FlushOnCollect,
 )
-from mariner.server.control.metrics import Metrics, latency_buckets
+from mariner.server.common.metrics import Metrics, latency_buckets
 
 pytestmark = pytest.mark.unit
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from mariner.server import protogen
-from mariner.server.control.describe import describe_model, list_models
-from mariner.server.control.management_http import management_app
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferResult, ModelInfo, WireProtocol, WorkerInfo
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferResult, ModelInfo, WireProtocol, WorkerInfo
+from mariner.server.supervisor.management.describe import describe_model, list_models
+from mariner.server.supervisor.management.http import management_app
 from tests.unit.fakes import make_info
 
 pytestmark = pytest.mark.unit
@@ -149,7 +149,7 @@ def pb() -> SimpleNamespace:
     protogen.generate()
     return SimpleNamespace(
         management=importlib.import_module("mariner.server._proto.torchserve.management_pb2"),
-        grpc=importlib.import_module("mariner.server.control.management_grpc"),
+        grpc=importlib.import_module("mariner.server.supervisor.management.grpc"),
     )
 
 

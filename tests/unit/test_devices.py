@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.control import describe, metrics
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.errors import ServingError
-from mariner.server.core.model_settings import ModelSettings
-from mariner.server.core.types import ModelInfo, ModelState, WorkerInfo
+from mariner.server.common import metrics
+from mariner.server.common.archive import ModelArchive
+from mariner.server.common.model_settings import ModelSettings
+from mariner.server.contracts.errors import ServingError
+from mariner.server.contracts.types import ModelInfo, ModelState, WorkerInfo
 from mariner.server.supervisor import devices
 from mariner.server.supervisor.devices import GpuAllocator, device_ids_of
+from mariner.server.supervisor.management import describe
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_pool import WorkerPool
-from mariner.server.workers.process import start_method, worker_spec
+from mariner.server.supervisor.worker_process import start_method, worker_spec
 
 pytestmark = pytest.mark.unit
 
@@ -210,7 +211,7 @@ def test_a_gpu_workers_memory_gauge_reaches_the_merged_metrics(tmp_path: Path) -
 import torch
 torch.cuda.is_initialized = lambda: True  # a fake device: this torch has no CUDA
 torch.cuda.memory_allocated = lambda device: 4096 * (device + 1)
-from mariner.server.control.metrics import WorkerGpuGauge
+from mariner.server.common.metrics import WorkerGpuGauge
 WorkerGpuGauge(1)
 WorkerGpuGauge(None)  # a CPU worker writes nothing
 """

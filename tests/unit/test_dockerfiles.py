@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mariner.server.config import ServerConfig, load_config
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.listeners import check_exposure
+from mariner.server.common.config import ServerConfig, load_config
+from mariner.server.common.listeners import check_exposure
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from mariner.server import protogen
-from mariner.server.core.dataplane import DataPlane
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo, ModelState
-from mariner.server.protocols.grpc_admission import GrpcDrainGate
-from mariner.server.protocols.grpc_listener import build_grpc_servers
+from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, ModelState
+from mariner.server.frontend.dataplane import DataPlane
+from mariner.server.frontend.protocols.grpc_admission import GrpcDrainGate
+from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
 from tests.unit.fakes import DIGITS, QuietMetrics, make_info
 
 PREDICTIONS = "/org.pytorch.serve.grpc.inference.InferenceAPIsService/Predictions"
@@ -63,7 +63,6 @@ def test_a_call_admitted_before_the_drain_is_served_though_its_message_comes_aft
         servers = build_grpc_servers(
             dp,  # type: ignore[arg-type]
             inference_address="127.0.0.1:0",
-            management_address=None,
             max_message_bytes=1 << 20,
             health_poll_s=None,
             inference_interceptors=[GrpcDrainGate(dp)],

@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.entry_point import load_entry_point
-from mariner.server.core.errors import (
+from mariner.server.common.archive import ModelArchive
+from mariner.server.contracts.errors import (
     Code,
     ServingError,
     TorchServeAnswer,
     torchserve_answer,
     torchserve_grpc,
 )
-from mariner.server.core.runner import ModelHost, Placement
-from mariner.server.core.types import InferRequest, WireProtocol
+from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.worker.entry_point import load_entry_point
+from mariner.server.worker.runner import ModelHost, Placement
 
 pytestmark = pytest.mark.unit
 
@@ -207,8 +207,8 @@ def test_errors_without_their_own_answer_use_torchserves_exception_names() -> No
 
 
 def test_service_envelope_from_config_properties_reaches_the_manifest(tmp_path: Path) -> None:
-    from mariner.server.core.entry_point import with_envelope
-    from mariner.server.torchserve_properties import from_torchserve_properties, read_properties
+    from mariner.server.common.archive import with_envelope
+    from mariner.server.compat.torchserve.properties import from_torchserve_properties, read_properties
 
     setting = from_torchserve_properties(read_properties("service_envelope=kservev2\n"))
     assert setting == {"service_envelope": "kservev2"}

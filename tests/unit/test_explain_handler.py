@@ -17,7 +17,7 @@ import torch
 from sklearn.datasets import load_digits
 
 from mariner.handlers.digits_handler import DigitsHandler
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.model import DigitsCNN
 
 pytestmark = pytest.mark.unit

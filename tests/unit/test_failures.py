@@ -14,17 +14,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.core import runner as runner_mod
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.batching import InstanceFailed
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.failures import Failure, classify
-from mariner.server.core.runner import ModelHost, Placement
-from mariner.server.core.types import InferRequest, WireProtocol
+from mariner.server.common.archive import ModelArchive
+from mariner.server.common.batch_policy import InstanceFailed
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.worker import runner as runner_mod
+from mariner.server.worker.failures import Failure, classify
+from mariner.server.worker.runner import ModelHost, Placement
 
 pytestmark = pytest.mark.unit
 
-# The texts each runtime uses (see core.failures), as torch 2.13 / onnxruntime 1.32 word them.
+# The texts each runtime uses (see worker.failures), as torch 2.13 / onnxruntime 1.32 word them.
 OOM_TEXTS = [
     "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total capacity)",
     "The following operation failed in the TorchScript interpreter.\nRuntimeError: CUDA error: out of memory",

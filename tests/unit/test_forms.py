@@ -16,15 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.protocols.torchserve import forms
-from mariner.server.protocols.torchserve.forms import (
+from mariner.server.compat.torchserve import forms
+from mariner.server.compat.torchserve.forms import (
     MAX_FORM_PARTS,
     MAX_PART_HEADER_BYTES,
     decode_data,
     mime_type,
 )
-from mariner.server.protocols.torchserve.part_headers import PartHeaders, parse_part_headers
+from mariner.server.compat.torchserve.part_headers import PartHeaders, parse_part_headers
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

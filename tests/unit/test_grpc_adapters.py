@@ -28,9 +28,9 @@ import grpc
 import pytest
 
 from mariner.server import protogen
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import (
+from mariner.server.common.metrics import Metrics
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import (
     InferRequest,
     InferResult,
     ModelInfo,
@@ -57,7 +57,7 @@ def pb() -> SimpleNamespace:
         inference_grpc=importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc"),
         management=importlib.import_module("mariner.server._proto.torchserve.management_pb2"),
         management_grpc=importlib.import_module("mariner.server._proto.torchserve.management_pb2_grpc"),
-        grpc_server=importlib.import_module("mariner.server.protocols.grpc_listener"),
+        grpc_server=importlib.import_module("mariner.server.frontend.protocols.grpc_listener"),
         health=health_pb2,
         health_grpc=health_pb2_grpc,
         reflection=reflection_pb2,
@@ -197,24 +197,32 @@ async def serving(pb: SimpleNamespace, plane: FakePlane) -> AsyncIterator[Harnes
     servers = pb.grpc_server.build_grpc_servers(
         plane,
         inference_address="127.0.0.1:0",
-        management_address="127.0.0.1:0",
-        management_plane=plane,
         max_message_bytes=MAX_MESSAGE,
         health_poll_s=None,  # tests drive refresh_health themselves
     )
+    # The management server as the supervisor builds it, sharing the inference server's health.
+    from mariner.server.common.grpc_server import bind
+    from mariner.server.supervisor.management.grpc import build_management_server
+
+    management_server = build_management_server(
+        plane, max_message_bytes=MAX_MESSAGE, health=servers.health, on_change=servers.refresh_health
+    )
+    management_port = bind(management_server, "127.0.0.1:0", "management", None)
     await servers.start()
+    await management_server.start()
     options = [
         ("grpc.max_send_message_length", 8 * MAX_MESSAGE),
         ("grpc.max_receive_message_length", 8 * MAX_MESSAGE),
     ]
     inference = grpc.aio.insecure_channel(f"127.0.0.1:{servers.inference_port}", options=options)
-    management = grpc.aio.insecure_channel(f"127.0.0.1:{servers.management_port}", options=options)
+    management = grpc.aio.insecure_channel(f"127.0.0.1:{management_port}", options=options)
     try:
         yield Harness(plane, servers, inference, management, pb)
     finally:
         await inference.close()
         await management.close()
         await servers.stop(grace=0)
+        await management_server.stop(0)
 
 
 def run_with(pb: SimpleNamespace, plane: FakePlane, body: Callable[[Harness], Awaitable[T]]) -> T:
@@ -475,8 +483,6 @@ def test_port_in_use_fails_instead_of_sharing(pb: SimpleNamespace) -> None:
             pb.grpc_server.build_grpc_servers(
                 plane,
                 inference_address=f"127.0.0.1:{port}",
-                management_address="127.0.0.1:0",
-                management_plane=plane,
                 max_message_bytes=MAX_MESSAGE,
             )
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mariner.server.control.health import MAX_HEALTH_WATCHERS
-from mariner.server.protocols.grpc_listener import GrpcServers, build_grpc_servers
-from mariner.server.security import GrpcTokenAuth, Tokens
+from mariner.server.common.health import MAX_HEALTH_WATCHERS
+from mariner.server.common.security import GrpcTokenAuth, Tokens
+from mariner.server.frontend.protocols.grpc_listener import GrpcServers, build_grpc_servers
 from tests.unit.fakes import FakePlane
 
 pytestmark = pytest.mark.unit
@@ -35,7 +35,6 @@ async def health_stub(
     servers = build_grpc_servers(
         FakePlane(),
         inference_address="127.0.0.1:0",
-        management_address=None,
         max_message_bytes=1 << 20,
         health_poll_s=None,
         inference_interceptors=[GrpcTokenAuth(Tokens((TOKEN,)), open_health=open_health)],

@@ -26,7 +26,7 @@ from sklearn.datasets import load_digits
 
 import mariner.handlers.digits_handler as dh
 from mariner.handlers.digits_handler import DigitsHandler, decode_item
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.model import DigitsCNN
 
 pytestmark = pytest.mark.unit
@@ -489,7 +489,7 @@ _NO_TS_SCRIPT = textwrap.dedent(
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.path.insert(0, root)
-    from mariner.server.core.context import Context
+    from mariner.server.worker.context import Context
     manifest = {"model": {"modelName": "d", "serializedFile": "weights.pt"}}
     cfg = {"handler": {"format": "eager", "model_kwargs": json.loads(sys.argv[3])}}
     ctx = Context("d", model_dir, manifest, batch_size=2, gpu_id=None, model_yaml_config=cfg)
@@ -526,7 +526,7 @@ def _runner_with(handle: Any) -> Any:
     `handle`, without loading an archive."""
     from types import SimpleNamespace
 
-    from mariner.server.core.runner import ModelHost, Placement
+    from mariner.server.worker.runner import ModelHost, Placement
 
     archive = SimpleNamespace(name="digits", version="1.0", model_dir=Path("/nonexistent-model-dir"))
     host = ModelHost(archive, id="digits-1.0-0", placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]
@@ -536,7 +536,7 @@ def _runner_with(handle: Any) -> Any:
 
 
 def test_runner_takes_the_tensor_path_only_for_typed_tensor_requests() -> None:
-    from mariner.server.core.types import InferRequest, WireProtocol
+    from mariner.server.contracts.types import InferRequest, WireProtocol
 
     arrays = {"pixels": np.zeros((2, 64), np.float32)}
     # A TorchServe request whose form field is named "tensors" (even holding arrays, which no

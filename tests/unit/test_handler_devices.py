@@ -21,7 +21,7 @@ import torch
 import mariner.handlers.digits_handler as dh
 from mariner.handlers.digits_handler import DigitsHandler
 from mariner.handlers.handler_support import HostStaging, onnx_session, pick_device
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.model import DigitsCNN
 
 pytestmark = pytest.mark.unit

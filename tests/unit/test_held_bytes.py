@@ -1,4 +1,4 @@
-"""A frontend's budget of held request bytes (protocols.held_bytes): what fits, what is refused
+"""A frontend's budget of held request bytes (common.held_bytes): what fits, what is refused
 and how, and the heap given back after a burst."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from mariner.server.core.errors import Code
-from mariner.server.protocols import held_bytes
-from mariner.server.protocols.held_bytes import MIB, HeldBytes, HeldLimits
+from mariner.server.common import held_bytes
+from mariner.server.common.held_bytes import MIB, HeldBytes, HeldLimits
+from mariner.server.contracts.errors import Code
 
 pytestmark = pytest.mark.unit
 

@@ -20,18 +20,18 @@ from typing import Any
 import pytest
 import requests
 
-from mariner.server.control.management_http import management_app
-from mariner.server.control.metrics_http import metrics_app
-from mariner.server.core.errors import RETRY_AFTER_SECONDS, TORCHSERVE_TYPES, Code, ServingError
-from mariner.server.core.types import (
+from mariner.server.common.http_common import TrailingSlashes
+from mariner.server.contracts.errors import RETRY_AFTER_SECONDS, TORCHSERVE_TYPES, Code, ServingError
+from mariner.server.contracts.types import (
     InferRequest,
     InferResult,
     ModelInfo,
     WireProtocol,
     WorkerInfo,
 )
-from mariner.server.protocols.http_common import TrailingSlashes
-from mariner.server.protocols.http_listener import inference_app
+from mariner.server.frontend.protocols.http_listener import inference_app
+from mariner.server.supervisor.management.http import management_app
+from mariner.server.supervisor.metrics_http import metrics_app
 from tests.unit import fakes
 from tests.unit.fakes import QuietMetrics, serve
 
@@ -422,7 +422,7 @@ def test_unexpected_exception_is_sanitized_500(plane: FakePlane, inference_url: 
 @pytest.fixture(scope="module")
 def limited_inference_url(shared_plane: FakePlane) -> Iterator[str]:
     """The same app behind Mariner's own HTTP protocol (its limits, its disconnect hook)."""
-    from mariner.server.protocols.http_limits import HttpLimits, limited_protocol
+    from mariner.server.common.http_limits import HttpLimits, limited_protocol
 
     with serve(
         inference_app(shared_plane, max_body_bytes=MAX_BODY), http=limited_protocol(HttpLimits())
@@ -486,7 +486,7 @@ def test_unknown_route_and_method_are_json(plane: FakePlane, inference_url: str)
 
 # -- the prediction fast path ---------------------------------------------------------------------
 def test_prediction_paths_are_matched_as_starlettes_routes_match_them() -> None:
-    from mariner.server.protocols.http_listener import prediction_params
+    from mariner.server.frontend.protocols.http_listener import prediction_params
 
     assert prediction_params("/predictions/digits") == {"model": "digits"}
     assert prediction_params("/predictions/digits/2.0") == {"model": "digits", "version": "2.0"}

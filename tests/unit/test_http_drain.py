@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mariner.server.core.dataplane import DataPlane
-from mariner.server.protocols.http_drain import DrainAware
+from mariner.server.frontend.dataplane import DataPlane
+from mariner.server.frontend.protocols.http_drain import DrainAware
 from tests.unit.fakes import QuietMetrics
 
 

@@ -14,9 +14,9 @@ import pytest
 from ts.handler_utils.utils import send_intermediate_predict_response
 from ts.protocol.otf_message_handler import create_predict_response
 
-from mariner.server.core.context import Context
-from mariner.server.core.intermediate import FrameFormatError, IntermediateChannel, decode_frame
-from mariner.server.core.types import InferResult
+from mariner.server.contracts.types import InferResult
+from mariner.server.worker.context import Context
+from mariner.server.worker.intermediate import FrameFormatError, IntermediateChannel, decode_frame
 
 pytestmark = pytest.mark.unit
 

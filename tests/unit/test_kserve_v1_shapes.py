@@ -1,12 +1,17 @@
-"""KServe v1's request and answer shapes (mariner.server.protocols.kserve_v1), without a server."""
+"""KServe v1's request and answer shapes (mariner.server.frontend.protocols.kserve_v1), without a server."""
 
 from __future__ import annotations
 
 import pytest
 
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.types import InferResult
-from mariner.server.protocols.kserve_v1 import MAX_INSTANCES, answer_value, handler_row, parse_instances
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferResult
+from mariner.server.frontend.protocols.kserve_v1 import (
+    MAX_INSTANCES,
+    answer_value,
+    handler_row,
+    parse_instances,
+)
 
 pytestmark = pytest.mark.unit
 

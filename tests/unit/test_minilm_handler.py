@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.core.context import Context
+from mariner.server.worker.context import Context
 from mariner.training.export import Artefact
 from mariner.training.minilm import package
 from mariner.training.minilm.pipeline import weights_dir

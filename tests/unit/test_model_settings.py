@@ -17,13 +17,9 @@ from typing import Any
 
 import pytest
 
-from mariner.server.config import ServerConfig
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.batcher import Batcher
-from mariner.server.core.dataplane import DataPlane
-from mariner.server.core.endpoint import ModelSpec
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import (
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.metrics import Metrics
+from mariner.server.common.model_settings import (
     ModelSettings,
     ServerLayers,
     SettingsOverrides,
@@ -31,8 +27,12 @@ from mariner.server.core.model_settings import (
     register_call_overrides,
     resolve_model_settings,
 )
-from mariner.server.core.types import InferRequest, InferResult, ModelState, WireProtocol
-from mariner.server.frontend import RemoteEndpoint
+from mariner.server.common.models import ModelSpec
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, InferResult, ModelState, WireProtocol
+from mariner.server.frontend.batcher import Batcher
+from mariner.server.frontend.dataplane import DataPlane
+from mariner.server.frontend.main import RemoteEndpoint
 from mariner.server.supervisor.registry import ModelRegistry
 
 pytestmark = pytest.mark.unit
@@ -184,9 +184,9 @@ def test_initial_workers_zero_is_no_worker_under_the_archives_count(
 ) -> None:
     """TorchServe's handleRegister: initial_workers <= 0 registers no worker, even over
     default_workers_per_model, unless the archive gives minWorkers; absent, default_workers_per_model."""
-    from mariner.server.config import server_layers
-    from mariner.server.core.archive import ModelArchive
-    from mariner.server.core.endpoint import resolve_model
+    from mariner.server.common.archive import ModelArchive
+    from mariner.server.common.config import server_layers
+    from mariner.server.common.models import resolve_model
 
     layers = server_layers(ServerConfig(default_workers_per_model=3), gpus=0, cores=2)
 
@@ -423,7 +423,7 @@ def test_a_misspelt_model_config_key_is_refused_naming_the_key_meant(key: str, m
 def test_the_worker_count_origin_is_the_highest_layer_that_sets_it() -> None:
     """What the worker budget's refusal names: the archive's minWorkers, models=, a flag, the
     register call's initial_workers; None for the built-in count (lowered, never refused)."""
-    from mariner.server.core.model_settings import REGISTER_CALL, LayerSource, worker_count_origin
+    from mariner.server.common.model_settings import REGISTER_CALL, LayerSource, worker_count_origin
 
     layers = ServerLayers(startup_workers=8)
     archive = SettingsOverrides(min_workers=500)

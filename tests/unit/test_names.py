@@ -1,5 +1,5 @@
 """Model names and management parameters: TorchServe's archiver rule, no control characters,
-checked before anything is unpacked (core/names.py, core/archive.py)."""
+checked before anything is unpacked (contracts/names.py, common/archive.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import open_archive, resolve_in_store
-from mariner.server.core.errors import Code, ServingError, torchserve_answer
-from mariner.server.core.names import (
+from mariner.server.common.archive import open_archive, resolve_in_store
+from mariner.server.contracts.errors import Code, ServingError, torchserve_answer
+from mariner.server.contracts.names import (
     MAX_MODEL_NAME_CHARS,
     MODEL_NAME_RULE,
     check_model_name,

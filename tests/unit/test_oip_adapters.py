@@ -25,10 +25,10 @@ import pytest
 import requests
 
 from mariner.server import protogen
-from mariner.server.control.metrics import Metrics
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.tensors import ModelSignature, TensorSpec, encode_raw
-from mariner.server.core.types import InferRequest, InferResult, ModelInfo
+from mariner.server.common.metrics import Metrics
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.tensors import ModelSignature, TensorSpec, encode_raw
+from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo
 from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, grpc_inference_channel, make_info, serve
 
 pytestmark = pytest.mark.unit
@@ -137,7 +137,7 @@ def pb() -> SimpleNamespace:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from mariner.server._proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
-    from mariner.server.protocols.oip import grpc as grpc_oip
+    from mariner.server.frontend.protocols.oip import grpc as grpc_oip
 
     return SimpleNamespace(
         m=grpc_service_pb2,
@@ -332,7 +332,7 @@ def test_grpc_errors_map_to_status_codes_with_clear_messages(pb: SimpleNamespace
 
 def test_grpc_input_header_is_refused_before_its_data_is_read(pb: SimpleNamespace) -> None:
     """Contents that are not even valid protobuf: only a header that passed gets them read."""
-    from mariner.server.protocols.oip.grpc import ShallowInferRequest
+    from mariner.server.frontend.protocols.oip.grpc import ShallowInferRequest
 
     plane = FakePlane()
 
@@ -425,7 +425,7 @@ def plane(shared_plane: FakePlane) -> FakePlane:
 
 @pytest.fixture(scope="module")
 def url(shared_plane: FakePlane) -> Iterator[str]:
-    from mariner.server.protocols.http_listener import inference_app
+    from mariner.server.frontend.protocols.http_listener import inference_app
 
     with serve(inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)) as base:
         yield base

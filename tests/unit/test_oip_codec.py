@@ -1,4 +1,4 @@
-"""The Open Inference Protocol's tensor codec (core.tensors) and shared checks (protocols.oip.codec).
+"""The Open Inference Protocol's tensor codec (contracts.tensors) and shared checks (common.oip_codec).
 
 Every datatype round-trips through both wire forms (raw little-endian bytes and typed values),
 BYTES uses 4-byte little-endian length prefixes, and every mismatch is an INVALID_ARGUMENT
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.tensors import (
+from mariner.server.common import oip_codec as oip
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.tensors import (
     CONTENTS_FIELD,
     DTYPES,
     ModelSignature,
@@ -28,8 +29,7 @@ from mariner.server.core.tensors import (
     encode_raw,
     match_signature,
 )
-from mariner.server.core.types import InferResult, WireProtocol
-from mariner.server.protocols.oip import codec as oip
+from mariner.server.contracts.types import InferResult, WireProtocol
 
 pytestmark = pytest.mark.unit
 
@@ -270,7 +270,7 @@ def test_outputs_cannot_be_optional() -> None:
         )
 
 
-# -- shared adapter checks (protocols.oip.codec) -----------------------------------------------
+# -- shared adapter checks (common.oip_codec) -----------------------------------------------
 def test_element_cap_is_checked_before_any_allocation() -> None:
     err = invalid(oip.check_header, "words", "BYTES", [1 << 40], 1000)
     assert "'words'" in err.message
@@ -423,8 +423,8 @@ def contents_pb() -> SimpleNamespace:
 
     protogen.generate()
     from mariner.server._proto.inference import grpc_service_pb2
-    from mariner.server.protocols.oip import contents
-    from mariner.server.protocols.oip import grpc as grpc_oip
+    from mariner.server.frontend.protocols.oip import contents
+    from mariner.server.frontend.protocols.oip import grpc as grpc_oip
 
     return SimpleNamespace(m=grpc_service_pb2, decode=contents.decode_contents, shallow=grpc_oip)
 

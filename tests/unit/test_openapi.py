@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mariner.server.control.management_http import management_app
-from mariner.server.control.openapi import api_description_routes, openapi_document
-from mariner.server.protocols.http_common import json_response, make_app
-from mariner.server.protocols.http_listener import inference_app
+from mariner.server.common.http_common import json_response, make_app
+from mariner.server.common.openapi import api_description_routes, openapi_document
+from mariner.server.frontend.protocols.http_listener import inference_app
+from mariner.server.supervisor.management.http import management_app
 from tests.unit.fakes import FakePlane, serve
 
 pytestmark = pytest.mark.unit

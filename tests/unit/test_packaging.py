@@ -187,9 +187,9 @@ _BASE_ONLY = textwrap.dedent(
             importlib.import_module(info.name)
             imported += 1
 
-    from mariner.server.core.archive import open_archive
-    from mariner.server.core.context import Context
-    from mariner.server.core.runner import load_entry_point
+    from mariner.server.common.archive import open_archive
+    from mariner.server.worker.context import Context
+    from mariner.server.worker.runner import load_entry_point
 
     import io
     from PIL import Image

@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 
-from mariner.server.workers import parent_death
+from mariner.server.common import parent_death
 
 SHOW = (
-    "import os; from mariner.server.workers import parent_death; parent_death.arm_from_env(); "
+    "import os; from mariner.server.common import parent_death; parent_death.arm_from_env(); "
     f"print(parent_death.armed_signal(), os.environ.get({parent_death.PARENT_ENV!r}))"
 )
 
@@ -38,7 +38,7 @@ def test_a_child_whose_parent_is_already_gone_exits_before_running() -> None:
     # A pid that is not the parent stands for "the parent died before the child armed": the child
     # is then init's (or a subreaper's), and must not run its program.
     done = subprocess.run(
-        [sys.executable, "-c", "from mariner.server.workers import parent_death; "
+        [sys.executable, "-c", "from mariner.server.common import parent_death; "
          "parent_death.arm_from_env(); print('ran')"],
         env={**os.environ, parent_death.PARENT_ENV: "1"},
         capture_output=True,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.errors import ServingError
-from mariner.server.private_dir import ensure_private_dir, make_private_subdir, private_problem
+from mariner.server.contracts.errors import ServingError
+from mariner.server.supervisor.private_dir import ensure_private_dir, make_private_subdir, private_problem
 
 
 def test_a_new_work_dir_and_its_missing_parents_are_made_private(tmp_path: Path) -> None:

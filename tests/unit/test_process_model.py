@@ -11,15 +11,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from mariner.server.config import ServerConfig, default_frontends, frontend_count, load_config
-from mariner.server.control import channel
-from mariner.server.core.batcher import Batcher
-from mariner.server.core.batching import BatchPolicy
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from mariner.server.listeners import reuseport_listener
+from mariner.server.common import control_channel as channel
+from mariner.server.common.batch_policy import BatchPolicy
+from mariner.server.common.config import ServerConfig, default_frontends, frontend_count, load_config
+from mariner.server.common.listeners import reuseport_listener
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.worker_api import ModelEntry, WorkerEndpoint
+from mariner.server.frontend.batcher import Batcher
 from mariner.server.supervisor.devices import visible_gpus
 from mariner.server.supervisor.ports import reserve_port
-from mariner.server.workers.api import ModelEntry, WorkerEndpoint
 
 
 @pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 1), (4, 1), (7, 1), (8, 2), (16, 4), (64, 8)])
@@ -133,8 +133,8 @@ def test_a_loading_worker_is_described_on_the_device_it_was_placed_on() -> None:
     """Before its worker is ready an instance reports its planned device, not a placeholder."""
     from types import SimpleNamespace
 
+    from mariner.server.contracts.worker_api import WorkerEndpoint
     from mariner.server.supervisor.versions import Instance, instance_device
-    from mariner.server.workers.api import WorkerEndpoint
 
     loading = Instance(index=1, process=SimpleNamespace(spec=SimpleNamespace(device="cuda:0")))
     assert instance_device(loading) == "cuda:0"

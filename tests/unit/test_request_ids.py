@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from mariner.server.core.request_ids import new_request_id
+from mariner.server.common.request_ids import new_request_id
 
 pytestmark = pytest.mark.unit
 

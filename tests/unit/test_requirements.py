@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import REQUIREMENTS_DIR, ModelArchive, requirements_dir
-from mariner.server.core.errors import Code, ServingError
+from mariner.server.common.archive import REQUIREMENTS_DIR, ModelArchive, requirements_dir
+from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor.requirement_lines import (
     MAX_FILE_BYTES,
     MAX_REQUIREMENTS,
@@ -29,7 +29,7 @@ from mariner.server.supervisor.requirements import (
     pip_environment,
     requirements_step,
 )
-from mariner.server.workers.main import isolate_sys_path
+from mariner.server.worker.main import isolate_sys_path
 
 pytestmark = pytest.mark.unit
 
@@ -249,7 +249,7 @@ def test_last_lines_keeps_the_end() -> None:
 
 
 def test_the_torchserve_key_turns_it_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from mariner.server.config import load_config
+    from mariner.server.common.config import load_config
 
     props = tmp_path / "config.properties"
     props.write_text("install_py_dep_per_model=true\n")

@@ -318,7 +318,7 @@ def test_forward_passes_are_capped_at_the_rows_per_call(handler: Any, counting: 
 
 
 def test_model_config_reaches_the_server_settings(tmp_path: Path) -> None:
-    from mariner.server.core.tensors import ModelSignature
+    from mariner.server.contracts.tensors import ModelSignature
     from mariner.training.resnet import package
 
     cfg = package.model_config("aoti", "cpu", batch_size=16, max_batch_delay_ms=3)

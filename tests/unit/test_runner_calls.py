@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
 from tests.unit.test_failures import host_for
 
 pytestmark = pytest.mark.unit

@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from mariner.server.workers import protocol, safe_pickle
-from mariner.server.workers.peer import PeerRefused, check_peer, peer_credentials
+from mariner.server.contracts import safe_pickle
+from mariner.server.contracts import worker_wire as protocol
+from mariner.server.contracts.peer import PeerRefused, check_peer, peer_credentials
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
 
 
 class _Reduce:
@@ -79,8 +80,8 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(tmp_path: Path) -> 
         ("builtins", "eval"),
         ("builtins", "setattr"),  # getattr resolves to an enum-member lookup only: tested below
         ("subprocess", "Popen"),
-        ("mariner.server.workers.connection", "kill_worker"),  # ours, but a function
-        ("mariner.server.workers.process", "os"),  # a module reached through one of ours
+        ("mariner.server.frontend.worker_client", "kill_worker"),  # ours, but a function
+        ("mariner.server.supervisor.worker_process", "os"),  # a module reached through one of ours
         ("numpy", "load"),
     ],
 )

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.archive import open_archive
-from mariner.server.core.errors import ServingError
-from mariner.server.core.safe_yaml import MAX_DEPTH, YamlRefused, load_yaml
+from mariner.server.common.archive import open_archive
+from mariner.server.common.safe_yaml import MAX_DEPTH, YamlRefused, load_yaml
+from mariner.server.contracts.errors import ServingError
 
 pytestmark = pytest.mark.unit
 

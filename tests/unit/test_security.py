@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.config import load_config
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.listeners import check_exposure
-from mariner.server.security import Tokens, load_tokens
+from mariner.server.common.config import load_config
+from mariner.server.common.listeners import check_exposure
+from mariner.server.common.security import Tokens, load_tokens
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from mariner.server import protogen
-from mariner.server.core.types import InferRequest, InferResult
-from mariner.server.protocols.held_bytes import LARGE_MESSAGE_BYTES, HeldBytes, HeldLimits
-from mariner.server.protocols.stream_pipeline import WINDOW, Ending, StreamPipeline, StreamStats
+from mariner.server.common.held_bytes import LARGE_MESSAGE_BYTES, HeldBytes, HeldLimits
+from mariner.server.contracts.types import InferRequest, InferResult
+from mariner.server.frontend.protocols.stream_pipeline import WINDOW, Ending, StreamPipeline, StreamStats
 from tests.unit.test_grpc_adapters import FakePlane
 
 pytestmark = pytest.mark.unit
@@ -360,7 +360,7 @@ def test_cancelling_the_stream_cancels_every_task_in_flight() -> None:
 def test_emitted_messages_come_ahead_of_their_requests_answer_within_a_byte_budget(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from mariner.server.protocols import stream_pipeline
+    from mariner.server.frontend.protocols import stream_pipeline
 
     monkeypatch.setattr(stream_pipeline, "MAX_HELD_BYTES", 10)
 
@@ -396,7 +396,7 @@ def ts() -> Any:
     protogen.generate()
     pb = importlib.import_module("mariner.server._proto.torchserve.inference_pb2")
     pb_grpc = importlib.import_module("mariner.server._proto.torchserve.inference_pb2_grpc")
-    servicer_module = importlib.import_module("mariner.server.protocols.torchserve.grpc")
+    servicer_module = importlib.import_module("mariner.server.frontend.protocols.torchserve.grpc")
     return pb, pb_grpc, servicer_module
 
 
@@ -509,10 +509,10 @@ def test_a_cancelled_stream_leaves_no_request_running(ts: Any) -> None:
 # -- StreamPredictions2's in-stream statuses (the one mapping) -------------------------------------
 def test_in_stream_statuses_follow_torchserve() -> None:
     protogen.generate()
-    from mariner.server.core.dataplane import resolve_version
-    from mariner.server.core.errors import Code, ServingError
-    from mariner.server.core.handler_errors import handler_failed, prediction_exception
-    from mariner.server.protocols.torchserve import stream2
+    from mariner.server.common.models import resolve_version
+    from mariner.server.contracts.errors import Code, ServingError
+    from mariner.server.frontend.protocols.torchserve import stream2
+    from mariner.server.worker.handler_errors import handler_failed, prediction_exception
 
     def seen(error: ServingError, answer: InferResult | None = None) -> tuple[int, str, bytes]:
         status = stream2.in_stream_status(error, answer)

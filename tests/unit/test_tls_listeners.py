@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.config import ServerConfig, load_config
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.listeners import LISTENER_NAMES, check_exposure, grpc_tls, tls_listeners, uvicorn_config
-from mariner.server.security import HTTP_TLS12_CIPHERS, http_ssl_context
+from mariner.server.common.config import ServerConfig, load_config
+from mariner.server.common.listeners import (
+    LISTENER_NAMES,
+    check_exposure,
+    grpc_tls,
+    tls_listeners,
+    uvicorn_config,
+)
+from mariner.server.common.security import HTTP_TLS12_CIPHERS, http_ssl_context
+from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit
 

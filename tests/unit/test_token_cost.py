@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import DEFAULT_TOKEN_MAX_LENGTH, archive_overrides, token_settings
-from mariner.server.core.token_cost import (
+from mariner.server.common.model_settings import DEFAULT_TOKEN_MAX_LENGTH, archive_overrides, token_settings
+from mariner.server.common.token_cost import (
     MAX_COUNTED_TEXTS,
     TokenCounter,
     load_token_counter,
     texts_of,
     token_counter_or_none,
 )
-from mariner.server.core.types import InferRequest, TokenCost, WireProtocol
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import InferRequest, TokenCost, WireProtocol
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server import torchserve_command as tc
+from mariner.server.compat.torchserve import command as tc
 
 
 def test_start_runs_in_the_background_unless_asked_or_pid_one() -> None:

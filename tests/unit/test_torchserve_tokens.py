@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from mariner.server.config import load_config
-from mariner.server.security import (
+from mariner.server.common.config import load_config
+from mariner.server.common.security import (
     MARINER_REFUSAL,
     TORCHSERVE_REFUSAL,
     AnyCredential,
     HttpTokenAuth,
     Tokens,
 )
-from mariner.server.torchserve_tokens import (
+from mariner.server.compat.torchserve.tokens import (
     KEY_FILE_NAME,
     Key,
     KeyCheck,

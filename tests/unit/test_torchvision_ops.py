@@ -1,4 +1,4 @@
-"""The CPU fallback for torchvision's nms (server/workers/torchvision_ops.py).
+"""The CPU fallback for torchvision's nms (server/worker/torchvision_ops.py).
 
 The kernel is checked against a brute-force transliteration of torchvision's C++ loop (one box
 pair at a time, numpy scalars of the boxes' dtype, the threshold compared in double); importing
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from mariner.server.workers import torchvision_ops
-from mariner.server.workers.torchvision_ops import nms_cpu, qnms_cpu
+from mariner.server.worker import torchvision_ops
+from mariner.server.worker.torchvision_ops import nms_cpu, qnms_cpu
 
 pytestmark = pytest.mark.unit
 
@@ -190,7 +190,7 @@ def test_ensure_registers_nothing_when_torchvisions_own_ops_load(monkeypatch: py
 # and reports; registering operators is a once-per-process act, so it cannot happen in this one.
 WORKER_LIKE = """
 import json, numpy as np, torch
-from mariner.server.workers.torchvision_ops import ensure_torchvision_importable, fallback_active
+from mariner.server.worker.torchvision_ops import ensure_torchvision_importable, fallback_active
 ensure_torchvision_importable()
 ensure_torchvision_importable()  # idempotent: registering twice would raise
 from ts.torch_handler.image_classifier import ImageClassifier

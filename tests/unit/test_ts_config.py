@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from mariner.server.config import load_config, model_specs, server_layers
-from mariner.server.core.errors import ServingError
-from mariner.server.core.model_settings import (
+from mariner.server.common.config import load_config, model_specs, server_layers
+from mariner.server.common.model_settings import (
     ModelSettings,
     archive_overrides,
     register_call_overrides,
     resolve_model_settings,
 )
-from mariner.server.torchserve_properties import TS_ENV_KEYS, substitute_env, ts_env_props
+from mariner.server.compat.torchserve.properties import TS_ENV_KEYS, substitute_env, ts_env_props
+from mariner.server.contracts.errors import ServingError
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.ts_logging.files import RotatingFile
-from mariner.server.ts_logging.lines import (
+from mariner.server.compat.torchserve.logs.files import RotatingFile
+from mariner.server.compat.torchserve.logs.lines import (
     Clock,
     access_message,
     java_double,
@@ -23,8 +23,8 @@ from mariner.server.ts_logging.lines import (
     remote_address,
     safe_text,
 )
-from mariner.server.ts_logging.pump import LineReader, OutputPump
-from mariner.server.ts_logging.records import Kind, Record, RecordPipe, decode, encode
+from mariner.server.compat.torchserve.logs.pump import LineReader, OutputPump
+from mariner.server.compat.torchserve.logs.records import Kind, Record, RecordPipe, decode, encode
 from tests.unit.ts_logs_support import read_available
 
 pytestmark = pytest.mark.unit

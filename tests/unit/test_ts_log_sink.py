@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.metrics_spec import DEFAULT_FRONTEND, MetricSpec, TsMetricsSpec
-from mariner.server.torchserve_properties import from_torchserve_properties
-from mariner.server.ts_logging import words
-from mariner.server.ts_logging.access import HttpAccessLog
-from mariner.server.ts_logging.records import Kind, Record
-from mariner.server.ts_logging.sink import LogSettings, LogSink
-from mariner.server.ts_logging.worker_output import BackendMetrics
+from mariner.server.common.metrics_spec import DEFAULT_FRONTEND, MetricSpec, TsMetricsSpec
+from mariner.server.compat.torchserve.logs import words
+from mariner.server.compat.torchserve.logs.access import HttpAccessLog
+from mariner.server.compat.torchserve.logs.records import Kind, Record
+from mariner.server.compat.torchserve.logs.sink import LogSettings, LogSink
+from mariner.server.compat.torchserve.logs.worker_output import BackendMetrics
+from mariner.server.compat.torchserve.properties import from_torchserve_properties
 from tests.unit.ts_logs_support import captured, read_available
 
 __all__ = ["captured"]  # the fixture, used by name

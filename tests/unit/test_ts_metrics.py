@@ -17,15 +17,16 @@ import requests
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from mariner.server.config import load_config
-from mariner.server.control import ts_exposition, ts_metrics
-from mariner.server.control.metrics_http import metrics_app
-from mariner.server.core.context import Context
-from mariner.server.core.handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
-from mariner.server.core.metrics_spec import AUTO_DETECT_ENV
-from mariner.server.core.types import WireProtocol
-from mariner.server.protocols.call import run_call
-from mariner.server.torchserve_properties import from_torchserve_properties
+from mariner.server.common.config import load_config
+from mariner.server.common.handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
+from mariner.server.common.metrics_spec import AUTO_DETECT_ENV
+from mariner.server.compat.torchserve import exposition as ts_exposition
+from mariner.server.compat.torchserve import metrics as ts_metrics
+from mariner.server.compat.torchserve.properties import from_torchserve_properties
+from mariner.server.contracts.types import WireProtocol
+from mariner.server.frontend.protocols.call import run_call
+from mariner.server.supervisor.metrics_http import metrics_app
+from mariner.server.worker.context import Context
 from tests.integration.metrics_archive import parse_exposition
 from tests.unit.fakes import FakePlane, QuietMetrics, serve
 
@@ -280,7 +281,7 @@ def test_handler_metrics_written_in_a_worker_process_reach_the_merged_metrics(tm
     """A worker writes through prometheus_client's multiprocess files; the supervisor merges."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     write = (
-        "from mariner.server.core.context import Context\n"
+        "from mariner.server.worker.context import Context\n"
         "c = Context('mp_model', '/tmp', {}, batch_size=1, gpu_id=None)\n"
         "c.metrics.add_counter('MpCounter', 3)\n"
         "c.metrics.add_time('HandlerTime', 2.5)\n"
@@ -288,7 +289,7 @@ def test_handler_metrics_written_in_a_worker_process_reach_the_merged_metrics(tm
     for _ in range(2):  # two worker processes: counters add up
         subprocess.run([sys.executable, "-c", write], env=env, check=True, cwd=REPO)
     render = (
-        "from mariner.server.control.metrics import render_multiprocess\n"
+        "from mariner.server.common.metrics import render_multiprocess\n"
         "print(render_multiprocess().decode())\n"
     )
     text = subprocess.run(

@@ -10,10 +10,11 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mariner.server.control import ts_exposition, ts_metrics
-from mariner.server.core.context import Context
-from mariner.server.core.metrics_spec import AUTO_DETECT_ENV, METRICS_MODE_ENV
-from mariner.server.ts_logging.records import Kind, Record
+from mariner.server.common.metrics_spec import AUTO_DETECT_ENV, METRICS_MODE_ENV
+from mariner.server.compat.torchserve import exposition as ts_exposition
+from mariner.server.compat.torchserve import metrics as ts_metrics
+from mariner.server.compat.torchserve.logs.records import Kind, Record
+from mariner.server.worker.context import Context
 from tests.unit.fakes import QuietMetrics
 from tests.unit.ts_logs_support import captured
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from mariner.server.config import load_config
-from mariner.server.core.archive import ModelArchive
-from mariner.server.core.errors import Code, ServingError
-from mariner.server.core.model_settings import ModelSettings
+from mariner.server.common.archive import ModelArchive
+from mariner.server.common.config import load_config
+from mariner.server.common.model_settings import ModelSettings
+from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor import worker_pool
 from mariner.server.supervisor.machine import MIB, Room, memory_room, task_room
 from mariner.server.supervisor.versions import Version
@@ -255,7 +255,7 @@ def test_a_worker_that_cannot_be_started_fails_its_start_and_the_slot_goes_on(
             starts.append(1)
             raise exc
 
-    monkeypatch.setattr("mariner.server.workers.process.WorkerProcess", Failing)
+    monkeypatch.setattr("mariner.server.supervisor.worker_process.WorkerProcess", Failing)
 
     async def scenario() -> None:
         v, pool = _version(tmp_path), _pool(tmp_path)
@@ -306,7 +306,7 @@ def test_a_slot_stopped_while_its_process_is_being_created_leaves_no_process(
             await self._dead.wait()
             return -9
 
-    monkeypatch.setattr("mariner.server.workers.process.WorkerProcess", Slow)
+    monkeypatch.setattr("mariner.server.supervisor.worker_process.WorkerProcess", Slow)
 
     async def scenario() -> None:
         v, pool = _version(tmp_path), _pool(tmp_path)
@@ -329,7 +329,7 @@ def test_a_start_up_count_someone_set_is_refused_and_the_built_in_one_lowered(tm
     """At start-up: an archive's minWorkers or default_workers_per_model over the cap refuses that
     model (the registry keeps it FAILED with this reason); the built-in one-per-core count on a
     large machine is lowered to the cap instead."""
-    from mariner.server.core.model_settings import (
+    from mariner.server.common.model_settings import (
         LayerSource,
         ServerLayers,
         SettingsOverrides,

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.core.streams import STREAMS
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from mariner.server.workers import connection as connection_mod
-from mariner.server.workers import protocol
-from mariner.server.workers.api import WorkerEndpoint
-from mariner.server.workers.connection import WorkerConnection
+from mariner.server.contracts import worker_wire as protocol
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.worker_api import WorkerEndpoint
+from mariner.server.frontend import worker_client as connection_mod
+from mariner.server.frontend.streams import STREAMS
+from mariner.server.frontend.worker_client import WorkerConnection
 
 pytestmark = pytest.mark.unit
 
@@ -147,7 +147,7 @@ def test_an_error_part_is_the_answer_and_too_many_bytes_fail_the_request(
 
 
 def test_each_part_restarts_its_batchs_response_timeout(tmp_path: Path) -> None:
-    from mariner.server.core.streams import BATCH_PROGRESS
+    from mariner.server.frontend.streams import BATCH_PROGRESS
 
     def script(batch: protocol.Batch) -> list[object]:
         return [
@@ -231,7 +231,7 @@ class Job:
 
 
 def test_each_part_goes_to_the_batch_and_position_of_its_request() -> None:
-    from mariner.server.workers.handler_call import HandlerCall
+    from mariner.server.worker.handler_call import HandlerCall
 
     one, two = FakeLink(), FakeLink(room=False)  # two's transport still holds earlier frames
     call = HandlerCall(
@@ -289,7 +289,7 @@ def in_thread(fn: Callable[[], None]) -> None:
 def test_a_plain_handlers_parts_from_its_threads_are_held_and_written_in_order_by_finish() -> None:
     import threading
 
-    from mariner.server.workers.handler_call import HandlerCall
+    from mariner.server.worker.handler_call import HandlerCall
 
     link = RecordingLink()
     call = HandlerCall(
@@ -314,7 +314,7 @@ def test_a_plain_handlers_parts_from_its_threads_are_held_and_written_in_order_b
 def test_a_coroutine_handlers_parts_from_its_threads_are_written_once_by_loop_or_finish() -> None:
     import threading
 
-    from mariner.server.workers.handler_call import HandlerCall
+    from mariner.server.worker.handler_call import HandlerCall
 
     async def body() -> None:
         link = RecordingLink()
@@ -344,8 +344,8 @@ def test_a_plain_handlers_parts_from_another_thread_reach_the_frontend_before_it
     import threading
     from types import SimpleNamespace
 
-    from mariner.server.workers.api import WorkerSpec
-    from mariner.server.workers.main import Worker, _Job
+    from mariner.server.contracts.worker_api import WorkerSpec
+    from mariner.server.worker.main import Worker, _Job
 
     spec = WorkerSpec(
         model="m", version="1", instance=0, generation=0, model_dir="/nonexistent",

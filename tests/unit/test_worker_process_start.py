@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from mariner.server.workers import process, zygote
-from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.process import WorkerProcess, WorkerStartTimeout
+from mariner.server.contracts.worker_api import WorkerSpec
+from mariner.server.supervisor import worker_process as process
+from mariner.server.supervisor import zygote_client as zygote
+from mariner.server.supervisor.worker_process import WorkerProcess, WorkerStartTimeout
 
 pytestmark = pytest.mark.unit
 

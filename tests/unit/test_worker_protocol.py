@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mariner.server.core.types import InferRequest, InferResult, WireProtocol
-from mariner.server.workers import protocol
-from mariner.server.workers.api import WorkerSpec
-from mariner.server.workers.main import isolate_sys_path, spec_from_json, spec_to_json
+from mariner.server.contracts import worker_wire as protocol
+from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.worker_api import WorkerSpec, spec_from_json, spec_to_json
+from mariner.server.worker.main import isolate_sys_path
 
 
 def _segments() -> set[str]:
@@ -214,7 +214,7 @@ def test_a_spec_survives_its_json_trip() -> None:
 def test_the_archive_dir_is_the_only_model_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import sys
 
-    import mariner.server.core.archive  # noqa: F401 - isolate_sys_path imports it; not with this path
+    import mariner.server.common.archive  # noqa: F401 - isolate_sys_path imports it; not with this path
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", ["", str(tmp_path), "/usr/lib/python3.11", "/other/archive"])

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mariner.server.core.errors import Code, ServingError, torchserve_answer
-from mariner.server.core.workflow_archive import function_node_archive, open_workflow
-from mariner.server.core.workflow_dag import MAX_NODES
-from mariner.server.core.workflow_spec import java_text
+from mariner.server.contracts.errors import Code, ServingError, torchserve_answer
+from mariner.server.contracts.workflow_dag import MAX_NODES
+from mariner.server.supervisor.workflow_archive import function_node_archive, open_workflow
+from mariner.server.supervisor.workflow_spec import java_text
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""TorchServe's workflow management routes (control.workflow_http) over a fake registry: the
+"""TorchServe's workflow management routes (supervisor.management.workflow_http) over a fake registry: the
 parameters read as TorchServe reads them, its answers' shapes, and the model API's gate."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from mariner.server.control.workflow_http import workflow_routes
-from mariner.server.core.model_settings import SettingsOverrides
-from mariner.server.core.workflow_dag import WorkflowNode, build_dag, workflow_not_found
-from mariner.server.core.workflow_spec import NodeSettings, WorkflowInfo
-from mariner.server.protocols.http_common import make_app
+from mariner.server.common.http_common import make_app
+from mariner.server.common.model_settings import SettingsOverrides
+from mariner.server.contracts.workflow_dag import WorkflowNode, build_dag, workflow_not_found
+from mariner.server.supervisor.management.workflow_http import workflow_routes
+from mariner.server.supervisor.workflow_spec import NodeSettings, WorkflowInfo
 from tests.unit.fakes import serve
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""One request through a workflow's graph (core.workflow_runner), driven by fake node calls:
+"""One request through a workflow's graph (frontend.workflow_runner), driven by fake node calls:
 what each node receives, which nodes run together, tries, deadlines and the answers."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from mariner.server.core.errors import Code, ServingError, torchserve_answer
-from mariner.server.core.types import InferResult
-from mariner.server.core.workflow_dag import WorkflowDag, WorkflowNode, build_dag
-from mariner.server.core.workflow_runner import NodeAnswered, NodeFailed, run_workflow
+from mariner.server.contracts.errors import Code, ServingError, torchserve_answer
+from mariner.server.contracts.types import InferResult
+from mariner.server.contracts.workflow_dag import WorkflowDag, WorkflowNode, build_dag
+from mariner.server.frontend.workflow_runner import NodeAnswered, NodeFailed, run_workflow
 
 pytestmark = pytest.mark.unit
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mariner.server.ts_logging import emit
-from mariner.server.ts_logging.records import Record
+from mariner.server.compat.torchserve.logs import emit
+from mariner.server.compat.torchserve.logs.records import Record
 
 
 @pytest.fixture

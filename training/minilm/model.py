@@ -74,7 +74,7 @@ def bert_from_config(config_json: Path) -> nn.Module:
     # file also ships in the archive (minilm_model.py), where Mariner may be absent (stock
     # TorchServe): there the shim is skipped, and Mariner's workers have run it already.
     try:
-        from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+        from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
     except ImportError:
         pass
     else:

@@ -58,7 +58,7 @@ def load_handler(model_dir: Path, manifest: dict[str, Any], model_config: dict[s
 
 def oracle_embeddings(weights_dir: Path, texts: list[str]) -> np.ndarray:
     """sentence-transformers' encode() from the local model dir (never the hub)."""
-    from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+    from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
 
     ensure_torchvision_importable()  # sentence-transformers imports transformers, which imports torchvision
     from sentence_transformers import SentenceTransformer

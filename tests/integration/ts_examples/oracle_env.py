@@ -4,7 +4,7 @@ The registry's torchvision wheel is built for CUDA torch; beside the pinned CPU 
 `import torchvision` dies ("operator torchvision::nms does not exist"), so on stock TorchServe
 every vision handler (the MNIST example, the built-in `image_classifier`) would fail to load and
 the oracle would say nothing about them. Mariner's workers make torchvision importable with
-`mariner.server.workers.torchvision_ops` (pure-torch nms/qnms, nothing else). The same shim is
+`mariner.server.worker.torchvision_ops` (pure-torch nms/qnms, nothing else). The same shim is
 given to the oracle as a `sitecustomize` on PYTHONPATH that runs it right before torchvision is
 first imported; TorchServe's own code and the handlers are untouched.
 """
@@ -29,7 +29,7 @@ class _BeforeTorchvision(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision":
             sys.meta_path.remove(self)
-            from mariner.server.workers.torchvision_ops import ensure_torchvision_importable
+            from mariner.server.worker.torchvision_ops import ensure_torchvision_importable
 
             ensure_torchvision_importable()
         return None

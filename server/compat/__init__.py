@@ -1,0 +1,1 @@
+"""What TorchServe users already have, read and written as TorchServe does."""

@@ -1,1 +1,0 @@
-"""The protocol-neutral core: archives, the dataplane, batching, runners, errors, types."""

@@ -1,0 +1,486 @@
+"""A frontend process of `mariner serve`: the inference listeners, adapters, admission and batchers.
+
+The supervisor starts it (`python -m mariner.server.frontend.main --control-fd N`) with one end of a
+socketpair as its control channel. The frontend opens no archive and runs no model code: it
+builds its DataPlane from the model table the supervisor sends (which worker serves which model
+version, on which Unix socket) and sends batches to those workers. Every frontend listens on the
+same inference ports (SO_REUSEPORT); the kernel spreads connections over them.
+
+Table updates: a worker that became ready is connected and added to its model's batcher; one
+that is gone (restarting, scaled down, unregistered) is retired from it (a batch it runs now
+finishes). A worker that dies mid-batch fails that batch only; a batch past responseTimeout
+gets its worker SIGKILLed; either way the supervisor restarts it and a later table brings the
+new one. SIGTERM, or the supervisor going away, drains this frontend: not ready, new calls
+refused with UNAVAILABLE, every accepted call answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mariner.server.common import control_channel as channel
+from mariner.server.common import event_loop, parent_death
+from mariner.server.common.batch_policy import (
+    ASYNC_BATCHES_PER_RUNNER,
+    BatchRunner,
+    RunnerRetired,
+    async_communication,
+    max_batch_bytes,
+)
+from mariner.server.common.connection_budget import frontend_budget
+from mariner.server.common.grpc_server import GrpcLimits
+from mariner.server.common.held_bytes import MIB, HeldBytes, HeldLimits
+from mariner.server.common.listeners import (
+    EmbeddedUvicorn,
+    grpc_tls,
+    listener_auth,
+    reuseport_listener,
+    split_address,
+    uvicorn_config,
+)
+from mariner.server.common.logs import setup_logging
+from mariner.server.common.metrics import Metrics, MetricsConfig
+from mariner.server.common.models import ModelSource
+from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
+from mariner.server.common.token_cost import token_counter_or_none
+from mariner.server.compat.torchserve.logs import emit as ts_emit
+from mariner.server.compat.torchserve.logs import words
+from mariner.server.compat.torchserve.logs.access import HttpAccessLog, grpc_access_log
+from mariner.server.compat.torchserve.logs.records import RecordPipe
+from mariner.server.compat.torchserve.tokens import KeyCheck
+from mariner.server.contracts.errors import ServingError
+from mariner.server.contracts.peer import PeerRefused
+from mariner.server.contracts.tensors import ModelSignature
+from mariner.server.contracts.types import InferRequest, InferResult, ModelState, WorkerInfo
+from mariner.server.contracts.worker_api import ModelEntry, WorkerEndpoint
+from mariner.server.contracts.workflow_dag import WorkflowTable
+from mariner.server.frontend.dataplane import DataPlane
+from mariner.server.frontend.endpoint import ModelEndpoint
+from mariner.server.frontend.protocols.grpc_admission import GrpcDrainGate
+from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
+from mariner.server.frontend.protocols.http_drain import DrainAware
+from mariner.server.frontend.protocols.http_listener import inference_app
+
+log = logging.getLogger("mariner.frontend")
+
+# The least time grpc's server.stop gets to end the calls it still has once the grace period is
+# spent (their clients are then told CANCELLED).
+MIN_GRPC_STOP_S = 2.0
+
+
+class _Worker:
+    """One connection to one worker process (one generation of one instance), as a BatchRunner.
+
+    Counts the batches running (several at once for asyncCommunication) so that a retired
+    connection closes only once they have their answers.
+    """
+
+    def __init__(self, endpoint: WorkerEndpoint, conn: Any) -> None:
+        self.endpoint = endpoint
+        self.conn = conn
+        self.id = endpoint.id
+        self.instance = endpoint.instance
+        self.generation = endpoint.generation
+        self.busy = 0
+        self.retired = False
+        self.batches = 0
+
+    @property
+    def status(self) -> str:
+        return "STOPPED" if self.retired else "READY"
+
+    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
+        if self.retired:  # retired while the batcher held it: the batch goes to another worker
+            raise RunnerRetired(f"worker {self.id} was retired before it took the batch")
+        self.busy += 1
+        try:
+            results = await self.conn.run(requests)
+            self.batches += 1
+            return results
+        finally:
+            self.busy -= 1
+            if self.retired and not self.busy:
+                self.conn.close()
+
+    def retire(self) -> None:
+        self.retired = True
+        if not self.busy:
+            self.conn.close()
+
+    def abandon(self) -> None:
+        self.retired = True
+        self.conn.abandon()
+
+
+class RemoteEndpoint(ModelEndpoint):
+    """A model version whose instances are worker processes the supervisor runs.
+
+    Built by `from_entry` from the supervisor's table entry: the supervisor already checked the
+    archive and resolved the settings once. Its runners are connections to the workers the
+    table lists as ready; the supervisor starts and restarts those workers, so a failed one is
+    only let go here. Inference, deadlines and admission are ModelEndpoint's own.
+    """
+
+    def __init__(
+        self,
+        entry: ModelEntry,
+        source: ModelSource,
+        signature: ModelSignature | None,
+        metrics: Metrics,
+    ) -> None:
+        concurrent = async_communication(entry.model_config)
+        if isinstance(concurrent, str):  # TorchServe warns and ignores a value that is not a boolean
+            log.warning("model %s version %s: %s", entry.name, entry.version, concurrent)
+        super().__init__(
+            entry.name,
+            entry.version,
+            source,
+            entry.settings,
+            signature,
+            metrics,
+            runner_concurrency=ASYNC_BATCHES_PER_RUNNER if concurrent is True else 1,
+            envelope=entry.manifest.get("model", {}).get("envelope") or None,
+        )
+        self.entry = entry
+        self.token_counter = token_counter_or_none(
+            entry.model_config, entry.archive_file, Path(entry.model_dir)
+        )
+        # Checked when the supervisor opened the archive, which refuses a bad value.
+        self.policy = dataclasses.replace(
+            self.policy, max_batch_bytes=max_batch_bytes(entry.model_config, entry.archive_file)
+        )
+        self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
+        self._ever_ready = False
+        self._timeouts = 0  # batches past responseTimeout since one last came back (TorchServe counts them)
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def from_entry(cls, entry: ModelEntry, metrics: Metrics) -> RemoteEndpoint:
+        """An endpoint with no worker yet: `update` connects the ones the table lists as ready."""
+        handler = str(entry.manifest.get("model", {}).get("handler", ""))
+        source = ModelSource(entry.archive_file, entry.sha256, handler, entry.loaded_at_startup)
+        signature = ModelSignature.from_config(entry.model_config.get("signature"))
+        return cls(entry, source, signature, metrics)
+
+    def _set_state(self) -> None:
+        if self.state is ModelState.STOPPING:
+            return
+        ready = bool(self._workers)
+        if ready:
+            self.state = ModelState.READY
+            self._ever_ready = True
+        elif self.entry.error is not None:  # a refused archive, or workers that cannot start
+            self.state = ModelState.FAILED
+        elif not self.entry.workers and self.entry.settings.min_workers == 0:
+            self.state = ModelState.NO_WORKERS  # registered or scaled to no worker, on purpose
+        else:
+            self.state = ModelState.RESTARTING if self._ever_ready else ModelState.LOADING
+        self._set_ready(ready)
+
+    async def update(self, entry: ModelEntry) -> None:
+        """Follow the supervisor's table: connect new workers, retire the ones that are gone."""
+        from mariner.server.frontend.worker_client import WorkerConnection
+
+        self.entry = entry
+        ready = {w.instance: w for w in entry.workers if w.status == "READY"}
+        for instance, current in list(self._workers.items()):
+            want = ready.get(instance)
+            if want is None or want.id != current.id or want.pid != current.endpoint.pid:
+                self._retire(current)
+        for instance, endpoint in ready.items():
+            if instance in self._workers:
+                continue
+            conn = WorkerConnection(endpoint, batch_size=self.batch_size, on_oom=self._oom.inc)
+            try:
+                await conn.start()
+            except Exception as exc:  # the worker died since the table was sent: a later table says so
+                log.warning("cannot connect to worker %s (pid %d): %s", endpoint.id, endpoint.pid, exc)
+                continue
+            w = _Worker(endpoint, conn)
+            self._workers[instance] = w
+            self.runners.append(w)
+            self._ready_since[w.id] = endpoint.start_time or time.time()
+            if self.batcher is None:
+                self._start_batcher([w])
+                self.load_seconds = time.perf_counter() - self._t0
+            else:
+                self.batcher.add_runner(w)
+        self._set_state()
+
+    def _retire(self, w: _Worker) -> None:
+        if self._workers.get(w.instance) is w:
+            del self._workers[w.instance]
+        if w in self.runners:
+            self.runners.remove(w)
+            if self.batcher is not None and not w.retired:
+                self.batcher.retire_runner(w)
+        w.retire()
+
+    async def replace_runner(self, old: BatchRunner, reason: str) -> None:
+        """A worker failed or hung on a batch: let it go (SIGKILL when hung). The supervisor
+        restarts it and its next table brings the new worker, so nothing is returned here."""
+        assert isinstance(old, _Worker)
+        if self._workers.get(old.instance) is old:
+            del self._workers[old.instance]
+        if old in self.runners:
+            self.runners.remove(old)
+        if reason == "hung":
+            old.abandon()  # no thread and no CPU are left behind: the process goes
+            # TorchServe's words for it (its WorkerThread's), counted since a batch last came back.
+            self._timeouts = 1 if old.batches else self._timeouts + 1
+            words.worker_timed_out(old.endpoint.ts_name or old.id, self._timeouts)
+        else:
+            old.retire()
+        self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
+        self._set_state()
+        return
+
+    async def close(self, timeout: float | None) -> None:
+        await super().close(timeout)
+        for w in list(self._workers.values()):
+            w.retire()
+        self._workers.clear()
+
+    def _worker_info(self, runner: Any) -> WorkerInfo:
+        # The worker's memory is the supervisor's to report (management is served there).
+        w = runner
+        return WorkerInfo(
+            w.id,
+            w.endpoint.device,
+            w.status,
+            w.batches,
+            pid=w.endpoint.pid,
+            started_at=self._ready_since.get(w.id),
+        )
+
+
+class Frontend:
+    """One frontend: its DataPlane, the inference listeners and the control channel."""
+
+    def __init__(self, init: channel.FrontendInit, control: socket.socket) -> None:
+        cfg = self.cfg = init.cfg
+        self.index = init.index
+        self._control = control
+        self._orphaned = False  # the supervisor went away: close the listeners first
+        self.metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
+        self.dataplane = DataPlane(self.metrics)
+        self.dataplane.awaiting_table = True  # the supervisor's first table (version 0) is empty
+        self.workflows = WorkflowTable()  # TorchServe workflows, from the supervisor's table
+        tokens = load_tokens(cfg.inference_token, cfg.inference_token_file)
+        # TorchServe's inference key, when its token authorization is on: it arrives with each
+        # model table (the first one before this frontend listens); until then nothing passes.
+        self.torchserve_key = None if cfg.disable_token_auth else KeyCheck()
+        auth = listener_auth(tokens, self.torchserve_key)
+        # One descriptor budget for both protocols, so a flood on one cannot starve the other.
+        budget = frontend_budget(cfg.http_max_connections, cfg.grpc_max_connections)
+        # One budget of request bytes held, over both protocols and every connection and stream.
+        self.held = HeldBytes(
+            HeldLimits(limit=cfg.frontend_max_held_mb * MIB, stream_limit=cfg.stream_max_held_mb * MIB)
+        )
+        grpc_host, _ = split_address(cfg.grpc_inference_address)
+        self.grpc = build_grpc_servers(
+            self.dataplane,
+            inference_address=f"{grpc_host}:{init.grpc_port}",
+            max_message_bytes=cfg.max_request_bytes,
+            inference_interceptors=[
+                *auth.grpc(open_health=cfg.open_health),
+                grpc_access_log(f"frontend-{self.index}"),
+                GrpcDrainGate(self.dataplane),
+            ],
+            limits=GrpcLimits(budget.grpc, cfg.grpc_max_concurrent_streams, cfg.grpc_idle_timeout_s),
+            credentials=grpc_tls(cfg, "grpc_inference"),
+            reuse_port=True,
+            held=self.held,
+        )
+        host, _ = split_address(cfg.inference_address)
+        self._http_host, self._http_port = host, init.http_port
+        app = HttpAccessLog(  # TorchServe's access_log.log: every answer, 401s and draining 503s too
+            DrainAware(
+                auth.http(
+                    inference_app(
+                        self.dataplane, max_body_bytes=cfg.max_request_bytes, workflows=self.workflows
+                    ),
+                    open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
+                ),
+                self.dataplane,
+            ),
+            f"frontend-{self.index}",
+        )
+        http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
+        self.http = EmbeddedUvicorn(
+            uvicorn_config(app, host, init.http_port, http_cfg, listener="inference", held=self.held)
+        )
+        self._applied = 0
+        self._ready = False
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def apply(self, table: channel.ModelTable) -> None:
+        dp = self.dataplane
+        if self.torchserve_key is not None and table.inference_key is not None:
+            self.torchserve_key.set(table.inference_key)
+        wanted = {(e.name, e.version) for e in table.entries}
+        for e in table.entries:
+            ep = dp.endpoint(e.name, e.version)
+            if ep is None:
+                ep = RemoteEndpoint.from_entry(e, self.metrics)
+                dp.install_endpoint(ep)
+            assert isinstance(ep, RemoteEndpoint)
+            await ep.update(e)
+            if e.is_default:
+                dp.set_default(e.name, e.version)
+        self.workflows.replace(table.workflows)
+        if table.version >= 1:  # what the supervisor serves, not its placeholder before start-up
+            dp.awaiting_table = False
+        gone = [key for key in dp.installed() if key not in wanted]
+        for name, version in gone:
+            ep = dp.remove_endpoint(name, version)
+            closing = asyncio.create_task(ep.close(ep.response_timeout_s))  # its accepted calls finish
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        await self.grpc.refresh_health()
+        ready = dp.is_ready()
+        if ready != self._ready:  # readiness flips are worth a line: probes act on them
+            self._ready = ready
+            log.info("frontend %d %s", self.index, "ready" if ready else "not ready")
+
+    async def _apply_and_ack(self, msg: channel.ModelTable, writer: asyncio.StreamWriter) -> None:
+        if msg.version < self._applied:
+            return
+        try:
+            await self.apply(msg)
+        except Exception:
+            log.exception("frontend %d: applying model table %d failed", self.index, msg.version)
+        self._applied = msg.version
+        await channel.send(writer, channel.TableApplied(msg.version))
+
+    async def _follow(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stop: asyncio.Event
+    ) -> None:
+        while (msg := await channel.receive(reader)) is not None:
+            if isinstance(msg, channel.ModelTable):
+                await self._apply_and_ack(msg, writer)
+        if not stop.is_set():
+            log.error("frontend %d: the supervisor went away; closing the listeners", self.index)
+            self._orphaned = True
+            stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        reader, writer = await asyncio.open_unix_connection(sock=self._control)
+        # The supervisor sends the model table right after the start message. Apply it (connect
+        # to every worker it lists as ready) before joining the shared ports: the kernel hands a
+        # listening frontend connections at once, and a restarted frontend that listened first
+        # would answer them 503 LOADING while the other frontends could have served them.
+        first = await channel.receive(reader)
+        if isinstance(first, channel.ModelTable):
+            await self._apply_and_ack(first, writer)
+        # The long-lived heap (grpc, starlette, the adapters) is built: without freezing it, every
+        # full collection walks it while requests wait.
+        gc.collect()
+        gc.freeze()
+        await self.grpc.start()
+        http_socket = reuseport_listener(self._http_host, self._http_port)
+        http_task = asyncio.create_task(self.http.serve(sockets=[http_socket]))
+        while not self.http.started:
+            if http_task.done():
+                http_task.result()
+                raise OSError("the HTTP inference listener stopped during start-up")
+            await asyncio.sleep(0.005)
+        await channel.send(writer, channel.Listening(os.getpid()))
+        log.info("frontend %d (pid %d) listening", self.index, os.getpid())
+        follower = asyncio.create_task(self._follow(reader, writer, stop))
+        await stop.wait()
+        await self._drain(http_task, writer)
+        follower.cancel()
+        writer.close()
+        return 0
+
+    async def _drain(self, http_task: asyncio.Task[None], writer: asyncio.StreamWriter) -> None:
+        """The ordered drain: not ready, refuse new calls, answer every accepted one, close.
+
+        A call is accepted when its head is in (HTTP) or its metadata (gRPC), before the drain:
+        one still receiving a large body is answered too. New calls are refused, unread, with
+        503 + `Connection: close` or UNAVAILABLE for `refuse_seconds`, so load balancers see
+        the frontend leave; then the listeners close, each waiting for the calls it accepted
+        (uvicorn for its requests, grpc's server.stop for its calls), and only then do the
+        batchers stop and the accounting go to the supervisor: it covers every accepted call.
+        """
+        dp, cfg = self.dataplane, self.cfg
+        deadline = time.monotonic() + cfg.grace_seconds
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        dp.start_draining()
+        await self.grpc.set_not_serving()
+        if not self._orphaned:  # an orphan's ports must go at once: a new server may take them
+            await dp.wait_idle(cfg.grace_seconds)
+            await asyncio.sleep(min(cfg.refuse_seconds, left()))
+        self.http.should_exit = True
+        await asyncio.gather(
+            self.grpc.stop(grace=max(left(), MIN_GRPC_STOP_S)), http_task, return_exceptions=True
+        )
+        await dp.close(left())
+        log.info("drained: accepted=%d answered=%d ok=%d", dp.accepted, dp.answered, dp.answered_ok)
+        with contextlib.suppress(OSError, ConnectionError):
+            await channel.send(writer, channel.Drained(dp.accepted, dp.answered, dp.answered_ok))
+
+
+async def _run(init: channel.FrontendInit, control: socket.socket, records: RecordPipe | None = None) -> int:
+    if records is not None:
+        records.attach(asyncio.get_running_loop())  # written once per loop turn from now on
+    # Built inside the running loop: grpc.aio servers belong to the loop they are created in.
+    return await Frontend(init, control).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parent_death.arm_from_env()
+    parser = argparse.ArgumentParser(prog="mariner.server.frontend.main")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--log-fd", type=int, help="the record pipe to the supervisor (TorchServe's logs)")
+    args = parser.parse_args(argv)
+    control = socket.socket(fileno=args.control_fd)
+    try:
+        init = channel.receive_blocking(control)
+    except PeerRefused as exc:
+        print(f"frontend: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(init, channel.FrontendInit):
+        print("frontend: no start message from the supervisor", file=sys.stderr)
+        return 2
+    setup_logging(init.cfg.log_level)
+    records = RecordPipe(args.log_fd) if args.log_fd is not None else None
+    if records is not None:  # TorchServe's log lines and this process's log records, to the supervisor
+        ts_emit.set_target(records.put_fields)
+        logging.getLogger().addHandler(ts_emit.ServerRecords(f"frontend-{init.index}"))
+    control.setblocking(False)
+    try:
+        return event_loop.run(_run(init, control, records))
+    except (ServingError, OSError, RuntimeError) as exc:
+        logging.getLogger("mariner").error(
+            "frontend %d cannot start: %s", init.index, getattr(exc, "message", exc)
+        )
+        return 2
+    finally:
+        if records is not None:
+            records.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Wire protocols: adapters that translate gRPC/HTTP messages to the contracts' types and back."""

@@ -1,1 +1,0 @@
-"""Wire protocols: adapters that translate gRPC/HTTP messages to the core's types and back."""
