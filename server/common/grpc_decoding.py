@@ -26,12 +26,13 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 
 from mariner.server.common.batch_policy import CALLER
+from mariner.server.common.grpc_status import abort, grpc_code
 from mariner.server.common.held_bytes import HeldBytes
-from mariner.server.contracts.errors import RETRY_AFTER_SECONDS, STATUS, Code, ServingError, abort
+from mariner.server.contracts.errors import RETRY_AFTER_SECONDS, Code, ServingError
 
 RETRY_AFTER_HEADER = "retry-after"
 
-_INVALID = STATUS[Code.INVALID_ARGUMENT].grpc
+_INVALID = grpc_code(Code.INVALID_ARGUMENT)
 
 
 class _Undecodable:

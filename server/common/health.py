@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mariner.server.common.grpc_status import grpc_code
 from mariner.server.common.http_common import NOT_READY_STATUS, json_response
-from mariner.server.contracts.errors import STATUS, Code
+from mariner.server.contracts.errors import Code
 
 # Concurrent Watch streams per health servicer (one per process). Probes use Check; a few load
 # balancers watch.
@@ -79,7 +80,7 @@ class GrpcHealth(health_aio.HealthServicer):
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
         if self.watchers >= self.max_watchers:
             await context.abort(
-                STATUS[Code.RESOURCE_EXHAUSTED].grpc,
+                grpc_code(Code.RESOURCE_EXHAUSTED),
                 f"at most {self.max_watchers} health Watch streams at a time: use Check, or retry later",
             )
         self.watchers += 1

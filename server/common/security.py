@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from mariner.server.common.grpc_status import grpc_code
 from mariner.server.contracts.errors import STATUS, TORCHSERVE_TYPES, Code, ServingError
 from mariner.server.contracts.worker_wire import CREDENTIAL_HEADERS
 
@@ -140,7 +141,7 @@ MARINER_REFUSAL = Refusal(
     error_body(
         STATUS[Code.UNAUTHENTICATED].http, TORCHSERVE_TYPES[Code.UNAUTHENTICATED], UNAUTHENTICATED_MESSAGE
     ),
-    STATUS[Code.UNAUTHENTICATED].grpc,
+    grpc_code(Code.UNAUTHENTICATED),
     UNAUTHENTICATED_MESSAGE,
 )
 # TorchServe's token authorization: what TorchServe 0.12 answers (InvalidKeyException is one of

@@ -18,8 +18,9 @@ import grpc
 from google.protobuf import json_format
 
 from mariner.server.common import triton_ext
+from mariner.server.common.grpc_status import abort
 from mariner.server.common.triton_ext_http import MANAGEMENT_ONLY
-from mariner.server.contracts.errors import Code, ServingError, abort, as_serving_error
+from mariner.server.contracts.errors import Code, ServingError, as_serving_error
 from mariner.server.protogen import stubs_missing
 
 try:

@@ -1,5 +1,8 @@
 """One error type for the whole server, mapped to gRPC and HTTP status in exactly one place.
 
+The table names gRPC statuses without importing grpc (`common.grpc_status` makes them grpc's),
+so a worker, which speaks no gRPC, needs no grpc.
+
 Transports never invent status codes: they catch `ServingError` and ask this table. Anything
 else that escapes is turned into INTERNAL with a sanitized message (never a traceback, never
 gRPC UNKNOWN).
@@ -9,9 +12,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NoReturn
-
-import grpc
 
 
 class Code(enum.Enum):
@@ -45,22 +45,22 @@ class TorchServeAnswer:
 
 @dataclass(frozen=True)
 class StatusPair:
-    grpc: grpc.StatusCode
+    grpc: str  # the grpc.StatusCode's name (common.grpc_status.grpc_code turns it into one)
     http: int
 
 
 STATUS: dict[Code, StatusPair] = {
-    Code.INVALID_ARGUMENT: StatusPair(grpc.StatusCode.INVALID_ARGUMENT, 400),
-    Code.NOT_FOUND: StatusPair(grpc.StatusCode.NOT_FOUND, 404),
-    Code.UNAVAILABLE: StatusPair(grpc.StatusCode.UNAVAILABLE, 503),
-    Code.RESOURCE_EXHAUSTED: StatusPair(grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
-    Code.DEADLINE_EXCEEDED: StatusPair(grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    Code.UNAUTHENTICATED: StatusPair(grpc.StatusCode.UNAUTHENTICATED, 401),
-    Code.UNIMPLEMENTED: StatusPair(grpc.StatusCode.UNIMPLEMENTED, 501),
-    Code.PERMISSION_DENIED: StatusPair(grpc.StatusCode.PERMISSION_DENIED, 403),
-    Code.ALREADY_EXISTS: StatusPair(grpc.StatusCode.ALREADY_EXISTS, 409),
-    Code.CANCELLED: StatusPair(grpc.StatusCode.CANCELLED, 499),
-    Code.INTERNAL: StatusPair(grpc.StatusCode.INTERNAL, 500),
+    Code.INVALID_ARGUMENT: StatusPair("INVALID_ARGUMENT", 400),
+    Code.NOT_FOUND: StatusPair("NOT_FOUND", 404),
+    Code.UNAVAILABLE: StatusPair("UNAVAILABLE", 503),
+    Code.RESOURCE_EXHAUSTED: StatusPair("RESOURCE_EXHAUSTED", 503),
+    Code.DEADLINE_EXCEEDED: StatusPair("DEADLINE_EXCEEDED", 504),
+    Code.UNAUTHENTICATED: StatusPair("UNAUTHENTICATED", 401),
+    Code.UNIMPLEMENTED: StatusPair("UNIMPLEMENTED", 501),
+    Code.PERMISSION_DENIED: StatusPair("PERMISSION_DENIED", 403),
+    Code.ALREADY_EXISTS: StatusPair("ALREADY_EXISTS", 409),
+    Code.CANCELLED: StatusPair("CANCELLED", 499),
+    Code.INTERNAL: StatusPair("INTERNAL", 500),
 }
 
 # TorchServe's exception class names (its error bodies' `type`) for each code.
@@ -109,10 +109,6 @@ class ServingError(Exception):
         self.torchserve = torchserve
 
     @property
-    def grpc_status(self) -> grpc.StatusCode:
-        return STATUS[self.code].grpc
-
-    @property
     def http_status(self) -> int:
         return STATUS[self.code].http
 
@@ -135,31 +131,6 @@ def torchserve_answer(err: ServingError) -> TorchServeAnswer:
     return TorchServeAnswer(STATUS[err.code].http, TORCHSERVE_TYPES[err.code], err.message)
 
 
-_TS_GRPC = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    409: grpc.StatusCode.ABORTED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    416: grpc.StatusCode.OUT_OF_RANGE,
-    499: grpc.StatusCode.CANCELLED,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-    501: grpc.StatusCode.UNIMPLEMENTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
-
-
-def torchserve_grpc(answer: TorchServeAnswer) -> tuple[grpc.StatusCode, str]:
-    """A TorchServe answer as its gRPC frontend sends it (`GRPCUtils.getGRPCStatusCode`, the
-    description augmented with the exception's Java class name on a second line)."""
-    status = _TS_GRPC.get(
-        answer.status, grpc.StatusCode.OK if 200 <= answer.status < 300 else grpc.StatusCode.INTERNAL
-    )
-    return status, f"{answer.message}\norg.pytorch.serve.http.{answer.type}"
-
-
 def internal(what: str) -> ServingError:
     """Sanitized INTERNAL: names the stage that failed, never the exception text or traceback."""
     return ServingError(Code.INTERNAL, f"internal error while {what}; see the server log")
@@ -167,15 +138,6 @@ def internal(what: str) -> ServingError:
 
 def as_serving_error(exc: BaseException, what: str) -> ServingError:
     return exc if isinstance(exc, ServingError) else internal(what)
-
-
-async def abort(context: grpc.aio.ServicerContext, error: ServingError, details: str = "") -> NoReturn:
-    """End a gRPC call with `error`'s status (`details` replaces its message when given).
-
-    Typed NoReturn: grpc.aio's `context.abort` always raises, so callers need no dead code after it.
-    """
-    await context.abort(error.grpc_status, details or error.message)
-    raise AssertionError("grpc.aio's ServicerContext.abort returned instead of raising")
 
 
 class CallerGone(Exception):

@@ -10,13 +10,8 @@ from typing import Any
 import pytest
 
 from mariner.server.common.archive import ModelArchive
-from mariner.server.contracts.errors import (
-    Code,
-    ServingError,
-    TorchServeAnswer,
-    torchserve_answer,
-    torchserve_grpc,
-)
+from mariner.server.common.grpc_status import torchserve_grpc
+from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer, torchserve_answer
 from mariner.server.contracts.types import InferRequest, WireProtocol
 from mariner.server.worker.entry_point import load_entry_point
 from mariner.server.worker.runner import ModelHost, Placement

@@ -16,8 +16,9 @@ from typing import Protocol
 
 import grpc
 
+from mariner.server.common.grpc_status import grpc_code
 from mariner.server.common.security import HEALTH_METHOD_PREFIX, refusing_handler
-from mariner.server.contracts.errors import STATUS, Code
+from mariner.server.contracts.errors import Code
 
 DRAINING_MESSAGE = "server is shutting down; retry on another replica"
 # Services answered while draining: health (probes read NOT_SERVING) and server reflection.
@@ -37,7 +38,7 @@ class GrpcDrainGate(grpc.aio.ServerInterceptor):
 
     def __init__(self, plane: Admitting) -> None:
         self._plane = plane
-        self._code = STATUS[Code.UNAVAILABLE].grpc
+        self._code = grpc_code(Code.UNAVAILABLE)
 
     async def intercept_service(
         self,

@@ -14,7 +14,8 @@ from typing import Any
 
 import grpc
 
-from mariner.server.contracts.errors import STATUS, Code, ServingError, abort, internal
+from mariner.server.common.grpc_status import abort, grpc_code
+from mariner.server.contracts.errors import Code, ServingError, internal
 from mariner.server.frontend.protocols.grpc_admission import DRAINING_MESSAGE
 from mariner.server.frontend.protocols.stream_pipeline import Ending, StreamPipeline
 
@@ -27,4 +28,4 @@ async def end_stream(context: grpc.aio.ServicerContext, pipe: StreamPipeline[Any
         failure = pipe.failure
         if isinstance(failure, ServingError):
             await abort(context, failure)
-        await context.abort(STATUS[Code.INTERNAL].grpc, internal("reading the request stream").message)
+        await context.abort(grpc_code(Code.INTERNAL), internal("reading the request stream").message)

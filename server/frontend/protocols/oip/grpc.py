@@ -34,8 +34,9 @@ import numpy as np
 from mariner.server.common import oip_codec as oip
 from mariner.server.common import triton_ext_grpc as ext
 from mariner.server.common.grpc_decoding import message_bytes, register, shallow_class
+from mariner.server.common.grpc_status import abort
 from mariner.server.common.held_bytes import HeldBytes
-from mariner.server.contracts.errors import Code, abort, as_serving_error, internal
+from mariner.server.contracts.errors import Code, as_serving_error, internal
 from mariner.server.contracts.tensors import CONTENTS_FIELD, ModelSignature, bad, decode_raw, encode_raw
 from mariner.server.contracts.types import WireProtocol
 from mariner.server.frontend.protocols.call import Failed, Infer, Ok, run_call

@@ -30,18 +30,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 
 from mariner.server.common.grpc_decoding import message_bytes, register, shallow_class
+from mariner.server.common.grpc_status import abort, torchserve_grpc
 from mariner.server.common.handler_status import answer_text
 from mariner.server.common.held_bytes import HeldBytes
 from mariner.server.common.request_ids import new_request_id
 from mariner.server.common.security import HIDDEN_FROM_HANDLERS
-from mariner.server.contracts.errors import (
-    HANDLER_EXCEPTION,
-    Code,
-    ServingError,
-    abort,
-    internal,
-    torchserve_grpc,
-)
+from mariner.server.contracts.errors import HANDLER_EXCEPTION, Code, ServingError, internal
 from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, WireProtocol
 from mariner.server.frontend.protocols.call import Failed, Infer, run_call
 from mariner.server.frontend.protocols.grpc_stream import end_stream

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from mariner.server.common.grpc_status import grpc_code, torchserve_grpc
 from mariner.server.common.handler_status import answer_text
 from mariner.server.contracts.errors import (
     HANDLER_EXCEPTION,
@@ -44,7 +45,6 @@ from mariner.server.contracts.errors import (
     ServingError,
     TorchServeAnswer,
     torchserve_answer,
-    torchserve_grpc,
 )
 from mariner.server.contracts.types import InferResult
 from mariner.server.protogen import stubs_missing
@@ -142,4 +142,6 @@ def in_stream_status(error: ServingError, answer: InferResult | None = None) -> 
     if ts is not None and ts.type == HANDLER_EXCEPTION:
         code, _ = torchserve_grpc(ts)
         return status(code, ts.message, HANDLER_REASON)
-    return status(error.grpc_status, error.message, f"org.pytorch.serve.http.{torchserve_answer(error).type}")
+    return status(
+        grpc_code(error.code), error.message, f"org.pytorch.serve.http.{torchserve_answer(error).type}"
+    )
