@@ -112,9 +112,9 @@ def mariner_app() -> Any:
     """The frontend's inference app over a real DataPlane whose one model answers in-process."""
     from mariner.server.common.metrics import Metrics, MetricsConfig
     from mariner.server.common.model_settings import ModelSettings
-    from mariner.server.common.models import ModelSource
     from mariner.server.common.security import HttpTokenAuth, load_tokens
     from mariner.server.contracts.types import InferRequest, InferResult, ModelState
+    from mariner.server.contracts.worker_api import ModelEntry
     from mariner.server.frontend.dataplane import DataPlane
     from mariner.server.frontend.endpoint import ModelEndpoint
     from mariner.server.frontend.protocols.http_drain import DrainAware
@@ -128,19 +128,15 @@ def mariner_app() -> Any:
         async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
             return [InferResult(body=ANSWER, model_version="1.0") for _ in requests]
 
-    class InProcess(ModelEndpoint):
-        async def replace_runner(self, old: Any, reason: str) -> None:
-            return None
-
     cfg = ServerConfig()
     metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
     plane = DataPlane(metrics)
-    source = ModelSource(f"{MODEL}.mar", "ab" * 32, "handler.py", True)
     settings = ModelSettings(batch_size=8, max_batch_delay_ms=0.0)
-    endpoint = InProcess(MODEL, "1.0", source, settings, None, metrics)
+    entry = ModelEntry(MODEL, "1.0", f"{MODEL}.mar", "ab" * 32, ".", {}, {}, settings, True, True)
+    endpoint = ModelEndpoint(entry, metrics)
     plane.install_endpoint(endpoint)
     plane.set_default(MODEL, "1.0")
-    endpoint._start_batcher([Answering()])  # noqa: SLF001 - the subclass hook a frontend uses
+    endpoint._start_batcher([Answering()])  # noqa: SLF001 - an in-process runner instead of a worker's connection
     endpoint.state = ModelState.READY
     app = inference_app(plane, max_body_bytes=cfg.max_request_bytes)
     return DrainAware(HttpTokenAuth(app, load_tokens(None, None)), plane)

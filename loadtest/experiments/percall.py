@@ -69,8 +69,8 @@ def _plane() -> Any:
     """A DataPlane with one ready digits endpoint whose runner answers at once."""
     from mariner.server.common.metrics import Metrics
     from mariner.server.common.model_settings import ModelSettings
-    from mariner.server.common.models import ModelSource
     from mariner.server.contracts.types import InferRequest, InferResult, ModelState
+    from mariner.server.contracts.worker_api import ModelEntry
     from mariner.server.frontend.dataplane import DataPlane
     from mariner.server.frontend.endpoint import ModelEndpoint
 
@@ -81,17 +81,13 @@ def _plane() -> Any:
             await asyncio.sleep(0)  # one loop turn, as an answer from a worker would take
             return [InferResult(body=ANSWER, model_version="1") for _ in requests]
 
-    class Endpoint(ModelEndpoint):
-        def start(self) -> None:
-            self._start_batcher([Instant()])
-            self.state = ModelState.READY
-
     metrics = Metrics()
     plane = DataPlane(metrics)
-    source = ModelSource(archive_file="digits.mar", sha256="00" * 32, handler="handler.py")
     settings = ModelSettings(batch_size=BATCH, max_batch_delay_ms=5.0)
-    ep = Endpoint("digits", "1", source, settings, None, metrics)
-    ep.start()
+    entry = ModelEntry("digits", "1", "digits.mar", "00" * 32, ".", {}, {}, settings, True, True)
+    ep = ModelEndpoint(entry, metrics)
+    ep._start_batcher([Instant()])  # noqa: SLF001 - an in-process runner instead of a worker's connection
+    ep.state = ModelState.READY
     plane.install_endpoint(ep)
     return plane
 

@@ -28,18 +28,9 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from mariner.server.common import control_channel as channel
 from mariner.server.common import event_loop, parent_death
-from mariner.server.common.batch_policy import (
-    ASYNC_BATCHES_PER_RUNNER,
-    BatchRunner,
-    RunnerRetired,
-    async_communication,
-    max_batch_bytes,
-)
 from mariner.server.common.connection_budget import frontend_budget
 from mariner.server.common.grpc_server import GrpcLimits
 from mariner.server.common.held_bytes import MIB, HeldBytes, HeldLimits
@@ -53,19 +44,13 @@ from mariner.server.common.listeners import (
 )
 from mariner.server.common.logs import setup_logging
 from mariner.server.common.metrics import Metrics, MetricsConfig
-from mariner.server.common.models import ModelSource
 from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
-from mariner.server.common.token_cost import token_counter_or_none
 from mariner.server.compat.torchserve.logs import emit as ts_emit
-from mariner.server.compat.torchserve.logs import words
 from mariner.server.compat.torchserve.logs.access import HttpAccessLog, grpc_access_log
 from mariner.server.compat.torchserve.logs.records import RecordPipe
 from mariner.server.compat.torchserve.tokens import KeyCheck
 from mariner.server.contracts.errors import ServingError
 from mariner.server.contracts.peer import PeerRefused
-from mariner.server.contracts.tensors import ModelSignature
-from mariner.server.contracts.types import InferRequest, InferResult, ModelState, WorkerInfo
-from mariner.server.contracts.worker_api import ModelEntry, WorkerEndpoint
 from mariner.server.contracts.workflow_dag import WorkflowTable
 from mariner.server.frontend.dataplane import DataPlane
 from mariner.server.frontend.endpoint import ModelEndpoint
@@ -79,192 +64,6 @@ log = logging.getLogger("mariner.frontend")
 # The least time grpc's server.stop gets to end the calls it still has once the grace period is
 # spent (their clients are then told CANCELLED).
 MIN_GRPC_STOP_S = 2.0
-
-
-class _Worker:
-    """One connection to one worker process (one generation of one instance), as a BatchRunner.
-
-    Counts the batches running (several at once for asyncCommunication) so that a retired
-    connection closes only once they have their answers.
-    """
-
-    def __init__(self, endpoint: WorkerEndpoint, conn: Any) -> None:
-        self.endpoint = endpoint
-        self.conn = conn
-        self.id = endpoint.id
-        self.instance = endpoint.instance
-        self.generation = endpoint.generation
-        self.busy = 0
-        self.retired = False
-        self.batches = 0
-
-    @property
-    def status(self) -> str:
-        return "STOPPED" if self.retired else "READY"
-
-    async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
-        if self.retired:  # retired while the batcher held it: the batch goes to another worker
-            raise RunnerRetired(f"worker {self.id} was retired before it took the batch")
-        self.busy += 1
-        try:
-            results = await self.conn.run(requests)
-            self.batches += 1
-            return results
-        finally:
-            self.busy -= 1
-            if self.retired and not self.busy:
-                self.conn.close()
-
-    def retire(self) -> None:
-        self.retired = True
-        if not self.busy:
-            self.conn.close()
-
-    def abandon(self) -> None:
-        self.retired = True
-        self.conn.abandon()
-
-
-class RemoteEndpoint(ModelEndpoint):
-    """A model version whose instances are worker processes the supervisor runs.
-
-    Built by `from_entry` from the supervisor's table entry: the supervisor already checked the
-    archive and resolved the settings once. Its runners are connections to the workers the
-    table lists as ready; the supervisor starts and restarts those workers, so a failed one is
-    only let go here. Inference, deadlines and admission are ModelEndpoint's own.
-    """
-
-    def __init__(
-        self,
-        entry: ModelEntry,
-        source: ModelSource,
-        signature: ModelSignature | None,
-        metrics: Metrics,
-    ) -> None:
-        concurrent = async_communication(entry.model_config)
-        if isinstance(concurrent, str):  # TorchServe warns and ignores a value that is not a boolean
-            log.warning("model %s version %s: %s", entry.name, entry.version, concurrent)
-        super().__init__(
-            entry.name,
-            entry.version,
-            source,
-            entry.settings,
-            signature,
-            metrics,
-            runner_concurrency=ASYNC_BATCHES_PER_RUNNER if concurrent is True else 1,
-            envelope=entry.manifest.get("model", {}).get("envelope") or None,
-        )
-        self.entry = entry
-        self.token_counter = token_counter_or_none(
-            entry.model_config, entry.archive_file, Path(entry.model_dir)
-        )
-        # Checked when the supervisor opened the archive, which refuses a bad value.
-        self.policy = dataclasses.replace(
-            self.policy, max_batch_bytes=max_batch_bytes(entry.model_config, entry.archive_file)
-        )
-        self._workers: dict[int, _Worker] = {}  # instance -> its live connection, in the batcher
-        self._ever_ready = False
-        self._timeouts = 0  # batches past responseTimeout since one last came back (TorchServe counts them)
-        self._t0 = time.perf_counter()
-
-    @classmethod
-    def from_entry(cls, entry: ModelEntry, metrics: Metrics) -> RemoteEndpoint:
-        """An endpoint with no worker yet: `update` connects the ones the table lists as ready."""
-        handler = str(entry.manifest.get("model", {}).get("handler", ""))
-        source = ModelSource(entry.archive_file, entry.sha256, handler, entry.loaded_at_startup)
-        signature = ModelSignature.from_config(entry.model_config.get("signature"))
-        return cls(entry, source, signature, metrics)
-
-    def _set_state(self) -> None:
-        if self.state is ModelState.STOPPING:
-            return
-        ready = bool(self._workers)
-        if ready:
-            self.state = ModelState.READY
-            self._ever_ready = True
-        elif self.entry.error is not None:  # a refused archive, or workers that cannot start
-            self.state = ModelState.FAILED
-        elif not self.entry.workers and self.entry.settings.min_workers == 0:
-            self.state = ModelState.NO_WORKERS  # registered or scaled to no worker, on purpose
-        else:
-            self.state = ModelState.RESTARTING if self._ever_ready else ModelState.LOADING
-        self._set_ready(ready)
-
-    async def update(self, entry: ModelEntry) -> None:
-        """Follow the supervisor's table: connect new workers, retire the ones that are gone."""
-        from mariner.server.frontend.worker_client import WorkerConnection
-
-        self.entry = entry
-        ready = {w.instance: w for w in entry.workers if w.status == "READY"}
-        for instance, current in list(self._workers.items()):
-            want = ready.get(instance)
-            if want is None or want.id != current.id or want.pid != current.endpoint.pid:
-                self._retire(current)
-        for instance, endpoint in ready.items():
-            if instance in self._workers:
-                continue
-            conn = WorkerConnection(endpoint, batch_size=self.batch_size, on_oom=self._oom.inc)
-            try:
-                await conn.start()
-            except Exception as exc:  # the worker died since the table was sent: a later table says so
-                log.warning("cannot connect to worker %s (pid %d): %s", endpoint.id, endpoint.pid, exc)
-                continue
-            w = _Worker(endpoint, conn)
-            self._workers[instance] = w
-            self.runners.append(w)
-            self._ready_since[w.id] = endpoint.start_time or time.time()
-            if self.batcher is None:
-                self._start_batcher([w])
-                self.load_seconds = time.perf_counter() - self._t0
-            else:
-                self.batcher.add_runner(w)
-        self._set_state()
-
-    def _retire(self, w: _Worker) -> None:
-        if self._workers.get(w.instance) is w:
-            del self._workers[w.instance]
-        if w in self.runners:
-            self.runners.remove(w)
-            if self.batcher is not None and not w.retired:
-                self.batcher.retire_runner(w)
-        w.retire()
-
-    async def replace_runner(self, old: BatchRunner, reason: str) -> None:
-        """A worker failed or hung on a batch: let it go (SIGKILL when hung). The supervisor
-        restarts it and its next table brings the new worker, so nothing is returned here."""
-        assert isinstance(old, _Worker)
-        if self._workers.get(old.instance) is old:
-            del self._workers[old.instance]
-        if old in self.runners:
-            self.runners.remove(old)
-        if reason == "hung":
-            old.abandon()  # no thread and no CPU are left behind: the process goes
-            # TorchServe's words for it (its WorkerThread's), counted since a batch last came back.
-            self._timeouts = 1 if old.batches else self._timeouts + 1
-            words.worker_timed_out(old.endpoint.ts_name or old.id, self._timeouts)
-        else:
-            old.retire()
-        self._metrics.instance_restarts.labels(self.name, self.version, reason).inc()
-        self._set_state()
-        return
-
-    async def close(self, timeout: float | None) -> None:
-        await super().close(timeout)
-        for w in list(self._workers.values()):
-            w.retire()
-        self._workers.clear()
-
-    def _worker_info(self, runner: Any) -> WorkerInfo:
-        # The worker's memory is the supervisor's to report (management is served there).
-        w = runner
-        return WorkerInfo(
-            w.id,
-            w.endpoint.device,
-            w.status,
-            w.batches,
-            pid=w.endpoint.pid,
-            started_at=self._ready_since.get(w.id),
-        )
 
 
 class Frontend:
@@ -335,9 +134,9 @@ class Frontend:
         for e in table.entries:
             ep = dp.endpoint(e.name, e.version)
             if ep is None:
-                ep = RemoteEndpoint.from_entry(e, self.metrics)
+                ep = ModelEndpoint(e, self.metrics)
                 dp.install_endpoint(ep)
-            assert isinstance(ep, RemoteEndpoint)
+            assert isinstance(ep, ModelEndpoint)
             await ep.update(e)
             if e.is_default:
                 dp.set_default(e.name, e.version)

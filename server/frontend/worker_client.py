@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from mariner.server.common.batch_policy import InstanceFailed
+from mariner.server.common.batch_policy import InstanceFailed, RunnerRetired
 from mariner.server.common.child_process import kill_worker
 from mariner.server.contracts import worker_wire as protocol
 from mariner.server.contracts.errors import STATUS, Code, ServingError, TorchServeAnswer
@@ -88,10 +88,13 @@ class _Collected:
 
 
 class WorkerConnection:
-    """One worker as a `BatchRunner`: `run()` sends a batch on the worker's socket and awaits it.
+    """One worker process (one generation of one instance) as a `BatchRunner`: `run()` sends a
+    batch on the worker's socket and awaits it.
 
     `on_oom(n)` is called with the out-of-memory splits the worker reports, so the frontend
-    counts them (`mariner_oom_batch_splits_total`).
+    counts them (`mariner_oom_batch_splits_total`). It counts the batches running (several at
+    once for asyncCommunication) so that a retired connection (its worker gone from the
+    supervisor's table) closes only once they have their answers.
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class WorkerConnection:
         self.batch_size = batch_size
         self.status = "LOADING"
         self.batches = 0
+        self.busy = 0  # batches running on it now
+        self.retired = False  # gone from the table: it takes no new batch and closes once idle
         self.load_seconds = endpoint.load_seconds
         self._on_oom = on_oom
         self._ids = itertools.count()
@@ -152,8 +157,26 @@ class WorkerConnection:
         self.status = "READY"
 
     async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
-        """Run one batch on the worker; raises ServingError for a whole-batch failure and
-        InstanceFailed when the worker is gone."""
+        """Run one batch on the worker; raises ServingError for a whole-batch failure,
+        InstanceFailed when the worker is gone and RunnerRetired when it was retired while the
+        batcher held it (the batch then goes to another worker)."""
+        if self.retired:
+            raise RunnerRetired(f"worker {self.id} was retired before it took the batch")
+        self.busy += 1
+        try:
+            return await self._run(requests)
+        finally:
+            self.busy -= 1
+            if self.retired and not self.busy:
+                self.close()
+
+    def retire(self) -> None:
+        """Its worker left the supervisor's table: close now, or once its running batches end."""
+        self.retired = True
+        if not self.busy:
+            self.close()
+
+    async def _run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
         if self.status != "READY" or self._writer is None:
             raise InstanceFailed(
                 f"worker {self.id} (pid {self.pid}) is {self.status}", error=worker_died(self.pid)
@@ -180,7 +203,6 @@ class WorkerConnection:
             self._progress.pop(batch_id, None)
             self._sent.discard(self._segments.pop(batch_id, ()))
             collected = self._take_collected(batch_id) if self._collected else None
-        self.batches += 1
         if result.oom_splits and self._on_oom is not None:
             self._on_oom(result.oom_splits)
         if result.error is not None:
@@ -193,6 +215,7 @@ class WorkerConnection:
                 result.error.message,
                 torchserve=None if ts is None else TorchServeAnswer(*ts),
             )
+        self.batches += 1  # batches answered (describe's count; the hung-batch count of TorchServe's line)
         if collected:
             results = list(result.results)
             for index, parts in collected.items():
@@ -268,6 +291,7 @@ class WorkerConnection:
 
     def abandon(self) -> None:
         """The hung-batch path: SIGKILL the worker now (no thread, no CPU left behind) and close."""
+        self.retired = True
         kill_worker(self.pid)
         self.close(status="FAILED")
 

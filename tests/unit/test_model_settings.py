@@ -32,7 +32,7 @@ from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, InferResult, ModelState, WireProtocol
 from mariner.server.frontend.batcher import Batcher
 from mariner.server.frontend.dataplane import DataPlane
-from mariner.server.frontend.main import RemoteEndpoint
+from mariner.server.frontend.endpoint import ModelEndpoint
 from mariner.server.supervisor.registry import ModelRegistry
 
 pytestmark = pytest.mark.unit
@@ -305,10 +305,10 @@ def registry(tmp_path: Path, config: str, **settings: Any) -> ModelRegistry:
     return ModelRegistry(cfg, tmp_path / "work", tmp_path, QuietMetrics(), changed)
 
 
-def frontend_endpoint(reg: ModelRegistry) -> RemoteEndpoint:
+def frontend_endpoint(reg: ModelRegistry) -> ModelEndpoint:
     """The endpoint a frontend builds from the registry's model table entry."""
     (entry,) = reg.table()
-    return RemoteEndpoint.from_entry(entry, QuietMetrics())
+    return ModelEndpoint(entry, QuietMetrics())
 
 
 # deviceType cpu keeps torch (asked whether CUDA exists) out of a unit test.
