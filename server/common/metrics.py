@@ -24,6 +24,8 @@ from mariner.server.common.deferred_metrics import (
 )
 from mariner.server.compat.torchserve import exposition as ts_exposition
 from mariner.server.compat.torchserve import metrics as ts_metrics
+from mariner.server.compat.torchserve.frontend_metrics import TsFrontendMetrics
+from mariner.server.compat.torchserve.system_metrics import SystemMetrics
 
 # prometheus_client's multiprocess mode: every process writes its samples to files in this dir,
 # and the supervisor's /metrics merges them. It must be set before prometheus_client is imported.
@@ -135,7 +137,7 @@ class Metrics:
         )
         self.gpu_memory_bytes = gpu_memory_gauge(self.registry)
         # TorchServe's names beside ours (see ts_metrics), fed from the same measurements.
-        self.ts = ts_metrics.TsFrontendMetrics(self.registry)
+        self.ts = TsFrontendMetrics(self.registry)
         self._call_children: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
 
     def call_children(self, model: str, version: str, protocol: str, code: str) -> tuple[Any, Any]:
@@ -165,10 +167,6 @@ class Metrics:
             return DeferredCounter(child)
         raise TypeError(f"cannot defer the writes of {type(child).__name__}")
 
-    def render(self) -> bytes:
-        """This process's samples (a frontend's own view)."""
-        return self.exposition()[0]
-
     def exposition(self, accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
         """This process's samples, handler metrics and host metrics included, in the format
         `accept` asks for (OpenMetrics or Prometheus text), restricted to `names` if any."""
@@ -178,7 +176,7 @@ class Metrics:
 
         spec = self.ts.spec
         families = [*self.registry.collect(), *handler_registry().collect()]
-        families.extend(ts_metrics.SystemMetrics(spec).collect())
+        families.extend(SystemMetrics(spec).collect())
         return encode(families, spec, accept, names)
 
     def _sample_gpu(self) -> None:
@@ -240,29 +238,22 @@ def encode(families: list[Any], spec: ts_metrics.TsMetricsSpec, accept: str | No
     return ts_exposition.text_exposition(exposed), content_type
 
 
-def render_multiprocess() -> bytes:
-    """Every process's samples merged (the supervisor's /metrics): counters and histograms are
-    summed over processes, gauges as their `multiprocess_mode` says (queue depth summed over the
-    live frontends, model readiness the max over live frontends)."""
-    return exposition_multiprocess()[0]
-
-
 def exposition_multiprocess(accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
-    """`render_multiprocess` in the negotiated format, restricted to `names` if any; the host
-    metrics are sampled here, by the process that serves /metrics."""
+    """Every process's samples merged (the supervisor's /metrics), in the negotiated format,
+    restricted to `names` if any: counters and histograms are summed over processes, gauges as
+    their `multiprocess_mode` says (queue depth summed over the live frontends, model readiness
+    the max over live frontends). The host metrics are sampled here, by the process that serves
+    /metrics."""
     from prometheus_client import multiprocess
 
     spec = ts_metrics.current_spec()
     families = list(multiprocess.MultiProcessCollector(None).collect())
-    families.extend(ts_metrics.SystemMetrics(spec).collect())
+    families.extend(SystemMetrics(spec).collect())
     return encode(families, spec, accept, names)
 
 
 class MultiprocessMetrics:
-    """What the /metrics app needs (`render`, `exposition`) over every process's samples."""
-
-    def render(self) -> bytes:
-        return render_multiprocess()
+    """What the /metrics app needs (`exposition`) over every process's samples."""
 
     def exposition(self, accept: str | None = None, names: Sequence[str] = ()) -> tuple[bytes, str]:
         return exposition_multiprocess(accept, names)

@@ -159,7 +159,7 @@ def test_supervisor_and_frontend_paths_never_initialise_cuda(
     import torch
 
     m = metrics.Metrics()
-    m.render()  # the single-process /metrics samples GPU memory only where CUDA is in use
+    m.exposition()  # a process's own samples include GPU memory only where CUDA is in use
     gauge = metrics.WorkerGpuGauge(0)  # a worker's gauge, outside multiprocess mode: no-op
     gauge.sample()
     pool(tmp_path)._gpu_for(version(tmp_path, "a"))

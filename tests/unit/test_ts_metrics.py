@@ -289,8 +289,8 @@ def test_handler_metrics_written_in_a_worker_process_reach_the_merged_metrics(tm
     for _ in range(2):  # two worker processes: counters add up
         subprocess.run([sys.executable, "-c", write], env=env, check=True, cwd=REPO)
     render = (
-        "from mariner.server.common.metrics import render_multiprocess\n"
-        "print(render_multiprocess().decode())\n"
+        "from mariner.server.common.metrics import exposition_multiprocess\n"
+        "print(exposition_multiprocess()[0].decode())\n"
     )
     text = subprocess.run(
         [sys.executable, "-c", render], env=env, check=True, cwd=REPO, capture_output=True, text=True
