@@ -59,7 +59,7 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
 def _serve(argv: Sequence[str]) -> int:
     """`mariner serve`: the supervisor, which starts the frontends and the model workers."""
     if "-h" in argv or "--help" in argv:
-        from mariner.server.common.config import build_parser
+        from mariner.server.common.config_flags import build_parser
 
         build_parser().parse_args(["--help"])
     from mariner.server.contracts.errors import ServingError
@@ -76,7 +76,8 @@ def _serve(argv: Sequence[str]) -> int:
 
 
 def _supervise(argv: Sequence[str]) -> int:
-    from mariner.server.common.config import frontend_count, load_config
+    from mariner.server.common.config import frontend_count
+    from mariner.server.common.config_loading import load_config
     from mariner.server.common.logs import setup_logging
     from mariner.server.contracts.errors import ServingError
 

@@ -29,7 +29,7 @@ def _no_snapshot_from_the_working_directory(monkeypatch: pytest.MonkeyPatch, tmp
     repository leaves snapshots there, and a test calling `load_config(argv, env={})` must not
     restore them: the working directory's default location reads as empty in tests, while an
     explicit LOG_LOCATION (the snapshot tests') is honoured."""
-    import mariner.server.common.config as config_module
+    import mariner.server.common.config_loading as config_module
 
     real = config_module.snapshot_dir
     empty = tmp_path_factory.mktemp("no-snapshots")

@@ -104,10 +104,11 @@ async def _drive(call: Callable[[int], Any], calls: int) -> None:
 
 def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
     from mariner.server.frontend.protocols.torchserve import grpc as ts_grpc
+    from mariner.server.frontend.protocols.torchserve import grpc_request as ts_request
 
     pb = ts_grpc.inference_pb2
     wire = pb.PredictionsRequest(model_name="digits", input={"data": BODY}).SerializeToString()
-    parse = ts_grpc.ShallowPredictionsRequest.FromString
+    parse = ts_request.ShallowPredictionsRequest.FromString
     context = _Context()
 
     def parse_only() -> float:
@@ -118,13 +119,13 @@ def servicer_pieces(calls: int, rounds: int) -> list[Piece]:
 
         def run() -> None:
             for _ in range(calls):
-                ts_grpc.to_infer_request(req, metadata=context.invocation_metadata(), time_remaining=None)
+                ts_request.to_infer_request(req, metadata=context.invocation_metadata(), time_remaining=None)
 
         return _cpu_per_call(calls, run)
 
     async def plane_and_batcher() -> float:
         plane = _plane()
-        req = ts_grpc.to_infer_request(parse(wire), metadata=(), time_remaining=None)
+        req = ts_request.to_infer_request(parse(wire), metadata=(), time_remaining=None)
 
         async def call(i: int) -> None:
             await plane.infer(req)

@@ -91,7 +91,8 @@ async def measure(
     from mariner.server.common.archive import open_archive
     from mariner.server.frontend.worker_client import WorkerConnection
     from mariner.server.supervisor.worker_process import WorkerProcess, worker_spec
-    from mariner.server.worker.runner import ModelHost, Placement
+    from mariner.server.worker.device import Placement
+    from mariner.server.worker.runner import ModelHost
 
     bodies = workload(family_of(archive_path.stem)).bodies
     with tempfile.TemporaryDirectory(prefix="worker-overhead-") as work:

@@ -13,15 +13,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from mariner.server.common.archive import ModelArchive
+from mariner.server.common.archive_settings import archive_overrides
 from mariner.server.common.batch_policy import max_batch_bytes
-from mariner.server.common.model_settings import (
+from mariner.server.common.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
+from mariner.server.common.settings_layers import (
     REGISTER_CALL,
     LayerSource,
-    ModelSettings,
     ServerLayers,
-    SettingsOverrides,
-    archive_overrides,
-    resolve_model_settings,
     worker_count_origin,
 )
 from mariner.server.common.token_cost import load_token_counter

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mariner.server.common.model_settings import TokenSettings, token_settings
+from mariner.server.common.archive_settings import TokenSettings, token_settings
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, TokenCost
 

@@ -12,27 +12,31 @@ Both ends are processes of the same server, on a socket in a private directory; 
 checks its peer's credentials (`peer.py`) before reading a frame. Frames are still loaded with
 `safe_pickle`, which builds only the protocol's value types: a peer that is not ours, or a
 handler's result that names a callable, fails that message instead of running code.
+
+The segments' own life (create, fill, take, unlink, what a connection still owns) is
+`shm_segments.py`; a describe call over this wire, `worker_describe.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import logging
 import os
 import pickle
 import struct
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 from mariner.server.contracts import safe_pickle
-from mariner.server.contracts.errors import Code, ServingError
-from mariner.server.contracts.peer import PeerRefused, check_peer
-from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.shm_segments import (
+    SentSegments,
+    ShmRef,
+    fill_segments,
+    fill_segments_off_loop,
+    take_segment,
+    unlink_segments,
+)
+from mariner.server.contracts.types import InferRequest, InferResult
 
 # Buffers this large or larger travel through shared memory instead of the socket.
 SHM_THRESHOLD = 256 * 1024
@@ -43,7 +47,6 @@ MAX_FRAME = 64 * 1024 * 1024
 SHM_PREFIX = "mrnr"
 
 _LEN = struct.Struct(">II")
-log = logging.getLogger("mariner.worker")
 
 INSTANCE_FAILED = "instance_failed"
 
@@ -101,12 +104,6 @@ class Partial:
     result: InferResult
 
 
-@dataclass(frozen=True)
-class ShmRef:
-    name: str
-    size: int
-
-
 class FrameError(Exception):
     """The peer sent something that is not a frame of this protocol (or one too large)."""
 
@@ -154,66 +151,9 @@ def _prepare(msg: Any) -> Any:
     return msg
 
 
-def _untrack(name: str) -> None:  # `name` as SharedMemory keeps it: with its leading "/"
-    # The creator hands the segment to the peer, which unlinks it: this process's resource
-    # tracker must not unlink it (or warn about it) when this process exits.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(name, "shared_memory")
-
-
-def _view(shm: shared_memory.SharedMemory) -> memoryview:
-    """The segment's bytes (typeshed types `buf` Optional: it is None only after close())."""
-    buf = shm.buf
-    if buf is None:
-        raise RuntimeError(f"shared memory {shm.name} is already closed")
-    return buf
-
-
-def _fill(name: str, view: memoryview) -> None:
-    """Create segment `name` holding `view`. Written with pwrite, which copies in the kernel with
-    the GIL released, so a thread can fill segments while the event loop goes on (`write_message`)."""
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, view.nbytes))
-    try:
-        _untrack(shm._name)  # type: ignore[attr-defined]  # private: the name with its leading "/"
-        fd: int = shm._fd  # type: ignore[attr-defined]  # private: the segment's descriptor
-        done = 0
-        while done < view.nbytes:
-            done += os.pwrite(fd, view[done:], done)
-    finally:
-        shm.close()
-
-
-def _fill_all(fills: Sequence[tuple[str, memoryview]]) -> None:
-    for name, view in fills:
-        _fill(name, view)
-
-
-def _from_shm(ref: ShmRef) -> bytearray:
-    shm = shared_memory.SharedMemory(name=ref.name)
-    try:
-        return bytearray(_view(shm)[: ref.size])
-    finally:
-        shm.close()
-        shm.unlink()  # also drops the tracker registration the attach made
-
-
-def unlink_segments(names: Iterable[str]) -> int:
-    """Unlink segments this process sent but the peer may never read; returns how many existed."""
-    gone = 0
-    for name in names:
-        try:
-            shm = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            continue
-        shm.close()
-        shm.unlink()
-        gone += 1
-    return gone
-
-
 def _encode_unfilled(msg: Any) -> tuple[bytes, list[ShmRef], list[tuple[str, memoryview]]]:
     """One frame for `msg`, the segments it names, and what each must hold: the frame may be
-    sent only once every segment is filled (`_fill`)."""
+    sent only once every segment is filled (`fill_segments`)."""
     refs: list[ShmRef] = []
     fills: list[tuple[str, memoryview]] = []
 
@@ -235,7 +175,7 @@ def encode(msg: Any) -> tuple[bytes, list[ShmRef]]:
     """One frame for `msg`, and the shared-memory segments it created (for cleanup on failure)."""
     frame, refs, fills = _encode_unfilled(msg)
     try:
-        _fill_all(fills)
+        fill_segments(fills)
     except BaseException:
         unlink_segments(r.name for r in refs)
         raise
@@ -253,7 +193,7 @@ def decode(header: bytes, body: bytes) -> Any:
     buffers = []
     try:
         for ref in refs:
-            buffers.append(_from_shm(ref))
+            buffers.append(take_segment(ref))
     finally:
         # A segment that could not be read must still not outlive this frame.
         unlink_segments(r.name for r in refs[len(buffers) + 1 :])
@@ -312,28 +252,6 @@ class FrameSplitter:
         return len(self._buf)
 
 
-class SentSegments:
-    """The shared-memory segments one side sent on one connection and the peer may not have read
-    yet. Pruned as the peer unlinks them; what is left when the connection ends is unlinked."""
-
-    def __init__(self) -> None:
-        self._names: set[str] = set()
-
-    def add(self, refs: Sequence[ShmRef]) -> None:
-        if not refs:
-            return
-        self._names.update(r.name for r in refs)
-        if len(self._names) > 64:
-            self._names = {n for n in self._names if os.path.exists(f"/dev/shm/{n}")}
-
-    def discard(self, refs: Sequence[ShmRef]) -> None:
-        self._names.difference_update(r.name for r in refs)
-
-    def release(self) -> int:
-        names, self._names = self._names, set()
-        return unlink_segments(names)
-
-
 async def write_message(
     writer: asyncio.StreamWriter, msg: Any, *, sent: SentSegments | None = None
 ) -> list[ShmRef]:
@@ -347,9 +265,9 @@ async def write_message(
         sent.add(refs)
     try:
         if sum(view.nbytes for _, view in fills) >= THREAD_FILL_BYTES:
-            await _fill_off_loop(fills)
+            await fill_segments_off_loop(fills)
         else:
-            _fill_all(fills)
+            fill_segments(fills)
         writer.write(frame)
         await writer.drain()
     except BaseException:
@@ -357,78 +275,6 @@ async def write_message(
             unlink_segments(r.name for r in refs)
         raise
     return refs
-
-
-async def _fill_off_loop(fills: Sequence[tuple[str, memoryview]]) -> None:
-    filled = asyncio.get_running_loop().run_in_executor(None, _fill_all, fills)
-    try:
-        await asyncio.shield(filled)
-    except asyncio.CancelledError:
-        # The thread goes on creating segments; unlink them once it is done, as nobody reads them.
-        filled.add_done_callback(functools.partial(_unlink_filled, fills))
-        raise
-
-
-def _unlink_filled(fills: Sequence[tuple[str, memoryview]], filled: asyncio.Future[None]) -> None:
-    if not filled.cancelled() and filled.exception() is not None:
-        log.debug("filling shared memory failed after its call was cancelled: %s", filled.exception())
-    unlink_segments(name for name, _ in fills)
-
-
-async def ask_describe(
-    socket_path: str, request: InferRequest, timeout_s: float, *, expected_pid: int | None = None
-) -> InferResult:
-    """Send one `Describe` on a connection of its own to the worker at `socket_path` and return
-    the handler's result; bounded by `timeout_s` (DEADLINE_EXCEEDED beyond it). The listener must
-    run as our uid (and be `expected_pid`, the worker's pid, when given). A failure the worker
-    reports comes back as the ServingError it names."""
-
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_unix_connection(socket_path)
-            try:
-                check_peer(
-                    writer.get_extra_info("socket"),
-                    what=f"worker socket {socket_path}",
-                    expected_pid=expected_pid,
-                )
-                await write_message(writer, Describe(0, request))
-                answer = await read_message(reader)
-            finally:
-                writer.close()
-    except TimeoutError:
-        raise ServingError(
-            Code.DEADLINE_EXCEEDED, f"the handler did not describe the model within {timeout_s:g} s"
-        ) from None
-    except (OSError, asyncio.IncompleteReadError, FrameError, PeerRefused) as exc:
-        raise ServingError(Code.UNAVAILABLE, f"the model's worker could not be asked: {exc}") from None
-    if not isinstance(answer, Result) or answer.id != 0:
-        raise ServingError(Code.INTERNAL, "the model's worker answered a describe call with something else")
-    if answer.error is not None:
-        codes = {c.value: c for c in Code}
-        raise ServingError(codes.get(answer.error.code, Code.INTERNAL), answer.error.message)
-    if len(answer.results) != 1:
-        raise ServingError(Code.INTERNAL, "the handler's describe call did not return exactly one result")
-    return answer.results[0]
-
-
-def describe_request(
-    model: str, version: str, headers: Mapping[str, str], protocol: WireProtocol
-) -> InferRequest:
-    """The request a describe call hands the handler, as TorchServe builds it: no data, the
-    caller's headers (credentials left out, as for inference) and `describe: True`, which
-    TorchServe's BaseHandler checks to call `describe_handle`."""
-    from mariner.server.contracts.worker_wire import CREDENTIAL_HEADERS
-
-    kept = {k.lower(): v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
-    return InferRequest(
-        model=model,
-        version=version,
-        data={},
-        protocol=protocol,
-        request_id=uuid.uuid4().hex,
-        headers={**kept, "describe": "True"},
-    )
 
 
 # Request headers that carry credentials: checked here, never handed to handler code (archives

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Sequence
 
 from mariner.server.common.archive import ModelArchive
-from mariner.server.common.model_settings import LayerSource, ModelSettings
+from mariner.server.common.model_settings import ModelSettings
+from mariner.server.common.settings_layers import LayerSource
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.supervisor.machine import FORKED_WORKER_BASE
 from mariner.server.supervisor.versions import Version

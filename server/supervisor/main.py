@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from mariner.server.common import health
 from mariner.server.common.child_env import forget_secrets
-from mariner.server.common.config import ServerConfig, frontend_count, model_specs, pinned_digests
+from mariner.server.common.config import ServerConfig, frontend_count
+from mariner.server.common.configured_models import model_specs, pinned_digests
 from mariner.server.common.connection_budget import raise_descriptor_limit
 from mariner.server.common.grpc_server import bind_port
 from mariner.server.common.http_common import json_response

@@ -27,7 +27,8 @@ from typing import Any
 from mariner.server.common.config import ServerConfig
 from mariner.server.common.config_snapshots import snapshot_dir, write_snapshot
 from mariner.server.common.listeners import LISTENER_NAMES, tls_listeners
-from mariner.server.compat.torchserve.properties import read_properties, substitute_env
+from mariner.server.compat.torchserve.java_properties import read_properties
+from mariner.server.compat.torchserve.properties_env import substitute_env
 
 log = logging.getLogger("mariner.supervisor")
 

@@ -22,7 +22,8 @@ from mariner.server.compat.torchserve.logs.pump import LineReader, OutputPump
 from mariner.server.compat.torchserve.logs.records import MAX_RECORD_LINE, decode, widen_pipe
 from mariner.server.compat.torchserve.logs.sink import LogSettings, LogSink
 from mariner.server.compat.torchserve.logs.worker_output import LOG_MODES, BackendMetrics, WorkerOutput
-from mariner.server.compat.torchserve.metrics import current_spec, log_system_metrics, metrics_mode
+from mariner.server.compat.torchserve.metrics import current_spec, metrics_mode
+from mariner.server.compat.torchserve.system_metrics import log_system_metrics
 
 log = logging.getLogger("mariner.logs")
 

@@ -14,19 +14,14 @@ then left FAILED. Each retry is told in TorchServe's words too (`compat.torchser
 disconnected", "Auto recovery start timestamp", "Retry worker"...), a start past its
 startupTimeout as TorchServe's "Backend worker error", for the tools that wait for them.
 
-Stopping a slot never leaves its process behind, whatever the slot is doing: a slot's task is
-not cancelled while it creates a process (a fork the zygote made after the caller went away
-would be an orphan); `stop` retires the slot, kills the process as soon as it exists, and
-waits (bounded) until the slot's task has ended. A ready worker is drained first when asked
-(`drain`): once the frontends follow a table without it they close their connections to it
-after the batch they run, and only then is it sent SIGTERM.
+Stopping a slot never leaves its process behind, whatever the slot is doing (`worker_stop`).
+What a failed or stopped slot says, and how long it is retried, is `worker_failures`'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import time
@@ -37,99 +32,29 @@ from mariner.server.common.metrics import Metrics
 from mariner.server.common.model_settings import ModelSettings
 from mariner.server.compat.torchserve.logs import words
 from mariner.server.compat.torchserve.metrics import log_worker_load
-from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.errors import ServingError
 from mariner.server.contracts.worker_api import WorkerSpec
 from mariner.server.supervisor.children import MAX_BACKOFF_S, Backoff, mark_dead
 from mariner.server.supervisor.devices import allocator, device_ids_of
 from mariner.server.supervisor.versions import Instance, Version
 from mariner.server.supervisor.worker_budget import WorkerBudget
+from mariner.server.supervisor.worker_failures import (
+    fail_first,
+    logged_reason,
+    max_retry_s,
+    retrieve_failure,
+    start_error,
+    stopped_error,
+)
 from mariner.server.supervisor.worker_process import (
     START_ENV,
-    WorkerLoadFailed,
     WorkerOutputs,
     WorkerStartTimeout,
     worker_spec,
 )
+from mariner.server.supervisor.worker_stop import kill_worker, stop_slot
 
 log = logging.getLogger("mariner.supervisor")
-
-DRAIN_POLL_S = 0.02  # how often a draining worker's connections are counted
-DRAIN_FALLBACK_S = 0.5  # the wait when they cannot be counted (no /proc/net/unix)
-MIN_STOP_GRACE_S = 1.0  # SIGTERM to SIGKILL, at least, after a drain that took the whole grace
-KILL_WAIT_S = 10.0  # for a SIGKILLed process to be reaped
-STOP_SLACK_S = 10.0  # past the grace, for a slot's task to end before it is cancelled
-_RESOURCE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
-DEFAULT_MAX_RETRY_S = 300.0  # TorchServe's maxRetryTimeoutInSec
-
-
-def max_retry_s(model_config: dict[str, object]) -> float:
-    """How long a failing slot is retried: the archive's `maxRetryTimeoutInSec` (an integer of
-    seconds, as TorchServe reads it; 0 never retries), else TorchServe's 300 s. A value that is not
-    one is TorchServe's default, with a warning naming it."""
-    value = model_config.get("maxRetryTimeoutInSec")
-    if value is None:
-        return DEFAULT_MAX_RETRY_S
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    log.warning(
-        "maxRetryTimeoutInSec %r is not a whole number of seconds; using %g", value, DEFAULT_MAX_RETRY_S
-    )
-    return DEFAULT_MAX_RETRY_S
-
-
-def unix_connections(socket_path: str, table: str = "/proc/net/unix") -> int | None:
-    """How many connections a worker's listening socket has accepted and still holds (the
-    frontends', the supervisor's describe): lines of /proc/net/unix on that path that are not
-    the listening socket itself. None when the table cannot be read."""
-    try:
-        with open(table, "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    count = 0
-    for line in text.splitlines()[1:]:
-        parts = line.split()
-        if len(parts) < 8 or parts[7] != socket_path:
-            continue
-        try:
-            listening = int(parts[3], 16) & 0x10000  # __SO_ACCEPTCON
-        except ValueError:
-            continue
-        if not listening:
-            count += 1
-    return count
-
-
-def _alive(proc: object) -> bool:
-    return proc is not None and proc.pid is not None and proc.returncode is None  # type: ignore[attr-defined]
-
-
-def start_error(v: Version, exc: BaseException) -> ServingError:
-    """A failed start as what a register or scale waiting on it answers: the worker's own
-    ServingError as it is; a resource the machine lacks (memory, a thread, a process) as
-    RESOURCE_EXHAUSTED; anything else as INTERNAL. Either names the exception."""
-    if isinstance(exc, ServingError):
-        return exc
-    resource = (
-        isinstance(exc, MemoryError)
-        or (isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS)
-        or (isinstance(exc, RuntimeError) and "thread" in str(exc))
-    )
-    return ServingError(
-        Code.RESOURCE_EXHAUSTED if resource else Code.INTERNAL,
-        f"model {v.name} version {v.version}: its worker process could not be started: "
-        f"{type(exc).__name__}: {exc}",
-    )
-
-
-def logged_reason(v: Version, exc: BaseException) -> str:
-    """What the supervisor's log says of a failed start: the error, except for a handler that
-    raised while loading, whose exception and traceback are the worker's last lines of output
-    (TorchServe's MODEL_LOG): the line points there instead of repeating them."""
-    if isinstance(exc, WorkerLoadFailed) and exc.traceback:
-        where = "the traceback is in the worker's output"
-        return f"model {v.name} version {v.version}: its handler raised while loading ({where})"
-    return start_error(v, exc).message
 
 
 class WorkerPool:
@@ -215,7 +140,7 @@ class WorkerPool:
             index = max(v.instances, default=-1) + 1
             first: asyncio.Future[None] = loop.create_future()
             # At start-up nobody awaits the first start (its failure is logged and retried).
-            first.add_done_callback(_retrieve)
+            first.add_done_callback(retrieve_failure)
             inst = Instance(index, first=first)
             v.instances[index] = inst
             added.append(inst)
@@ -231,7 +156,7 @@ class WorkerPool:
                 log.error("worker slot %d of model %s version %s cannot run: %s", inst.index, v.name,
                           v.version, err.message)  # fmt: skip
                 inst.status, inst.error = "FAILED", err.message
-                _fail_first(inst, err)
+                fail_first(inst, err)
         return added
 
     async def _changed(self) -> None:
@@ -267,14 +192,14 @@ class WorkerPool:
                     log.exception("worker slot %d of model %s version %s failed: %s", inst.index, v.name,
                                   v.version, err.message)  # fmt: skip
                     inst.status, inst.error, inst.endpoint = "FAILED", err.message, None
-                    _fail_first(inst, err)
-                    await _kill(inst.process)
+                    fail_first(inst, err)
+                    await kill_worker(inst.process)
                     await self._changed()
                     await self._pause(inst, backoff)
                     inst.generation += 1
         finally:
             why = "the server is shutting down" if self._draining() else None
-            _fail_first(inst, stopped_error(inst, why and f"model {v.name} version {v.version}: {why}"))
+            fail_first(inst, stopped_error(inst, why and f"model {v.name} version {v.version}: {why}"))
 
     async def _run_slot(self, v: Version, inst: Instance, recovery: words.Recovery) -> None:
         """Start the instance's worker; whenever it fails to start or exits, restart it with
@@ -297,7 +222,7 @@ class WorkerPool:
                 inst.status = "FAILED" if inst.status == "FAILED" and inst.error else "LOADING"
                 endpoint = await proc.start(v.settings.startup_timeout_s)
             except Exception as exc:  # noqa: BLE001 - any failed start fails this start only
-                await _kill(proc)  # whatever it had started is gone before anything else
+                await kill_worker(proc)  # whatever it had started is gone before anything else
                 if not self._wanted(inst):
                     return  # stopped while starting: not a failure
                 err = start_error(v, exc)
@@ -307,7 +232,7 @@ class WorkerPool:
                     words.worker_timed_out(recovery.thread, timeouts)
                 said = logged_reason(v, exc)
                 inst.status, inst.error = "FAILED", err.message
-                _fail_first(inst, err)
+                fail_first(inst, err)
                 if proc is not None:
                     mark_dead(proc.pid)
                 recovery.stopped("WORKER_STARTED")
@@ -321,7 +246,7 @@ class WorkerPool:
                 inst.generation += 1
                 continue
             if not self._wanted(inst):  # retired while it loaded: it never serves
-                await _kill(proc)
+                await kill_worker(proc)
                 return
             timeouts = 0
             recovery.loaded()
@@ -383,86 +308,4 @@ class WorkerPool:
         A first start still pending fails, saying `why` the worker was stopped."""
         for inst in instances:
             inst.retire()
-        await asyncio.gather(
-            *(self._stop_slot(i, grace, drain, why) for i in instances), return_exceptions=True
-        )
-
-    async def _stop_slot(self, inst: Instance, grace: float, drain: bool, why: str | None) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
-        proc = inst.process
-        if drain and inst.status == "READY" and _alive(proc):
-            await _wait_drained(proc, deadline)
-        if inst.first is not None and not inst.first.done():
-            inst.first.set_exception(stopped_error(inst, why))
-        while True:
-            proc = inst.process
-            if _alive(proc):
-                if inst.status == "READY":
-                    await proc.stop(max(MIN_STOP_GRACE_S, deadline - loop.time()))
-                else:
-                    await _kill(proc)
-            task = inst.task
-            if task is None or task.done() or task is asyncio.current_task():
-                break
-            await asyncio.wait([task], timeout=DRAIN_POLL_S)
-            if loop.time() > deadline + STOP_SLACK_S and not task.done():
-                log.error("worker slot %d did not end %.0f s after it was stopped; cancelling it", inst.index,
-                          grace + STOP_SLACK_S)  # fmt: skip
-                task.cancel()
-                await asyncio.wait([task], timeout=KILL_WAIT_S)
-                await _kill(inst.process)
-                break
-        if inst.process is not None:
-            mark_dead(inst.process.pid)
-        inst.status = "STOPPED"
-
-
-async def _wait_drained(proc: object, deadline: float) -> None:
-    """Until no connection to the worker's socket is left (or its process is gone, or the
-    deadline passes)."""
-    loop = asyncio.get_running_loop()
-    path = proc.spec.socket_path  # type: ignore[attr-defined]
-    while _alive(proc):
-        left = deadline - loop.time()
-        held = unix_connections(path)
-        if held is None:
-            await asyncio.sleep(max(0.0, min(DRAIN_FALLBACK_S, left)))
-            return
-        if held == 0:
-            return
-        if left <= 0:
-            log.warning("worker %s still had %d connection(s) when its drain ended; stopping it",
-                        proc.spec.id, held)  # type: ignore[attr-defined]  # fmt: skip
-            return
-        await asyncio.sleep(min(DRAIN_POLL_S, left))
-
-
-async def _kill(proc: object) -> None:
-    """SIGKILL a worker process (and its group) if it runs, and reap it (bounded)."""
-    if not _alive(proc):
-        return
-    proc.kill()  # type: ignore[attr-defined]
-    with contextlib.suppress(TimeoutError, Exception):
-        await asyncio.wait_for(proc.wait(), KILL_WAIT_S)  # type: ignore[attr-defined]
-
-
-def stopped_error(inst: Instance, why: str | None = None) -> ServingError:
-    """What a register or scale waiting on a slot's first start hears when the slot is stopped
-    first: `why` (e.g. "model m version 1 was unregistered") and which slot."""
-    return ServingError(
-        Code.CANCELLED,
-        f"{why or 'the model was unregistered or scaled down'} while its worker was starting "
-        f"(worker slot {inst.index} was stopped before it was ready)",
-    )
-
-
-def _fail_first(inst: Instance, err: BaseException) -> None:
-    if inst.first is not None and not inst.first.done():
-        inst.first.set_exception(err)
-
-
-def _retrieve(first: asyncio.Future[None]) -> None:
-    """Mark a first start's failure as seen, so asyncio does not log it as never retrieved."""
-    if not first.cancelled():
-        first.exception()
+        await asyncio.gather(*(stop_slot(i, grace, drain, why) for i in instances), return_exceptions=True)

@@ -3,11 +3,12 @@
 Each instance is a model worker process (`mariner.server.worker.main`) running one
 `ModelHost` on one thread for its whole life (CUDA context, stream and thread-local torch state
 stay put): the thread of the worker's event loop. A plain `handle` is called with the loop
-hidden (`call_off_loop`), so a handler sees no running loop, as under TorchServe (`run_batch`);
-a coroutine handler (`async def handle`) is awaited on that loop, several batches at once
-(`run_batch_async`), as TorchServe's asyncCommunication worker runs it. The batch logic is the
-same for both (`worker.handler_calls`). A handler's intermediate answers
-(`send_intermediate_predict_response`) reach the caller's `deliver` as they are sent.
+hidden (`batch_server.call_off_loop`), so a handler sees no running loop, as under TorchServe
+(`run_batch`); a coroutine handler (`async def handle`) is awaited on that loop, several batches
+at once (`run_batch_async`), as TorchServe's asyncCommunication worker runs it. The batch logic
+is the same for both (`worker.batch_steps`, driven by `worker.handler_calls`). A handler's
+intermediate answers (`send_intermediate_predict_response`) reach the caller's `deliver` as they
+are sent. Where the instance runs and what its device says is `worker.device`.
 """
 
 from __future__ import annotations
@@ -19,113 +20,31 @@ import inspect
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mariner.server.common.archive import ModelArchive
-from mariner.server.common.batch_policy import InstanceFailed
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, InferResult
+from mariner.server.worker.batch_steps import BatchSteps
 from mariner.server.worker.context import Context
-from mariner.server.worker.encoding import encode_output, pretty_json
+from mariner.server.worker.device import Placement, release_cached_memory, usable_gpu
 from mariner.server.worker.entry_point import load_entry_point
-from mariner.server.worker.failures import Failure, classify, fatal_reason
-from mariner.server.worker.handler_calls import HandlerCall, Steps, drive, drive_async, run_awaitable
-from mariner.server.worker.handler_errors import (
-    bad_output,
-    handler_failed,
-    out_of_resources,
-    prediction_exception,
-)
-from mariner.server.worker.intermediate import STREAM_NEXT_HEADER, Deliver
-from mariner.server.worker.rows import join_rows, max_rows_for, split_rows, splittable
+from mariner.server.worker.handler_calls import HandlerCall, drive, drive_async, run_awaitable
+from mariner.server.worker.intermediate import Deliver
+from mariner.server.worker.rows import max_rows_for
 
-__all__ = [
-    "ModelHost",
-    "Placement",
-    "encode_output",
-    "handler_input",
-    "load_entry_point",
-    "pretty_json",
-]
+__all__ = ["ModelHost", "load_entry_point"]
 
 log = logging.getLogger("mariner.runner")
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where an instance runs: `gpu_id` None means CPU. `require_gpu`: the model must not run
-    on the CPU (its deviceType is gpu, or the server runs with --require-gpu); loading it without
-    a usable GPU fails instead of falling back."""
-
-    gpu_id: int | None
-    torch_threads: int | None = None
-    require_gpu: bool = False
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.gpu_id is None else f"cuda:{self.gpu_id}"
-
-
-def _release_cached_memory() -> None:
-    """Give the CUDA caching allocator's free blocks back, when this process uses CUDA at all
-    (`is_initialized` never initialises it)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _device_error() -> str | None:
-    """The sticky error a broken CUDA context reports on the next synchronize, else None.
-
-    An AOTInductor model ("API call failed", see worker.failures) or a handler that rewords its
-    errors hides an illegal address or a device-side assert; the context stays broken all the
-    same, so a GPU instance probes it after any failure that is not plainly out of memory."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    try:
-        torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 - whatever it raises is classified
-        return fatal_reason(exc) if classify(exc) is Failure.FATAL_DEVICE else None
-    return None
-
-
-def _usable_gpu(gpu_id: int | None) -> str | None:
-    """None when `gpu_id` names a device torch can use in this process, else why not."""
-    if gpu_id is None:
-        return "no GPU is visible to the server"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "CUDA is not available in the worker (no driver, or a CPU-only torch build)"
-    if gpu_id >= torch.cuda.device_count():
-        return f"cuda:{gpu_id} is not one of the {torch.cuda.device_count()} visible devices"
-    return None
-
-
-def handler_input(req: InferRequest) -> Mapping[str, Any]:
-    """What the handler receives for one request, decided by the request's typed `tensors` field.
-
-    A tensor request reaches the handler as {"tensors": {name: ndarray}}, the shape handlers
-    that serve the Open Inference Protocol know; any other request hands over its `data` as is.
-    The decision never looks inside `data`, so a TorchServe form field named "tensors" stays a
-    form field.
-    """
-    if req.tensors is not None:
-        return {"tensors": req.tensors}
-    # TorchServe hands binary fields over as bytearray (handlers test for it); text and JSON
-    # fields arrive decoded, as there.
-    return {k: bytearray(v) if type(v) is bytes else v for k, v in req.data.items()}
-
-
-class ModelHost:
+class ModelHost(BatchSteps):
     """The synchronous half of a model instance: loads the handler and runs batches on the calling
     thread. The worker process (`mariner.server.worker.main`) and the tools that time a handler
     in-process use it, so the handler contract, the out-of-memory split and the result encoding
-    live here once.
+    live here once (the batch logic in its base, `batch_steps.BatchSteps`).
 
     Call `load()` and `run_batch()` from one thread for the instance's whole life (its CUDA
     stream and thread-local torch state stay put). `on_oom` is called once per split.
@@ -198,7 +117,7 @@ class ModelHost:
         `placement.device`, the device it really runs on)."""
         if self.placement.gpu_id is None and not self.placement.require_gpu:
             return
-        why = _usable_gpu(self.placement.gpu_id)
+        why = usable_gpu(self.placement.gpu_id)
         if why is None:
             return
         if self.placement.require_gpu:
@@ -237,7 +156,7 @@ class ModelHost:
         gc.collect()
         if refreeze:
             gc.freeze()
-        _release_cached_memory()
+        release_cached_memory()
 
     def _run_on_stream(self, fn: Any, *args: Any) -> Any:
         if self._stream is None:
@@ -285,147 +204,3 @@ class ModelHost:
         if self._stream is not None:
             self._stream.synchronize()
         return out
-
-    def _batch_steps(
-        self, requests: list[InferRequest], deliver: Deliver | None, *, shared: bool
-    ) -> Steps[list[InferResult]]:
-        explain = [r.headers.get("explain") == "True" for r in requests]
-        if any(explain) and not all(explain):
-            # TorchServe handlers ask request 0 whether the whole batch explains (BaseHandler's
-            # _is_explain): explanations and predictions run as separate handler calls.
-            out: list[InferResult | None] = [None] * len(requests)
-            for want in (False, True):
-                idx = [i for i, e in enumerate(explain) if e is want]
-                part = yield from self._batch_steps([requests[i] for i in idx], deliver, shared=shared)
-                for i, res in zip(idx, part, strict=True):
-                    out[i] = res
-            return [r for r in out if r is not None]
-        big = [r.tensors is not None and r.items > self.max_rows for r in requests]
-        if not any(big):
-            return (yield from self._split_steps(requests, deliver, shared))
-        results: list[InferResult | None] = [None] * len(requests)
-        small = [i for i, b in enumerate(big) if not b]
-        if small:
-            part = yield from self._split_steps([requests[i] for i in small], deliver, shared)
-            for i, res in zip(small, part, strict=True):
-                results[i] = res
-        for i, b in enumerate(big):
-            if b:
-                results[i] = yield from self._rows_steps(requests[i], self.max_rows, deliver, shared)
-        return [r for r in results if r is not None]
-
-    def _rows_steps(
-        self, req: InferRequest, rows: int, deliver: Deliver | None, shared: bool
-    ) -> Steps[InferResult]:
-        chunks = split_rows(req, rows)
-        parts = []
-        for c in chunks:
-            parts.append((yield from self._split_steps([c], deliver, shared))[0])
-        return join_rows(parts, [c.items for c in chunks])
-
-    def _split_steps(
-        self, requests: list[InferRequest], deliver: Deliver | None, shared: bool
-    ) -> Steps[list[InferResult]]:
-        outcome = yield from self._handle_steps(requests, deliver, shared)
-        if not isinstance(outcome, Failure):
-            return outcome
-        # Here the handler's exception and its traceback are gone (PyTorch's FAQ: frames the
-        # traceback keeps alive hold the batch's tensors), so emptying the cache frees them.
-        _release_cached_memory()
-        if len(requests) == 1 and not splittable(requests[0]):
-            if outcome is Failure.POSSIBLE_OOM:  # the cause is unknown: not "out of memory"
-                raise handler_failed(None)
-            raise out_of_resources("the model ran out of memory on this request alone; send a smaller input")
-        if self.on_oom is not None:
-            self.on_oom()
-        if len(requests) == 1:
-            req = requests[0]
-            log.warning("instance %s out of memory on one request of %d rows: retrying in halves",
-                        self.id, req.items)  # fmt: skip
-            return [(yield from self._rows_steps(req, (req.items + 1) // 2, deliver, shared))]
-        mid = len(requests) // 2
-        log.warning("instance %s out of memory on a batch of %d: retrying as %d + %d", self.id,
-                    len(requests), mid, len(requests) - mid)  # fmt: skip
-        first = yield from self._split_steps(requests[:mid], deliver, shared)
-        return first + (yield from self._split_steps(requests[mid:], deliver, shared))
-
-    def _handle_steps(
-        self, requests: list[InferRequest], deliver: Deliver | None, shared: bool
-    ) -> Steps[list[InferResult] | Failure]:
-        """The handler's results, or the out-of-memory kind it failed with (returned, not raised,
-        so the caller recovers outside the `except` block)."""
-        ctx = self._context
-        if ctx is None or self._handle is None:
-            raise ServingError(Code.UNAVAILABLE, f"model instance {self.id} is not loaded")
-        data = [handler_input(req) for req in requests]
-        request_ids = [req.request_id for req in requests]
-        headers = [req.headers for req in requests]
-        if shared:  # one call at a time: the instance's own Context, as handlers that keep it expect
-            ctx.begin_batch(request_ids, headers)
-            ctx.cl_socket.deliver = deliver
-        else:
-            ctx = ctx.for_call(request_ids, headers, deliver)
-        failure: Failure | None = None
-        try:
-            outputs = (yield HandlerCall(data, ctx)).unwrap()
-        except ServingError:
-            raise
-        except Exception as exc:
-            answer = prediction_exception(exc)
-            if answer is not None:  # the handler chose the status and message
-                log.warning("handler of %s raised PredictionException (%s) on a batch of %d: %s",
-                            self.id, answer.torchserve and answer.torchserve.status, len(data),
-                            answer.message[:300])  # fmt: skip
-                raise answer from None
-            failure = classify(exc)
-            reason = fatal_reason(exc) if failure is Failure.FATAL_DEVICE else None
-            if failure in (Failure.OTHER, Failure.POSSIBLE_OOM) and self.placement.gpu_id is not None:
-                reason = _device_error()  # a sticky error the exception's text did not show
-            if reason is not None:
-                # The device is unusable in this process from now on: end the instance.
-                log.error("handler of %s hit a fatal device error (%s); the instance ends and will be "
-                          "replaced", self.id, reason, exc_info=exc)  # fmt: skip
-                self.failed = True
-                raise InstanceFailed(f"fatal device error: {reason}") from None
-            if failure is Failure.OTHER:
-                log.exception("handler of %s raised for a batch of %d", self.id, len(data))
-                raise handler_failed(type(exc).__name__) from None
-            log.warning("handler of %s: %s on a batch of %d: %s", self.id, failure.value, len(data),
-                        str(exc)[-300:])  # fmt: skip
-        except BaseException as exc:  # SystemExit & co: the instance is gone, not just this batch
-            log.error(
-                "handler of %s ended its instance (%s); it will be replaced", self.id, type(exc).__name__
-            )
-            self.failed = True
-            raise InstanceFailed(f"handler raised {type(exc).__name__}") from None
-        finally:
-            self.batches += 1
-            if shared:
-                ctx.cl_socket.deliver = None  # a part sent after the call has no request to go to
-        if failure is not None:
-            return failure
-        if not isinstance(outputs, list) or len(outputs) != len(data):
-            error = bad_output(outputs, len(data))
-            log.error("handler of %s: %s", self.id, error.message)
-            raise error
-        results = []
-        for i, (req, value) in enumerate(zip(requests, outputs, strict=True)):
-            meta = ctx.response_meta(i)
-            tensors = value.get("tensors") if req.tensors is not None and isinstance(value, dict) else None
-            results.append(
-                InferResult(
-                    body=b"" if tensors is not None else encode_output(value),
-                    tensors=tensors,
-                    status=meta.status,
-                    phrase=meta.phrase,
-                    content_type=meta.headers.get("content-type"),
-                    headers={k: v for k, v in meta.headers.items() if k not in _NOT_PASSED_ON},
-                    model_version=self.archive.version,
-                )
-            )
-        return results
-
-
-# Response headers a handler's Context holds that are not passed on as the answer's headers: the
-# content type travels apart, and TorchServe's stream marker is the codec's, not the client's.
-_NOT_PASSED_ON = frozenset({"content-type", STREAM_NEXT_HEADER})

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 
-from mariner.server.compat.torchserve.properties import read_properties
+from mariner.server.compat.torchserve.java_properties import read_properties
 from tests.e2e.serve_process import ServeProcess
 
 pytestmark = pytest.mark.e2e

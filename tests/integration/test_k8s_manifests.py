@@ -34,9 +34,12 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from mariner.server.common.config import ServerConfig, build_parser, load_config, read_properties
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_flags import build_parser
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.listeners import check_exposure
 from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, Tokens
+from mariner.server.compat.torchserve.java_properties import read_properties
 from mariner.server.contracts.errors import Code, ServingError
 from tests.mariner_serve import MarinerServe
 

@@ -26,7 +26,8 @@ from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, WireProtocol
 from mariner.server.frontend.worker_client import WorkerConnection
 from mariner.server.supervisor.worker_process import WorkerProcess, worker_spec
-from mariner.server.worker.runner import ModelHost, Placement
+from mariner.server.worker.device import Placement
+from mariner.server.worker.runner import ModelHost
 
 pytestmark = pytest.mark.integration
 

@@ -332,7 +332,7 @@ def test_workers_and_zygote_end_when_the_supervisor_dies(model_dir: Path, report
 BARE_PARENT = """
 import subprocess, sys
 from pathlib import Path
-from mariner.server.worker.main import spec_to_json
+from mariner.server.contracts.worker_api import spec_to_json
 from tests.integration.test_worker_zygote import spec
 
 # A parent that arms nothing (no PDEATHSIG): only the worker's own watch on its parent is left.

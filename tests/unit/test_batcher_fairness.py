@@ -13,7 +13,8 @@ import pytest
 from mariner.server.common.batch_policy import CALLER, MAX_BATCH_BYTES, BatchPolicy, max_batch_bytes
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferResult
-from mariner.server.frontend.batcher import REQUEST_COST_BYTES, Batcher
+from mariner.server.frontend.batch_queue import REQUEST_COST_BYTES
+from mariner.server.frontend.batcher import Batcher
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, req, result, run, settle
 
 pytestmark = pytest.mark.unit

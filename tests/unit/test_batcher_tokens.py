@@ -293,7 +293,7 @@ def test_group_by_length_prefers_the_closest_lengths() -> None:
 # -- a worker merging batches from several frontends --------------------------------------------
 def worker(model_config: dict[str, Any], batch_size: int = 8) -> Any:
     from mariner.server.contracts.worker_api import WorkerSpec
-    from mariner.server.worker.main import Worker
+    from mariner.server.worker.batch_server import Worker
 
     spec = WorkerSpec(
         model="minilm", version="1", instance=0, generation=0, model_dir="/nonexistent",
@@ -306,7 +306,7 @@ def worker(model_config: dict[str, Any], batch_size: int = 8) -> Any:
 
 def job(batch_id: int, *costs: TokenCost | None) -> Any:
     from mariner.server.contracts import worker_wire as protocol
-    from mariner.server.worker.main import _Job
+    from mariner.server.worker.batch_server import _Job
 
     reqs = tuple(
         InferRequest("minilm", "1", {}, WireProtocol.TS_HTTP, f"r{batch_id}.{i}", tokens=c)

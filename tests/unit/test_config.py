@@ -7,14 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.common.config import (
-    ServerConfig,
-    load_config,
-    model_specs,
-    read_properties,
-    server_layers,
-)
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_loading import load_config
+from mariner.server.common.configured_models import model_specs, server_layers
 from mariner.server.common.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
+from mariner.server.compat.torchserve.java_properties import read_properties
 from mariner.server.contracts.errors import Code, ServingError
 
 pytestmark = pytest.mark.unit

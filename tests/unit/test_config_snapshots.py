@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.common.config import ServerConfig, load_config, model_specs
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.config_snapshots import (
     MAX_SNAPSHOTS,
     last_snapshot,
@@ -21,9 +22,11 @@ from mariner.server.common.config_snapshots import (
     snapshot_dir,
     write_snapshot,
 )
+from mariner.server.common.configured_models import model_specs
 from mariner.server.common.listeners import tls_listeners
 from mariner.server.common.model_settings import SettingsOverrides
-from mariner.server.compat.torchserve.properties import from_torchserve_properties, read_properties
+from mariner.server.compat.torchserve.java_properties import read_properties
+from mariner.server.compat.torchserve.properties import from_torchserve_properties
 from mariner.server.supervisor.snapshots import ConfigSnapshots, snapshot_properties
 
 pytestmark = pytest.mark.unit

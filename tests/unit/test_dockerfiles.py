@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mariner.server.common.config import ServerConfig, load_config
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.listeners import check_exposure
 from mariner.server.contracts.errors import Code, ServingError
 

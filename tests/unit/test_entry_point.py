@@ -13,8 +13,9 @@ from mariner.server.common.archive import ModelArchive
 from mariner.server.common.grpc_status import torchserve_grpc
 from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer, torchserve_answer
 from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.worker.device import Placement
 from mariner.server.worker.entry_point import load_entry_point
-from mariner.server.worker.runner import ModelHost, Placement
+from mariner.server.worker.runner import ModelHost
 
 pytestmark = pytest.mark.unit
 
@@ -203,7 +204,8 @@ def test_errors_without_their_own_answer_use_torchserves_exception_names() -> No
 
 def test_service_envelope_from_config_properties_reaches_the_manifest(tmp_path: Path) -> None:
     from mariner.server.common.archive import with_envelope
-    from mariner.server.compat.torchserve.properties import from_torchserve_properties, read_properties
+    from mariner.server.compat.torchserve.java_properties import read_properties
+    from mariner.server.compat.torchserve.properties import from_torchserve_properties
 
     setting = from_torchserve_properties(read_properties("service_envelope=kservev2\n"))
     assert setting == {"service_envelope": "kservev2"}

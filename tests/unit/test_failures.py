@@ -18,9 +18,11 @@ from mariner.server.common.archive import ModelArchive
 from mariner.server.common.batch_policy import InstanceFailed
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, WireProtocol
+from mariner.server.worker import batch_steps as batch_steps_mod
 from mariner.server.worker import runner as runner_mod
+from mariner.server.worker.device import Placement
 from mariner.server.worker.failures import Failure, classify
-from mariner.server.worker.runner import ModelHost, Placement
+from mariner.server.worker.runner import ModelHost
 
 pytestmark = pytest.mark.unit
 
@@ -236,7 +238,7 @@ def test_a_gpu_bound_model_refuses_the_cpu_with_the_reason(tmp_path: Path) -> No
 
 
 def test_the_handler_is_told_a_gpu_is_required(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_mod, "_usable_gpu", lambda gpu_id: None)  # a fake usable device
+    monkeypatch.setattr(runner_mod, "usable_gpu", lambda gpu_id: None)  # a fake usable device
     host = host_for(tmp_path / "a", PROPS, require_gpu=True)
     assert json.loads(host.run_batch([ts_request(0)])[0].body) is True
     assert json.loads(host_for(tmp_path / "b", PROPS).run_batch([ts_request(0)])[0].body) is False
@@ -287,13 +289,13 @@ def test_a_gpu_instance_probes_the_device_after_an_error_that_hides_its_cause(
         probes.append(1)
         return "an illegal memory access"
 
-    monkeypatch.setattr(runner_mod, "_device_error", broken)
+    monkeypatch.setattr(batch_steps_mod, "device_error", broken)
     with pytest.raises(InstanceFailed, match="illegal memory access"):
         host.run_batch([ts_request(0), ts_request(1)])
     assert probes == [1]
     assert host.failed
     # A healthy device: the same error is split like an out-of-memory one.
-    monkeypatch.setattr(runner_mod, "_device_error", lambda: None)
+    monkeypatch.setattr(batch_steps_mod, "device_error", lambda: None)
     host = host_for(tmp_path / "b", BATCH_FAULT.format(limit=1, text=AOTI_TEXT))
     host.placement = Placement(0)
     assert len(host.run_batch([ts_request(0), ts_request(1)])) == 2

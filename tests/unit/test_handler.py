@@ -526,7 +526,8 @@ def _runner_with(handle: Any) -> Any:
     `handle`, without loading an archive."""
     from types import SimpleNamespace
 
-    from mariner.server.worker.runner import ModelHost, Placement
+    from mariner.server.worker.device import Placement
+    from mariner.server.worker.runner import ModelHost
 
     archive = SimpleNamespace(name="digits", version="1.0", model_dir=Path("/nonexistent-model-dir"))
     host = ModelHost(archive, id="digits-1.0-0", placement=Placement(gpu_id=None), batch_size=4)  # type: ignore[arg-type]

@@ -15,12 +15,13 @@ import uvicorn
 from starlette.requests import Request
 from uvicorn.server import ServerState
 
-from mariner.server.common.config import ServerConfig, load_config
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.held_bytes import HeldBytes, HeldLimits
 from mariner.server.common.http_common import request_headers
 from mariner.server.common.http_limits import STALE_HEAD_S, HttpLimits, LimitedHttpToolsProtocol
 from mariner.server.common.listeners import uvicorn_config
-from mariner.server.frontend.protocols.torchserve.grpc import request_headers as grpc_request_headers
+from mariner.server.frontend.protocols.torchserve.grpc_request import request_headers as grpc_request_headers
 
 
 class FakeTransport(asyncio.Transport):

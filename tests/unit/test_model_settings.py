@@ -17,17 +17,13 @@ from typing import Any
 
 import pytest
 
+from mariner.server.common.archive_settings import archive_overrides
 from mariner.server.common.config import ServerConfig
 from mariner.server.common.metrics import Metrics
-from mariner.server.common.model_settings import (
-    ModelSettings,
-    ServerLayers,
-    SettingsOverrides,
-    archive_overrides,
-    register_call_overrides,
-    resolve_model_settings,
-)
+from mariner.server.common.model_settings import ModelSettings, SettingsOverrides, resolve_model_settings
 from mariner.server.common.models import ModelSpec
+from mariner.server.common.register_settings import register_call_overrides
+from mariner.server.common.settings_layers import ServerLayers
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, InferResult, ModelState, WireProtocol
 from mariner.server.frontend.batcher import Batcher
@@ -185,7 +181,7 @@ def test_initial_workers_zero_is_no_worker_under_the_archives_count(
     """TorchServe's handleRegister: initial_workers <= 0 registers no worker, even over
     default_workers_per_model, unless the archive gives minWorkers; absent, default_workers_per_model."""
     from mariner.server.common.archive import ModelArchive
-    from mariner.server.common.config import server_layers
+    from mariner.server.common.configured_models import server_layers
     from mariner.server.common.models import resolve_model
 
     layers = server_layers(ServerConfig(default_workers_per_model=3), gpus=0, cores=2)
@@ -423,7 +419,7 @@ def test_a_misspelt_model_config_key_is_refused_naming_the_key_meant(key: str, m
 def test_the_worker_count_origin_is_the_highest_layer_that_sets_it() -> None:
     """What the worker budget's refusal names: the archive's minWorkers, models=, a flag, the
     register call's initial_workers; None for the built-in count (lowered, never refused)."""
-    from mariner.server.common.model_settings import REGISTER_CALL, LayerSource, worker_count_origin
+    from mariner.server.common.settings_layers import REGISTER_CALL, LayerSource, worker_count_origin
 
     layers = ServerLayers(startup_workers=8)
     archive = SettingsOverrides(min_workers=500)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.worker.runner import encode_output, pretty_json
+from mariner.server.worker.encoding import encode_output, pretty_json
 
 
 class _Str(str):

@@ -13,7 +13,8 @@ import pytest
 
 from mariner.server.common import control_channel as channel
 from mariner.server.common.batch_policy import BatchPolicy
-from mariner.server.common.config import ServerConfig, default_frontends, frontend_count, load_config
+from mariner.server.common.config import ServerConfig, default_frontends, frontend_count
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.listeners import reuseport_listener
 from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
 from mariner.server.contracts.worker_api import ModelEntry, WorkerEndpoint

@@ -249,7 +249,7 @@ def test_last_lines_keeps_the_end() -> None:
 
 
 def test_the_torchserve_key_turns_it_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from mariner.server.common.config import load_config
+    from mariner.server.common.config_loading import load_config
 
     props = tmp_path / "config.properties"
     props.write_text("install_py_dep_per_model=true\n")

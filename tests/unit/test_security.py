@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.common.config import load_config
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.listeners import check_exposure
 from mariner.server.common.security import Tokens, load_tokens
 from mariner.server.contracts.errors import Code, ServingError

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mariner.server.common.config import ServerConfig, load_config
+from mariner.server.common.config import ServerConfig
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.listeners import (
     LISTENER_NAMES,
     check_exposure,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mariner.server.common.model_settings import DEFAULT_TOKEN_MAX_LENGTH, archive_overrides, token_settings
+from mariner.server.common.archive_settings import DEFAULT_TOKEN_MAX_LENGTH, archive_overrides, token_settings
 from mariner.server.common.token_cost import (
     MAX_COUNTED_TEXTS,
     TokenCounter,

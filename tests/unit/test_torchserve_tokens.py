@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mariner.server.common.config import load_config
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.security import (
     MARINER_REFUSAL,
     TORCHSERVE_REFUSAL,

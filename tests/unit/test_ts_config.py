@@ -11,14 +11,12 @@ from typing import Any
 
 import pytest
 
-from mariner.server.common.config import load_config, model_specs, server_layers
-from mariner.server.common.model_settings import (
-    ModelSettings,
-    archive_overrides,
-    register_call_overrides,
-    resolve_model_settings,
-)
-from mariner.server.compat.torchserve.properties import TS_ENV_KEYS, substitute_env, ts_env_props
+from mariner.server.common.archive_settings import archive_overrides
+from mariner.server.common.config_loading import load_config
+from mariner.server.common.configured_models import model_specs, server_layers
+from mariner.server.common.model_settings import ModelSettings, resolve_model_settings
+from mariner.server.common.register_settings import register_call_overrides
+from mariner.server.compat.torchserve.properties_env import TS_ENV_KEYS, substitute_env, ts_env_props
 from mariner.server.contracts.errors import ServingError
 
 pytestmark = pytest.mark.unit

@@ -17,11 +17,12 @@ import requests
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from mariner.server.common.config import load_config
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.handler_metrics import Dimension, MetricsCacheKeyError, MetricTypes
 from mariner.server.common.metrics_spec import AUTO_DETECT_ENV
 from mariner.server.compat.torchserve import exposition as ts_exposition
 from mariner.server.compat.torchserve import metrics as ts_metrics
+from mariner.server.compat.torchserve.frontend_metrics import TsFrontendMetrics
 from mariner.server.compat.torchserve.properties import from_torchserve_properties
 from mariner.server.contracts.types import WireProtocol
 from mariner.server.frontend.protocols.call import run_call
@@ -188,7 +189,7 @@ def test_a_metrics_yaml_decides_names_and_labels(tmp_path: Path) -> None:
     )
     spec = ts_metrics.load_spec(config)
     registry = CollectorRegistry()
-    ts = ts_metrics.TsFrontendMetrics(registry, spec)
+    ts = TsFrontendMetrics(registry, spec)
     ts.record_call("digits", "1", "200", 0.001)
     ts.record_compute("digits", "1", 0.002)
     ts.record_batch("digits", "1", [0.001])  # not declared in this yaml: nothing to record

@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 
 from mariner.server.common.archive import ModelArchive
-from mariner.server.common.config import load_config
+from mariner.server.common.config_loading import load_config
 from mariner.server.common.model_settings import ModelSettings
 from mariner.server.contracts.errors import Code, ServingError
-from mariner.server.supervisor import worker_pool
+from mariner.server.supervisor import worker_stop
 from mariner.server.supervisor.machine import MIB, Room, memory_room, task_room
 from mariner.server.supervisor.versions import Version
 from mariner.server.supervisor.worker_budget import Ask, Limits, VersionUse, WorkerBudget
-from mariner.server.supervisor.worker_pool import WorkerPool, unix_connections
+from mariner.server.supervisor.worker_pool import WorkerPool
+from mariner.server.supervisor.worker_stop import unix_connections
 
 GIB = 1 << 30
 
@@ -322,19 +323,15 @@ def test_a_slot_stopped_while_its_process_is_being_created_leaves_no_process(
             inst.first.result()
 
     asyncio.run(scenario())
-    assert worker_pool.KILL_WAIT_S > 0
+    assert worker_stop.KILL_WAIT_S > 0
 
 
 def test_a_start_up_count_someone_set_is_refused_and_the_built_in_one_lowered(tmp_path: Path) -> None:
     """At start-up: an archive's minWorkers or default_workers_per_model over the cap refuses that
     model (the registry keeps it FAILED with this reason); the built-in one-per-core count on a
     large machine is lowered to the cap instead."""
-    from mariner.server.common.model_settings import (
-        LayerSource,
-        ServerLayers,
-        SettingsOverrides,
-        worker_count_origin,
-    )
+    from mariner.server.common.model_settings import SettingsOverrides
+    from mariner.server.common.settings_layers import LayerSource, ServerLayers, worker_count_origin
     from mariner.server.supervisor.admission import admit
 
     v = _version(tmp_path)
@@ -379,7 +376,7 @@ def test_scaling_down_drains_a_ready_worker_before_its_sigterm(
             events.append("sigterm")
             self.returncode = 0
 
-    monkeypatch.setattr(worker_pool, "unix_connections", connections)
+    monkeypatch.setattr(worker_stop, "unix_connections", connections)
 
     async def scenario() -> None:
         from mariner.server.supervisor.versions import Instance

@@ -345,7 +345,7 @@ def test_a_plain_handlers_parts_from_another_thread_reach_the_frontend_before_it
     from types import SimpleNamespace
 
     from mariner.server.contracts.worker_api import WorkerSpec
-    from mariner.server.worker.main import Worker, _Job
+    from mariner.server.worker.batch_server import Worker, _Job
 
     spec = WorkerSpec(
         model="m", version="1", instance=0, generation=0, model_dir="/nonexistent",

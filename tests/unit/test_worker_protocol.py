@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mariner.server.contracts import shm_segments
 from mariner.server.contracts import worker_wire as protocol
 from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
 from mariner.server.contracts.worker_api import WorkerSpec, spec_from_json, spec_to_json
@@ -110,7 +111,7 @@ class _Sink:
 def _slow_fill(monkeypatch: pytest.MonkeyPatch, started: threading.Event, go: threading.Event) -> list[str]:
     """Make every segment fill wait for `go` (set `started` first); returns the fill threads' names."""
     threads: list[str] = []
-    fill = protocol._fill
+    fill = shm_segments._fill
 
     def slow(name: str, view: memoryview) -> None:
         threads.append(threading.current_thread().name)
@@ -118,7 +119,7 @@ def _slow_fill(monkeypatch: pytest.MonkeyPatch, started: threading.Event, go: th
         assert go.wait(10), "the test never let the fill go on"
         fill(name, view)
 
-    monkeypatch.setattr(protocol, "_fill", slow)
+    monkeypatch.setattr(shm_segments, "_fill", slow)
     return threads
 
 

@@ -32,7 +32,7 @@ from mariner.server.common import triton_ext_grpc as oip_ext
 from mariner.server.common.grpc_decoding import SafeDecoding
 from mariner.server.common.grpc_server import enable_reflection, server_options
 from mariner.server.common.grpc_status import abort
-from mariner.server.common.model_settings import register_call_overrides
+from mariner.server.common.register_settings import register_call_overrides
 from mariner.server.contracts.errors import Code, ServingError, as_serving_error
 from mariner.server.contracts.names import check_model_name, check_params
 from mariner.server.contracts.types import InferResult, ModelInfo, WireProtocol

@@ -41,8 +41,8 @@ from mariner.server.common.http_common import (
     make_guard,
     read_body,
 )
-from mariner.server.common.model_settings import register_call_overrides
 from mariner.server.common.openapi import api_description_routes
+from mariner.server.common.register_settings import register_call_overrides
 from mariner.server.compat.torchserve.forms import decode_value, mime_type
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.names import check_model_name, check_params

@@ -34,7 +34,8 @@ from mariner.server.common.http_common import (
     json_response,
     make_guard,
 )
-from mariner.server.common.model_settings import SettingsOverrides, register_call_overrides
+from mariner.server.common.model_settings import SettingsOverrides
+from mariner.server.common.register_settings import register_call_overrides
 from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.contracts.names import check_model_name, check_params
 from mariner.server.supervisor.management.describe import MAX_PAGE

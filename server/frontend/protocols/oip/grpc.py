@@ -43,7 +43,7 @@ from mariner.server.frontend.protocols.call import Failed, Infer, Ok, run_call
 from mariner.server.frontend.protocols.grpc_stream import end_stream
 from mariner.server.frontend.protocols.oip.contents import decode_contents
 from mariner.server.frontend.protocols.stream_pipeline import WINDOW, StreamPipeline, StreamStats
-from mariner.server.frontend.protocols.torchserve.grpc import request_headers
+from mariner.server.frontend.protocols.torchserve.grpc_request import request_headers
 from mariner.server.protogen import stubs_missing
 
 try:

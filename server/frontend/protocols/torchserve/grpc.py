@@ -5,16 +5,14 @@ the DataPlane and turns the `InferResult` or `ServingError` back into gRPC. Stat
 from `mariner.server.contracts.errors.STATUS` and nowhere else; anything unexpected becomes INTERNAL with a
 sanitized message, because grpc.aio would otherwise answer UNKNOWN with the exception text.
 
-The `input` map is parsed as opaque entries first (`ShallowPredictionsRequest`): protobuf
-building a 650,000-entry map took 4 s of event loop. Its size is checked against
-`MAX_INPUT_ENTRIES` before an entry is read.
-
 A handler's intermediate answers (`send_intermediate_predict_response`) are messages of their
 own on the streaming RPCs, as TorchServe sends them: `StreamPredictions` writes each part, then
 the final result, then ends; `StreamPredictions2` writes each part ahead of the request's own
 answer (with its `sequence_id`). Unary `Predictions` answers once: the parts joined in front of
 the final body (`frontend.streams`), the bytes an HTTP client reading the whole answer gets.
 TorchServe answers the first part there, then fails the worker thread on the next part.
+
+A request's decoding is `grpc_request`'s; the intermediate answers' sinks are `grpc_parts`'.
 """
 
 from __future__ import annotations
@@ -22,31 +20,35 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from mariner.server.common.grpc_decoding import message_bytes, register, shallow_class
+from mariner.server.common.grpc_decoding import message_bytes, register
 from mariner.server.common.grpc_status import abort, torchserve_grpc
 from mariner.server.common.handler_status import answer_text
 from mariner.server.common.held_bytes import HeldBytes
 from mariner.server.common.request_ids import new_request_id
-from mariner.server.common.security import HIDDEN_FROM_HANDLERS
 from mariner.server.contracts.errors import HANDLER_EXCEPTION, Code, ServingError, internal
-from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, WireProtocol
+from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo
 from mariner.server.frontend.protocols.call import Failed, Infer, run_call
 from mariner.server.frontend.protocols.grpc_stream import end_stream
 from mariner.server.frontend.protocols.stream_pipeline import StreamPipeline, StreamStats
 from mariner.server.frontend.protocols.torchserve import stream2
-from mariner.server.frontend.streams import MAX_HELD_BYTES, STREAMS, too_much_held
+from mariner.server.frontend.protocols.torchserve.grpc_parts import Emit, PartEmitter, PendingParts
+from mariner.server.frontend.protocols.torchserve.grpc_request import (
+    PROTOCOL,
+    ShallowPredictionsRequest,
+    input_map,
+    request_headers,
+    to_infer_request,
+)
+from mariner.server.frontend.streams import STREAMS
 from mariner.server.protogen import stubs_missing
 
 try:
     from google.protobuf import empty_pb2
-    from google.protobuf.message import DecodeError
 
     from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
@@ -58,23 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("mariner.grpc.inference")
 
 SERVICE_NAME: str = inference_pb2.DESCRIPTOR.services_by_name["InferenceAPIsService"].full_name
-PROTOCOL = WireProtocol.TS_GRPC
-
-# Invocation metadata becomes the handler's request headers. Bounded so a client cannot make
-# the server copy megabytes of metadata per request into every batch.
-MAX_HEADERS = 64
-MAX_HEADER_NAME = 256
-MAX_HEADER_VALUE = 8192
-# Entries of a request's `input` map (TorchServe handlers read a handful: "data", "body", ...).
-MAX_INPUT_ENTRIES = 1024
-# PredictionsRequest as parsed off the wire: `input` is a list of serialized map entries.
-ShallowPredictionsRequest = shallow_class(
-    inference_pb2.PredictionsRequest.DESCRIPTOR,
-    {"org.pytorch.serve.grpc.inference.PredictionsRequest": ("input",)},
-)
-_InputEntry = inference_pb2.PredictionsRequest.InputEntry
-# Writes a message ahead of a request's own answer on a StreamPredictions2 stream (its bytes).
-Emit = Callable[[inference_pb2.PredictionResponse, int], bool]
 
 
 class InferencePlane(Protocol):
@@ -94,118 +79,6 @@ class InferencePlane(Protocol):
 def health_json(healthy: bool) -> str:
     """TorchServe's Ping body: its StatusResponse as pretty JSON ({"status": "Healthy"})."""
     return json.dumps({"status": "Healthy" if healthy else "Unhealthy"}, indent=2)
-
-
-def request_headers(metadata: Sequence[tuple[str, str | bytes]] | None) -> dict[str, str]:
-    """Text metadata as a bounded header dict; binary (-bin) entries, overlong ones, credentials
-    (checked by the server, never shown to handler code) and the server-set mode switches
-    (`explain`, `describe`) are dropped."""
-    headers: dict[str, str] = {}
-    for key, value in metadata or ():
-        if len(headers) >= MAX_HEADERS:
-            break
-        if not isinstance(value, str) or key.endswith("-bin") or key.lower() in HIDDEN_FROM_HANDLERS:
-            continue
-        if len(key) > MAX_HEADER_NAME or len(value) > MAX_HEADER_VALUE:
-            continue
-        headers.setdefault(key.lower(), value)
-    return headers
-
-
-def input_map(request: Any) -> dict[str, bytes]:
-    """The request's `input` map, refused before any entry is read when it has too many."""
-    entries = request.input
-    if len(entries) > MAX_INPUT_ENTRIES:
-        raise ServingError(
-            Code.INVALID_ARGUMENT,
-            f"the input map has {len(entries)} entries; at most {MAX_INPUT_ENTRIES} are accepted per request",
-        )
-    if not isinstance(request, ShallowPredictionsRequest):
-        return dict(entries)
-    out: dict[str, bytes] = {}
-    for raw in entries:
-        try:
-            entry = _InputEntry.FromString(raw)
-        except DecodeError:
-            raise ServingError(
-                Code.INVALID_ARGUMENT, "an `input` entry is not a valid PredictionsRequest map entry"
-            ) from None
-        out[entry.key] = entry.value  # a repeated key: the last one wins, as in a protobuf map
-    return out
-
-
-def to_infer_request(
-    request: inference_pb2.PredictionsRequest,
-    *,
-    metadata: Sequence[tuple[str, str | bytes]] | None,
-    time_remaining: float | None,
-    headers: dict[str, str] | None = None,
-    request_id: str | None = None,
-) -> InferRequest:
-    """The protocol-neutral request: `data` is the `input` map, as TorchServe hands it to handlers."""
-    if not request.model_name:
-        raise ServingError(Code.INVALID_ARGUMENT, "model_name is required: name a model this server serves")
-    deadline = time.monotonic() + time_remaining if time_remaining is not None else None
-    data = input_map(request)
-    return InferRequest(
-        model=request.model_name,
-        version=request.model_version or None,
-        data=data,
-        protocol=PROTOCOL,
-        request_id=request_id or new_request_id(),
-        headers=request_headers(metadata) if headers is None else headers,
-        deadline=deadline,
-        size=sum(len(v) for v in data.values()),
-    )
-
-
-class _Parts:
-    """A StreamPredictions call's intermediate answers, waiting for its writer (a sink,
-    `frontend.streams`); past MAX_HELD_BYTES it keeps none and says why (`overflow`)."""
-
-    def __init__(self) -> None:
-        self.queue: deque[InferResult] = deque()
-        self.held = 0
-        self.overflow = ""
-        self.wake = asyncio.Event()
-
-    def predicted(self, task: asyncio.Future[Any]) -> None:
-        """The call's prediction is done: wake the writer (which reads its outcome, unless the
-        call ended first: then it is only marked read here)."""
-        if not task.cancelled():
-            task.exception()
-        self.wake.set()
-
-    def partial(self, part: InferResult) -> None:
-        if self.overflow:
-            return
-        self.held += len(part.body)
-        if self.held > MAX_HELD_BYTES:
-            self.overflow = too_much_held(self.held)
-            self.queue.clear()
-        else:
-            self.queue.append(part)
-        self.wake.set()
-
-
-class _Emitter:
-    """A StreamPredictions2 request's sink: each intermediate answer becomes a message of the
-    stream, ahead of the request's own; the stream refusing one (too much unwritten) fails it."""
-
-    def __init__(self, emit: Emit, sequence_id: str) -> None:
-        self._emit = emit
-        self._sequence_id = sequence_id
-        self.overflow = ""
-
-    def partial(self, part: InferResult) -> None:
-        if self.overflow:
-            return
-        message = inference_pb2.PredictionResponse(prediction=part.body, sequence_id=self._sequence_id)
-        if not self._emit(message, len(part.body)):
-            self.overflow = (
-                "the client read the stream slower than the model wrote it: more than "
-                f"{MAX_HELD_BYTES} bytes of intermediate answers were waiting to be written"
-            )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
@@ -243,7 +116,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         RESOURCE_EXHAUSTED. A failure after parts were written ends it with the failure's status.
         """
         request_id = new_request_id()
-        parts = _Parts()
+        parts = PendingParts()
         STREAMS[request_id] = parts
         predicting = asyncio.ensure_future(self._predict(request, context, request_id=request_id))
         predicting.add_done_callback(parts.predicted)
@@ -324,7 +197,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
             seq = stream2.sequence_of(request.sequence_id, request.model_name, inputs)
             headers = {**kept, **seq.headers}
             req = to_infer_request(request, metadata=None, time_remaining=time_remaining, headers=headers)
-            sink = _Emitter(emit, seq.sequence_id)
+            sink = PartEmitter(emit, seq.sequence_id)
             STREAMS[req.request_id] = sink
             try:
                 result = await infer(req)
