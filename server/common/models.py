@@ -121,7 +121,7 @@ def resolve_worker_origin(
     archive: ModelArchive, spec: ModelSpec, *, default_max_queue: int | None, layers: ServerLayers
 ) -> LayerSource | None:
     """Where a version's worker count (minWorkers) was set, for the worker budget's refusal
-    (see `model_settings.worker_count_origin`); None for the built-in default count."""
+    (see `settings_layers.worker_count_origin`); None for the built-in default count."""
     return worker_count_origin(_named_layers(archive, spec, default_max_queue, layers))
 
 

@@ -68,7 +68,7 @@ def visible_gpus() -> int:
 def device_ids_of(model_config: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The model-config's `deviceIds` (TorchServe's key: the GPUs this model may use), or None
     when it names none. Raises ServingError for a value that is not a list of GPU ids (an
-    archive's is checked when it is registered: `common.model_settings.archive_overrides`)."""
+    archive's is checked when it is registered: `common.archive_settings.archive_overrides`)."""
     return device_ids("deviceIds", model_config.get("deviceIds"), "the model-config")
 
 

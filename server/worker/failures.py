@@ -27,7 +27,7 @@ checked against torch 2.13 and onnxruntime 1.32:
 A fatal device error leaves the CUDA context unusable for the rest of the process ("sticky"
 errors): every later kernel fails the same way, so the only recovery is a new process. Where the
 text hides it (AOTInductor, a handler that rewords errors), a GPU instance asks the device itself
-after the failure (`runner._device_error`: a synchronize reports the sticky error).
+after the failure (`device.device_error`: a synchronize reports the sticky error).
 
 Exceptions are read along their `__cause__` / `__context__` chain, so a handler that wraps the
 runtime's error (`raise ValueError("inference failed") from exc`) is still understood.
