@@ -54,7 +54,7 @@ from mariner.server.contracts.peer import PeerRefused
 from mariner.server.contracts.workflow_dag import WorkflowTable
 from mariner.server.frontend.dataplane import DataPlane
 from mariner.server.frontend.endpoint import ModelEndpoint
-from mariner.server.frontend.protocols.grpc_admission import GrpcDrainGate
+from mariner.server.frontend.protocols.grpc_drain_gate import GrpcDrainGate
 from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
 from mariner.server.frontend.protocols.http_drain import DrainAware
 from mariner.server.frontend.protocols.http_listener import inference_app

@@ -31,7 +31,6 @@ from mariner.server.common.configured_models import server_layers
 from mariner.server.common.metrics import Metrics, MultiprocessMetrics
 from mariner.server.common.models import ModelSpec, resolve_model, resolve_worker_origin
 from mariner.server.contracts.errors import Code, ServingError
-from mariner.server.supervisor.admission import admit
 from mariner.server.supervisor.devices import allocator
 from mariner.server.supervisor.failed_models import FailedModel
 from mariner.server.supervisor.machine import archive_estimate
@@ -41,6 +40,7 @@ from mariner.server.supervisor.versions import Version
 from mariner.server.supervisor.worker_budget import Limits, WorkerBudget
 from mariner.server.supervisor.worker_pool import WorkerPool
 from mariner.server.supervisor.worker_process import WorkerOutputs
+from mariner.server.supervisor.worker_slots import admit
 
 log = logging.getLogger("mariner.supervisor")
 

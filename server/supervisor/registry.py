@@ -23,9 +23,9 @@ from mariner.server.common.models import ModelSpec, require_management
 from mariner.server.contracts.errors import Code, ServingError, TorchServeAnswer
 from mariner.server.contracts.types import InferResult, ModelInfo, WireProtocol
 from mariner.server.contracts.worker_describe import ask_describe, describe_request
-from mariner.server.supervisor.admission import check_scale
 from mariner.server.supervisor.model_loading import ModelLoading
 from mariner.server.supervisor.versions import Instance, Version
+from mariner.server.supervisor.worker_slots import check_scale
 
 log = logging.getLogger("mariner.supervisor")
 

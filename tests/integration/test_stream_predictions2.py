@@ -373,7 +373,7 @@ def test_a_drain_answers_what_streams_read_and_ends_them_unavailable(
 ) -> None:
     """SIGTERM: an idle stream ends at once with UNAVAILABLE (it does not hold the drain for
     the grace period); a stream with a request in flight gets its answer, then UNAVAILABLE."""
-    from mariner.server.frontend.protocols.grpc_admission import DRAINING_MESSAGE
+    from mariner.server.frontend.protocols.grpc_drain_gate import DRAINING_MESSAGE
 
     store = tmp_path / "store"
     write_handler_archive(

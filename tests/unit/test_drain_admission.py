@@ -18,7 +18,7 @@ import pytest
 from mariner.server import protogen
 from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, ModelState
 from mariner.server.frontend.dataplane import DataPlane
-from mariner.server.frontend.protocols.grpc_admission import GrpcDrainGate
+from mariner.server.frontend.protocols.grpc_drain_gate import GrpcDrainGate
 from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
 from tests.unit.fakes import DIGITS, QuietMetrics, make_info
 

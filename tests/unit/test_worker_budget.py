@@ -332,7 +332,7 @@ def test_a_start_up_count_someone_set_is_refused_and_the_built_in_one_lowered(tm
     large machine is lowered to the cap instead."""
     from mariner.server.common.model_settings import SettingsOverrides
     from mariner.server.common.settings_layers import LayerSource, ServerLayers, worker_count_origin
-    from mariner.server.supervisor.admission import admit
+    from mariner.server.supervisor.worker_slots import admit
 
     v = _version(tmp_path)
     b = budget()

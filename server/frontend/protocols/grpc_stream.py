@@ -16,7 +16,7 @@ import grpc
 
 from mariner.server.common.grpc_status import abort, grpc_code
 from mariner.server.contracts.errors import Code, ServingError, internal
-from mariner.server.frontend.protocols.grpc_admission import DRAINING_MESSAGE
+from mariner.server.frontend.protocols.grpc_drain_gate import DRAINING_MESSAGE
 from mariner.server.frontend.protocols.stream_pipeline import Ending, StreamPipeline
 
 

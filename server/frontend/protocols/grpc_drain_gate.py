@@ -1,4 +1,4 @@
-"""Admission of gRPC inference calls, at the moment a call's metadata arrives.
+"""The drain gate of gRPC inference calls, at the moment a call's metadata arrives.
 
 A frontend that drains refuses a new call with UNAVAILABLE before grpc reads its message (see
 security.refusing_handler: a refused client costs no read and no decode of its tensor), and a
