@@ -69,11 +69,13 @@ def build(
     rows: list[Verification] = []
     entries: list[dict[str, Any]] = []
     for art in artefacts:
-        rec, entry = _build_variant(
-            art, work / "stage", store, norm=norm, kwargs=model_kwargs(ck), batch_size=batch_size,
-            max_batch_delay_ms=max_batch_delay_ms, splits=splits, eager_logits=eager_logits,
-            repeats=repeats,
+        staged = package.stage(
+            art, work=work / "stage", norm=norm, model_kwargs=model_kwargs(ck), batch_size=batch_size,
+            max_batch_delay_ms=max_batch_delay_ms,
         )  # fmt: skip
+        rec, entry = _verify_and_archive(
+            art, staged, store, splits=splits, eager_logits=eager_logits, repeats=repeats
+        )
         rows.append(rec)
         entries.append(entry)
         print_verdict(art.variant, rec.tolerance, rec.passed, (13, 28))
@@ -109,23 +111,17 @@ def _remove_stale(store: Path, written: set[str]) -> None:
             mar.unlink()
 
 
-def _build_variant(
+def _verify_and_archive(
     art: Artefact,
-    stage_root: Path,
+    staged: package.Staged,
     store: Path,
     *,
-    norm: dict[str, float],
-    kwargs: dict[str, Any],
-    batch_size: int,
-    max_batch_delay_ms: int,
     splits: Any,
     eager_logits: torch.Tensor,
     repeats: int,
 ) -> tuple[Verification, dict[str, Any]]:
-    staged = package.stage(
-        art, work=stage_root, norm=norm, model_kwargs=kwargs, batch_size=batch_size,
-        max_batch_delay_ms=max_batch_delay_ms,
-    )  # fmt: skip
+    """A staged variant verified against the eager model, then archived into `store` with its
+    record; the record and the archive's index entry."""
     rec = verify_variant(
         variant=art.variant,
         fmt=art.format,

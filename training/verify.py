@@ -113,6 +113,15 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(samples)
 
 
+def logit_latencies(logits: Callable[[torch.Tensor], Any], x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """`median_ms` of one forward pass at batch 1 and at batch 32: a record's `latency_b1_ms`
+    and `latency_b32_ms`."""
+    return {
+        "latency_b1_ms": median_ms(lambda: logits(x[:1]), repeats),
+        "latency_b32_ms": median_ms(lambda: logits(x[:32]), repeats),
+    }
+
+
 def verify_variant(
     *,
     variant: str,
@@ -154,8 +163,7 @@ def verify_variant(
         accuracy=acc,
         eager_accuracy=eager_acc,
         file_bytes=artefact.stat().st_size,
-        latency_b1_ms=median_ms(lambda: handler.logits(x[:1]), repeats),
-        latency_b32_ms=median_ms(lambda: handler.logits(x[:32]), repeats),
+        **logit_latencies(handler.logits, x, repeats),
         load_seconds=load_s,
         tolerance=tolerance,
         passed=passed,

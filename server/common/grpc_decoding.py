@@ -17,7 +17,7 @@ checks the header and parses the opaque part itself, bounded by what the model a
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -26,6 +26,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FileDescriptor
 
 from mariner.server.common.batch_policy import CALLER
+from mariner.server.common.grpc_server import HandlerInterceptor
 from mariner.server.common.grpc_status import abort, grpc_code
 from mariner.server.common.held_bytes import HeldBytes
 from mariner.server.contracts.errors import RETRY_AFTER_SECONDS, Code, ServingError
@@ -98,15 +99,24 @@ def _wrap(
     the wrapper per call cost more than the rest of the interceptor chain together."""
     message = _message(method)
 
-    async def hold(context: grpc.aio.ServicerContext) -> int:
-        """Take the bytes of the message this call read from `held`, or end the call
-        RESOURCE_EXHAUSTED with retry-after when they do not fit; the bytes taken."""
-        assert held is not None
+    async def admit(request: Any, context: grpc.aio.ServicerContext) -> int:
+        """A unary call's start: its caller set, an undecodable request ended INVALID_ARGUMENT,
+        and with `held`, the bytes of the message this call read taken from it (or the call
+        ended RESOURCE_EXHAUSTED with retry-after when they do not fit); the bytes taken."""
+        CALLER.set(context.peer())
+        if request is _BAD:
+            await context.abort(_INVALID, message)
+        if held is None:
+            return 0
         size = _MESSAGE_BYTES.get()
         if not held.take(size):
             context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(RETRY_AFTER_SECONDS)),))
             await abort(context, held.refusal(size))
         return size
+
+    def release(size: int) -> None:
+        if held is not None:
+            held.release(size)
 
     kw = {
         "request_deserializer": _safe(handler.request_deserializer),
@@ -132,32 +142,24 @@ def _wrap(
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            CALLER.set(context.peer())
-            if request is _BAD:
-                await context.abort(_INVALID, message)
-            size = await hold(context) if held is not None else 0
+            size = await admit(request, context)
             try:
                 result = inner_uu(request, context)
                 return await result if inspect.isawaitable(result) else result
             finally:
-                if held is not None:
-                    held.release(size)
+                release(size)
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
     if handler.unary_stream:
         inner_us = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            CALLER.set(context.peer())
-            if request is _BAD:
-                await context.abort(_INVALID, message)
-            size = await hold(context) if held is not None else 0
+            size = await admit(request, context)
             try:
                 async for item in _drain(inner_us(request, context)):
                     yield item
             finally:
-                if held is not None:
-                    held.release(size)
+                release(size)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
     if handler.stream_unary:
@@ -181,20 +183,17 @@ def _wrap(
     return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
 
 
-class SafeDecoding(grpc.aio.ServerInterceptor):
+class SafeDecoding(HandlerInterceptor):
     """Must be the first interceptor, so it wraps the handler every other one returns.
 
     Our own services are wrapped when registered (`register`) and pass through untouched; this
     covers the handlers grpc's own services (health, reflection) bring.
     """
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None or _is_wrapped(handler):
+        if handler.request_deserializer is None or _is_wrapped(handler):
             return handler
         return _wrap(handler, details.method)
 

@@ -1,5 +1,5 @@
-"""The gRPC server pieces both processes build: options, binding, reflection, and the management
-server (7071), which the supervisor serves.
+"""The gRPC server pieces both processes build: options, binding, reflection, the base of our
+interceptors, and the management server (7071), which the supervisor serves.
 
 Kept apart from `grpc_listener` (the inference server, with every inference adapter) so the
 supervisor builds its management server without importing an inference adapter.
@@ -7,7 +7,7 @@ supervisor builds its management server without importing an inference adapter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,27 @@ def bind(
     if port == 0:  # older grpc versions report a failed bind as port 0
         raise RuntimeError(f"cannot listen for gRPC {what} on {address!r}: address in use or invalid")
     return port
+
+
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that decides, once grpc found the method's handler, what serves the call:
+    `intercept` returns that handler, a wrapper of it or a refusal. A method with no handler
+    (grpc answers UNIMPLEMENTED) passes through untouched."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        return self.intercept(handler, details)
+
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
 
 
 # grpcio-reflection serves only v1alpha; v1 (what current grpcurl and Postman ask first) has the

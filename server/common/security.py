@@ -21,13 +21,14 @@ import ipaddress
 import json
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 
+from mariner.server.common.grpc_server import HandlerInterceptor
 from mariner.server.common.grpc_status import grpc_code
 from mariner.server.contracts.errors import STATUS, TORCHSERVE_TYPES, Code, ServingError
 from mariner.server.contracts.worker_wire import CREDENTIAL_HEADERS
@@ -253,7 +254,7 @@ def _overall_health_only(
     return refusing_handler(handler, code, message)
 
 
-class GrpcTokenAuth(grpc.aio.ServerInterceptor):
+class GrpcTokenAuth(HandlerInterceptor):
     """Checks `authorization: Bearer <token>` metadata on every call; with `open_health`, the
     overall health status (grpc.health.v1 service "") needs none, per-model health does. A call
     refused is answered `refusal`'s status, unread."""
@@ -263,13 +264,10 @@ class GrpcTokenAuth(grpc.aio.ServerInterceptor):
         self._open_health = open_health
         self._refusal = refusal
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not self._tokens:
+        if not self._tokens:
             return handler
         authorization = None
         for key, value in details.invocation_metadata or ():

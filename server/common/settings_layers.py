@@ -78,22 +78,12 @@ class ServerLayers:
         entry = _entry_for(self.per_model.get(name), version, archive_file)
         return SettingsOverrides.parse(entry, self._source(name, version))
 
-    def for_model(
-        self,
-        name: str,
-        version: str,
-        archive_file: str,
-        archive: SettingsOverrides = _NO_LAYER,
-        *,
-        startup: bool = True,
-    ) -> tuple[SettingsOverrides, ...]:
+    def for_model(self, *args: Any, **kwargs: Any) -> tuple[SettingsOverrides, ...]:
         """Every server-side layer of this model version with its `archive` layer, lowest first:
-        built-in workers, `default_*`, `models={...}`, the archive, flags. The register call's
-        layer goes on top. `startup`: the model is loaded at start-up (TorchServe's default
-        worker count) rather than registered later (no worker, as TorchServe registers it)."""
-        return tuple(
-            layer for _, layer in self.named_for_model(name, version, archive_file, archive, startup=startup)
-        )
+        built-in workers, `default_*`, `models={...}`, the archive, flags; `named_for_model`'s
+        layers (the same arguments) without where each comes from. The register call's layer
+        goes on top."""
+        return tuple(layer for _, layer in self.named_for_model(*args, **kwargs))
 
     def named_for_model(
         self,
@@ -107,6 +97,8 @@ class ServerLayers:
     ) -> tuple[tuple[LayerSource | None, SettingsOverrides], ...]:
         """`for_model`'s layers, each with where it comes from (None: the built-in defaults), so
         a limit on a setting can name the place its value was set (`worker_count_origin`).
+        `startup`: the model is loaded at start-up (TorchServe's default worker count) rather
+        than registered later (no worker, as TorchServe registers it).
         `no_default_workers`: a register call said `initial_workers=0` (or less), which TorchServe
         reads as "no worker" over `default_workers_per_model` but under the archive's count."""
         workers = self.startup_workers if startup else 0

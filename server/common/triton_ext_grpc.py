@@ -19,14 +19,9 @@ from google.protobuf import json_format
 
 from mariner.server.common import triton_ext
 from mariner.server.common.grpc_status import abort
+from mariner.server.common.grpc_stubs import grpc_service_pb2 as pb
 from mariner.server.common.triton_ext_http import MANAGEMENT_ONLY
 from mariner.server.contracts.errors import Code, ServingError, as_serving_error
-from mariner.server.protogen import stubs_missing
-
-try:
-    from mariner.server._proto.inference import grpc_service_pb2 as pb
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 log = logging.getLogger("mariner.grpc.oip")
 

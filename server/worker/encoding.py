@@ -44,35 +44,32 @@ def _pretty_scalar(o: Any, t: type) -> str:
 def _pretty_into(o: Any, out: list[str], level: int) -> None:
     t = type(o)
     if t is dict:
-        if not o:
-            out.append("{}")
-            return
-        if level >= _PRETTY_MAX_DEPTH:
-            raise _NotPlainJson
-        nl = "\n" + "  " * (level + 1)
-        opener = "{"
+        brackets = "{}"
+    elif t is list or t is tuple:
+        brackets = "[]"
+    else:
+        out.append(_pretty_scalar(o, t))
+        return
+    if not o:
+        out.append(brackets)
+        return
+    if level >= _PRETTY_MAX_DEPTH:
+        raise _NotPlainJson
+    nl = "\n" + "  " * (level + 1)
+    opener = brackets[0]
+    if t is dict:
         for k, v in o.items():
             if type(k) is not str:
                 raise _NotPlainJson
             out.append(opener + nl + _JSON_STR(k) + ": ")
             opener = ","
             _pretty_into(v, out, level + 1)
-        out.append("\n" + "  " * level + "}")
-    elif t is list or t is tuple:
-        if not o:
-            out.append("[]")
-            return
-        if level >= _PRETTY_MAX_DEPTH:
-            raise _NotPlainJson
-        nl = "\n" + "  " * (level + 1)
-        opener = "["
+    else:
         for v in o:
             out.append(opener + nl)
             opener = ","
             _pretty_into(v, out, level + 1)
-        out.append("\n" + "  " * level + "]")
-    else:
-        out.append(_pretty_scalar(o, t))
+    out.append("\n" + "  " * level + brackets[1])
 
 
 def pretty_json(value: Any) -> str:

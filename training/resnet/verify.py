@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from mariner.training.package import Staged
-from mariner.training.verify import fp32_math, init_handler, load_handler_class, median_ms
+from mariner.training.verify import fp32_math, init_handler, load_handler_class, logit_latencies, median_ms
 
 FP32_MAX_ABS_DIFF = 1e-4
 INT8_MIN_COSINE = 0.99
@@ -105,8 +105,7 @@ def verify_variant(
         top1_agreement=float((pred == eager_pred).float().mean()),
         top5_overlap=overlap,
         file_bytes=staged.artefact.stat().st_size,
-        latency_b1_ms=median_ms(lambda: handler.logits(x[:1]), repeats),
-        latency_b32_ms=median_ms(lambda: handler.logits(x[:32]), repeats),
+        **logit_latencies(handler.logits, x, repeats),
         handle_ms=handle_ms,
         load_seconds=load_s,
         tolerance=tolerance,

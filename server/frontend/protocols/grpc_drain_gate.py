@@ -11,11 +11,11 @@ refused: probes must see NOT_SERVING while the frontend drains.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import grpc
 
+from mariner.server.common.grpc_server import HandlerInterceptor
 from mariner.server.common.grpc_status import grpc_code
 from mariner.server.common.security import HEALTH_METHOD_PREFIX, refusing_handler
 from mariner.server.contracts.errors import Code
@@ -33,20 +33,17 @@ class Admitting(Protocol):
     def admit(self) -> bool: ...
 
 
-class GrpcDrainGate(grpc.aio.ServerInterceptor):
+class GrpcDrainGate(HandlerInterceptor):
     """Admits inference calls while the plane serves; refuses them, unread, once it drains."""
 
     def __init__(self, plane: Admitting) -> None:
         self._plane = plane
         self._code = grpc_code(Code.UNAVAILABLE)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+    def intercept(
+        self, handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(ALWAYS_OPEN_PREFIXES):
+        if details.method.startswith(ALWAYS_OPEN_PREFIXES):
             return handler
         if handler.request_streaming:
             # A stream is one long call: its messages are admitted one by one by the DataPlane

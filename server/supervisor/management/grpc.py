@@ -18,10 +18,11 @@ the workers started, hiding a model that fails to load; REST honours `synchronou
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -32,11 +33,11 @@ from mariner.server.common import triton_ext_grpc as oip_ext
 from mariner.server.common.grpc_decoding import SafeDecoding
 from mariner.server.common.grpc_server import enable_reflection, server_options
 from mariner.server.common.grpc_status import abort
+from mariner.server.common.grpc_stubs import management_pb2, management_pb2_grpc
 from mariner.server.common.register_settings import register_call_overrides
 from mariner.server.contracts.errors import Code, ServingError, as_serving_error
 from mariner.server.contracts.names import check_model_name, check_params
 from mariner.server.contracts.types import InferResult, ModelInfo, WireProtocol
-from mariner.server.protogen import stubs_missing
 from mariner.server.supervisor.management import grpc as grpc_management
 from mariner.server.supervisor.management.describe import (
     MAX_PAGE,
@@ -45,11 +46,6 @@ from mariner.server.supervisor.management.describe import (
     list_models,
     registered_message,
 )
-
-try:
-    from mariner.server._proto.torchserve import management_pb2, management_pb2_grpc
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 log = logging.getLogger("mariner.grpc.management")
 
@@ -133,6 +129,28 @@ def _strings(request: Any) -> dict[str, object]:
     return {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields if f.type == f.TYPE_STRING}
 
 
+Ctx: TypeAlias = grpc.aio.ServicerContext
+_Body = Callable[["ManagementServicer", Any, Ctx], Awaitable[str]]
+_Rpc = Callable[["ManagementServicer", Any, Ctx], Awaitable[management_pb2.ManagementResponse]]
+
+
+def _answers(what: str) -> Callable[[_Body], _Rpc]:
+    """A ManagementAPIsService method from `body`, which returns the answer's `msg`: run by
+    `ManagementServicer._call`, so a failure while `what` aborts the call with its status."""
+
+    def wrap(body: _Body) -> _Rpc:
+        @functools.wraps(body)
+        async def rpc(
+            self: ManagementServicer, request: Any, context: Ctx
+        ) -> management_pb2.ManagementResponse:
+            msg = await self._call(context, what, lambda: body(self, request, context))
+            return management_pb2.ManagementResponse(msg=msg)
+
+        return rpc
+
+    return wrap
+
+
 class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
     """ManagementAPIsService over the DataPlane.
 
@@ -146,103 +164,72 @@ class ManagementServicer(management_pb2_grpc.ManagementAPIsServiceServicer):
         self._plane = dataplane
         self._on_change = on_change
 
-    async def ListModels(
-        self, request: management_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
-        async def list_models() -> str:
-            return list_models_json(self._plane.models(), request.limit, request.next_page_token)
+    @_answers("listing models")
+    async def ListModels(self, request: management_pb2.ListModelsRequest, context: Ctx) -> str:
+        return list_models_json(self._plane.models(), request.limit, request.next_page_token)
 
-        msg = await self._call(context, "listing models", list_models)
-        return management_pb2.ManagementResponse(msg=msg)
+    @_answers("describing the model")
+    async def DescribeModel(self, request: management_pb2.DescribeModelRequest, context: Ctx) -> str:
+        check_params(_strings(request))
+        version = request.model_version or None
+        if request.customized:  # TorchServe answers OK whatever status the handler set
+            headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+            doc, _ = await describe_customized(
+                self._plane, request.model_name, version, headers, WireProtocol.TS_GRPC
+            )
+            return json.dumps(doc, indent=2)
+        return describe_json(self._plane, request.model_name, version)
 
-    async def DescribeModel(
-        self, request: management_pb2.DescribeModelRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
-        async def describe() -> str:
+    @_answers("registering the model")
+    async def RegisterModel(self, request: management_pb2.RegisterModelRequest, context: Ctx) -> str:
+        # The DataPlane decides first whether management is allowed at all, so a refused
+        # caller learns nothing about which arguments would have been accepted.
+        overrides = register_overrides(request) if self._plane.management_enabled else {}
+        if self._plane.management_enabled and not request.url:
+            raise ServingError(
+                Code.INVALID_ARGUMENT, "url is required: the file name of an archive in the model store"
+            )
+        infos = await self._plane.register(request.url, **overrides)
+        await self._changed()
+        return "; ".join(registered_message(i) for i in infos) or f'Archive "{request.url}" registered'
+
+    @_answers("unregistering the model")
+    async def UnregisterModel(self, request: management_pb2.UnregisterModelRequest, context: Ctx) -> str:
+        if self._plane.management_enabled:
             check_params(_strings(request))
-            version = request.model_version or None
-            if request.customized:  # TorchServe answers OK whatever status the handler set
-                headers = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-                doc, _ = await describe_customized(
-                    self._plane, request.model_name, version, headers, WireProtocol.TS_GRPC
-                )
-                return json.dumps(doc, indent=2)
-            return describe_json(self._plane, request.model_name, version)
+            if not request.model_name:
+                raise ServingError(Code.INVALID_ARGUMENT, "model_name is required")
+        await self._plane.unregister(request.model_name, request.model_version or None)
+        await self._changed()
+        return f'Model "{request.model_name}" unregistered'
 
-        msg = await self._call(context, "describing the model", describe)
-        return management_pb2.ManagementResponse(msg=msg)
-
-    async def RegisterModel(
-        self, request: management_pb2.RegisterModelRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
-        async def register() -> str:
-            # The DataPlane decides first whether management is allowed at all, so a refused
-            # caller learns nothing about which arguments would have been accepted.
-            overrides = register_overrides(request) if self._plane.management_enabled else {}
-            if self._plane.management_enabled and not request.url:
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, "url is required: the file name of an archive in the model store"
-                )
-            infos = await self._plane.register(request.url, **overrides)
-            await self._changed()
-            return "; ".join(registered_message(i) for i in infos) or f'Archive "{request.url}" registered'
-
-        msg = await self._call(context, "registering the model", register)
-        return management_pb2.ManagementResponse(msg=msg)
-
-    async def UnregisterModel(
-        self, request: management_pb2.UnregisterModelRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
-        async def unregister() -> str:
-            if self._plane.management_enabled:
-                check_params(_strings(request))
-                if not request.model_name:
-                    raise ServingError(Code.INVALID_ARGUMENT, "model_name is required")
-            await self._plane.unregister(request.model_name, request.model_version or None)
-            await self._changed()
-            return f'Model "{request.model_name}" unregistered'
-
-        msg = await self._call(context, "unregistering the model", unregister)
-        return management_pb2.ManagementResponse(msg=msg)
-
-    async def ScaleWorker(
-        self, request: management_pb2.ScaleWorkerRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
+    @_answers("scaling workers")
+    async def ScaleWorker(self, request: management_pb2.ScaleWorkerRequest, context: Ctx) -> str:
         # TorchServe's defaults: min_worker 0 means 1, max_worker 0 means min_worker.
         min_workers = request.min_worker if request.min_worker > 0 else 1
         max_workers = request.max_worker if request.max_worker > 0 else min_workers
         version = request.model_version or None
-
-        async def scale() -> str:
-            check_params(_strings(request))
-            if max_workers < min_workers:
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, f"max_worker ({max_workers}) must be >= min_worker ({min_workers})"
-                )
-            await self._plane.scale(request.model_name, version, min_workers, max_workers)
-            await self._changed()
-            suffix = f", version: {version}" if version else ""
-            return f"Workers scaled to {min_workers} for model: {request.model_name}{suffix}"
-
-        msg = await self._call(context, "scaling workers", scale)
-        return management_pb2.ManagementResponse(msg=msg)
-
-    async def SetDefault(
-        self, request: management_pb2.SetDefaultRequest, context: grpc.aio.ServicerContext
-    ) -> management_pb2.ManagementResponse:
-        async def set_default() -> str:
-            check_params(_strings(request))
-            if not (request.model_name and request.model_version):
-                raise ServingError(Code.INVALID_ARGUMENT, "model_name and model_version are both required")
-            await self._plane.set_default(request.model_name, request.model_version)
-            await self._changed()
-            return (
-                f'Default version successfully updated for model "{request.model_name}" '
-                f'to "{request.model_version}"'
+        check_params(_strings(request))
+        if max_workers < min_workers:
+            raise ServingError(
+                Code.INVALID_ARGUMENT, f"max_worker ({max_workers}) must be >= min_worker ({min_workers})"
             )
+        await self._plane.scale(request.model_name, version, min_workers, max_workers)
+        await self._changed()
+        suffix = f", version: {version}" if version else ""
+        return f"Workers scaled to {min_workers} for model: {request.model_name}{suffix}"
 
-        msg = await self._call(context, "setting the default version", set_default)
-        return management_pb2.ManagementResponse(msg=msg)
+    @_answers("setting the default version")
+    async def SetDefault(self, request: management_pb2.SetDefaultRequest, context: Ctx) -> str:
+        check_params(_strings(request))
+        if not (request.model_name and request.model_version):
+            raise ServingError(Code.INVALID_ARGUMENT, "model_name and model_version are both required")
+        await self._plane.set_default(request.model_name, request.model_version)
+        await self._changed()
+        return (
+            f'Default version successfully updated for model "{request.model_name}" '
+            f'to "{request.model_version}"'
+        )
 
     async def _changed(self) -> None:
         if self._on_change is None:

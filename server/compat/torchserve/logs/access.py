@@ -145,12 +145,7 @@ def _wrapped(grpc: Any, handler: Any, method: str, thread: str) -> Any:
             finally:
                 _log_call(context, peer, method, thread, start, failed)
 
-        make = (
-            grpc.unary_unary_rpc_method_handler
-            if handler.unary_unary
-            else grpc.stream_unary_rpc_method_handler
-        )
-        return make(unary, **codec)
+        return _same_kind(grpc, handler)(unary, **codec)
     inner_stream = handler.unary_stream or handler.stream_stream
 
     async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
@@ -166,9 +161,12 @@ def _wrapped(grpc: Any, handler: Any, method: str, thread: str) -> Any:
         finally:
             _log_call(context, peer, method, thread, start, failed)
 
-    make = (
-        grpc.unary_stream_rpc_method_handler
-        if handler.unary_stream
-        else grpc.stream_stream_rpc_method_handler
+    return _same_kind(grpc, handler)(streaming, **codec)
+
+
+def _same_kind(grpc: Any, handler: Any) -> Any:
+    """grpc's constructor of a handler of `handler`'s kind (unary or streaming, each way)."""
+    kind = next(
+        (k for k in ("unary_unary", "stream_unary", "unary_stream") if getattr(handler, k)), "stream_stream"
     )
-    return make(streaming, **codec)
+    return getattr(grpc, f"{kind}_rpc_method_handler")

@@ -17,13 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from mariner.server.common.grpc_stubs import grpc_service_pb2 as pb
 from mariner.server.contracts.tensors import CONTENTS_FIELD, bad, decode_values, element_count
-from mariner.server.protogen import stubs_missing
-
-try:
-    from mariner.server._proto.inference import grpc_service_pb2 as pb
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 _NUMBERS = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
 # Float types: numpy dtype and the wire type of one unpacked element (fixed64 = 1, fixed32 = 5).

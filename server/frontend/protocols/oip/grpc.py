@@ -33,24 +33,19 @@ import numpy as np
 
 from mariner.server.common import oip_codec as oip
 from mariner.server.common import triton_ext_grpc as ext
-from mariner.server.common.grpc_decoding import message_bytes, register, shallow_class
+from mariner.server.common.grpc_decoding import register, shallow_class
 from mariner.server.common.grpc_status import abort
+from mariner.server.common.grpc_stubs import grpc_service_pb2 as pb
+from mariner.server.common.grpc_stubs import grpc_service_pb2_grpc as pb_grpc
 from mariner.server.common.held_bytes import HeldBytes
 from mariner.server.contracts.errors import Code, as_serving_error, internal
 from mariner.server.contracts.tensors import CONTENTS_FIELD, ModelSignature, bad, decode_raw, encode_raw
 from mariner.server.contracts.types import WireProtocol
 from mariner.server.frontend.protocols.call import Failed, Infer, Ok, run_call
-from mariner.server.frontend.protocols.grpc_stream import end_stream
+from mariner.server.frontend.protocols.grpc_stream import GrpcStreams, answers
 from mariner.server.frontend.protocols.oip.contents import decode_contents
-from mariner.server.frontend.protocols.stream_pipeline import WINDOW, StreamPipeline, StreamStats
+from mariner.server.frontend.protocols.stream_pipeline import WINDOW
 from mariner.server.frontend.protocols.torchserve.grpc_request import request_headers
-from mariner.server.protogen import stubs_missing
-
-try:
-    from mariner.server._proto.inference import grpc_service_pb2 as pb
-    from mariner.server._proto.inference import grpc_service_pb2_grpc as pb_grpc
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 log = logging.getLogger("mariner.grpc.oip")
 
@@ -154,8 +149,8 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> None:
         self._plane = dataplane
         self._max_elements = oip.element_cap(max_message_bytes)
-        self.stream_stats = StreamStats()
-        self._held = held
+        self._streams = GrpcStreams(dataplane, held)
+        self.stream_stats = self._streams.stats
 
     # -- health and metadata ------------------------------------------------------------
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -235,19 +230,9 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
         def on_crash(request: Any) -> Any:
             return self._stream_error(request, internal("running the inference").message)
 
-        pipe = StreamPipeline(
-            request_iterator,
-            answer,
-            on_crash=on_crash,
-            admission=self._plane,
-            window=STREAM_WINDOW,
-            stats=self.stream_stats,
-            held=self._held,
-            size=message_bytes,
-        )
-        async for response in pipe.responses():
+        pipe = self._streams.pipeline(request_iterator, answer, on_crash=on_crash, window=STREAM_WINDOW)
+        async for response in answers(context, pipe):
             yield response
-        await end_stream(context, pipe)
 
     async def _stream_one(self, request: Any, metadata: Any, time_remaining: float | None) -> Any:
         outcome = await self._call(request, metadata, time_remaining)

@@ -24,17 +24,18 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+from google.protobuf import empty_pb2
 
-from mariner.server.common.grpc_decoding import message_bytes, register
+from mariner.server.common.grpc_decoding import register
 from mariner.server.common.grpc_status import abort, torchserve_grpc
+from mariner.server.common.grpc_stubs import inference_pb2, inference_pb2_grpc
 from mariner.server.common.handler_status import answer_text
 from mariner.server.common.held_bytes import HeldBytes
 from mariner.server.common.request_ids import new_request_id
 from mariner.server.contracts.errors import HANDLER_EXCEPTION, Code, ServingError, internal
 from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo
 from mariner.server.frontend.protocols.call import Failed, Infer, run_call
-from mariner.server.frontend.protocols.grpc_stream import end_stream
-from mariner.server.frontend.protocols.stream_pipeline import StreamPipeline, StreamStats
+from mariner.server.frontend.protocols.grpc_stream import GrpcStreams, answers
 from mariner.server.frontend.protocols.torchserve import stream2
 from mariner.server.frontend.protocols.torchserve.grpc_parts import Emit, PartEmitter, PendingParts
 from mariner.server.frontend.protocols.torchserve.grpc_request import (
@@ -45,14 +46,6 @@ from mariner.server.frontend.protocols.torchserve.grpc_request import (
     to_infer_request,
 )
 from mariner.server.frontend.streams import STREAMS
-from mariner.server.protogen import stubs_missing
-
-try:
-    from google.protobuf import empty_pb2
-
-    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 if TYPE_CHECKING:
     from mariner.server.common.metrics import Metrics
@@ -86,8 +79,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
 
     def __init__(self, dataplane: InferencePlane, held: HeldBytes | None = None) -> None:
         self._plane = dataplane
-        self.stream_stats = StreamStats()
-        self._held = held
+        self._streams = GrpcStreams(dataplane, held)
+        self.stream_stats = self._streams.stats
 
     async def Ping(self, request: empty_pb2.Empty, context: grpc.aio.ServicerContext) -> Any:
         """Health as TorchServe reports it: always status OK, the verdict is in the JSON body."""
@@ -166,19 +159,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceAPIsServiceServicer):
         def on_crash(request: Any) -> inference_pb2.PredictionResponse:
             return self._stream2_failure(request.sequence_id, internal("running the prediction"))
 
-        pipe = StreamPipeline(
-            request_iterator,
-            answer,
-            on_crash=on_crash,
-            key=key,
-            admission=self._plane,
-            stats=self.stream_stats,
-            held=self._held,
-            size=message_bytes,
-        )
-        async for response in pipe.responses():
+        pipe = self._streams.pipeline(request_iterator, answer, on_crash=on_crash, key=key)
+        async for response in answers(context, pipe):
             yield response
-        await end_stream(context, pipe)
 
     async def _stream2_one(
         self,

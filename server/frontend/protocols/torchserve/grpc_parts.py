@@ -14,14 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from mariner.server.common.grpc_stubs import inference_pb2
 from mariner.server.contracts.types import InferResult
 from mariner.server.frontend.streams import MAX_HELD_BYTES, too_much_held
-from mariner.server.protogen import stubs_missing
-
-try:
-    from mariner.server._proto.torchserve import inference_pb2
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 # Writes a message ahead of a request's own answer on a StreamPredictions2 stream (its bytes).
 Emit = Callable[[inference_pb2.PredictionResponse, int], bool]

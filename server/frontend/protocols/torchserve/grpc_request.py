@@ -16,19 +16,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from mariner.server.common.grpc_decoding import shallow_class
+from mariner.server.common.grpc_stubs import inference_pb2
 from mariner.server.common.request_ids import new_request_id
 from mariner.server.common.security import HIDDEN_FROM_HANDLERS
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, WireProtocol
-from mariner.server.protogen import stubs_missing
-
-try:
-    from google.protobuf.message import DecodeError
-
-    from mariner.server._proto.torchserve import inference_pb2
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 PROTOCOL = WireProtocol.TS_GRPC
 

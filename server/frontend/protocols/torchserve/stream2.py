@@ -36,8 +36,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import any_pb2
 
 from mariner.server.common.grpc_status import grpc_code, torchserve_grpc
+from mariner.server.common.grpc_stubs import status_pb2
 from mariner.server.common.handler_status import answer_text
 from mariner.server.contracts.errors import (
     HANDLER_EXCEPTION,
@@ -47,14 +49,6 @@ from mariner.server.contracts.errors import (
     torchserve_answer,
 )
 from mariner.server.contracts.types import InferResult
-from mariner.server.protogen import stubs_missing
-
-try:
-    from google.protobuf import any_pb2
-
-    from mariner.server._proto.google.rpc import status_pb2
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the build step
-    raise stubs_missing(exc) from exc
 
 # ConfigManager's defaults (ts_header_key_sequence_* in config.properties can rename them there).
 SEQUENCE_ID = "ts_request_sequence_id"
