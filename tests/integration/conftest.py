@@ -1,0 +1,38 @@
+"""Servers shared by the integration modules that only send requests.
+
+Every `mariner serve` started here is the one several modules each started for themselves with
+the same store, the same models and the same settings; the modules now ask for it instead, and it
+lives for the whole session (started on first use, stopped at the end). A module may use a
+shared server only if nothing it does changes what the next module sees: it registers,
+unregisters or scales nothing, kills no process, counts metrics only as a difference it measures
+itself, and reads no log it needs fresh. A module that does any of these keeps its own server.
+
+Each module still has its own fixture (usually `mariner`), which now hands out the shared server
+after checking it is alive (`MarinerServe.alive()`), so a server killed by an earlier module fails
+with its log instead of a connection error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mariner_serve import MarinerServe
+
+
+@pytest.fixture(scope="session")
+def shared_digits_torchscript(model_store: Path) -> Iterator[MarinerServe]:
+    """The built store's digits_torchscript alone, the harness's default settings.
+
+    Used by test_client, test_decode_limits, test_grpc_reflection, test_perf_analyzer and
+    test_torchserve_oip_grpc (each started exactly this before)."""
+    from mariner.server import protogen
+
+    protogen.generate()
+    srv = MarinerServe(model_store, "digits_torchscript.mar").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
