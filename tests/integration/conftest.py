@@ -21,6 +21,8 @@ import pytest
 
 from tests.mariner_serve import MarinerServe
 
+CURRENT_DIGITS = ("digits_torchscript", "digits_onnx")
+
 
 @pytest.fixture(scope="session")
 def shared_digits_torchscript(model_store: Path) -> Iterator[MarinerServe]:
@@ -32,6 +34,31 @@ def shared_digits_torchscript(model_store: Path) -> Iterator[MarinerServe]:
 
     protogen.generate()
     srv = MarinerServe(model_store, "digits_torchscript.mar").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def current_digits_store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """digits_torchscript and digits_onnx from the built store with this tree's digits handler
+    inside (`current_digits_archive`), in a store of their own."""
+    from tests.integration.test_explanations import current_digits_archive
+
+    out = tmp_path_factory.mktemp("current-digits")
+    for name in CURRENT_DIGITS:
+        current_digits_archive(model_store, f"{name}.mar", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shared_current_digits(current_digits_store: Path) -> Iterator[MarinerServe]:
+    """Both archives of `current_digits_store`, the harness's default settings.
+
+    Used by test_kserve_v1 and test_oracle_explanations (each built this store and started
+    exactly this before)."""
+    srv = MarinerServe(current_digits_store, ",".join(f"{m}.mar" for m in CURRENT_DIGITS)).start()
     try:
         yield srv
     finally:
