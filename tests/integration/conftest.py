@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.mariner_serve import MarinerServe
+
+if TYPE_CHECKING:
+    from mariner.loadtest.servers import MarinerProcess
 
 CURRENT_DIGITS = ("digits_torchscript", "digits_onnx")
 
@@ -63,3 +67,15 @@ def shared_current_digits(current_digits_store: Path) -> Iterator[MarinerServe]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_loadtest_mariner(model_store: Path) -> Iterator[MarinerProcess]:
+    """The product benchmark's `mariner serve` (mariner.loadtest.servers.MarinerProcess) on the
+    built store's digits_torchscript with one torch thread.
+
+    Used by test_loadtest and test_stream_bench (each started exactly this before)."""
+    from mariner.loadtest.servers import MarinerProcess
+
+    with MarinerProcess(model_store, "digits_torchscript.mar", torch_threads=1) as server:
+        yield server
