@@ -198,6 +198,12 @@ class MarinerServe:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_text()[-chars:]
 
+    def alive(self) -> MarinerServe:
+        """This server, after checking its process is still running (ServeFailed with the log if
+        not): what a module using a server shared with other modules checks first."""
+        self._check_alive()
+        return self
+
     def _check_alive(self) -> None:
         assert self.proc is not None
         if self.proc.poll() is not None:

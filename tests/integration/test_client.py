@@ -56,13 +56,10 @@ Client = GrpcClient | HttpClient
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[MarinerServe]:
+def mariner(shared_digits_torchscript: MarinerServe) -> MarinerServe:
+    """The session's shared server (tests/integration/conftest.py): these tests only send requests."""
     protogen.generate()
-    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return shared_digits_torchscript.alive()
 
 
 def _make_client(mariner: MarinerServe, transport: str, **kw: Any) -> Client:

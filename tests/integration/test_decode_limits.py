@@ -19,7 +19,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
@@ -48,12 +47,10 @@ def pb() -> SimpleNamespace:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[MarinerServe]:
-    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def mariner(shared_digits_torchscript: MarinerServe) -> MarinerServe:
+    """The session's shared server (tests/integration/conftest.py): these tests only send requests,
+    and each checks the server still answers while it is attacked."""
+    return shared_digits_torchscript.alive()
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,6 @@ same names and field numbers, so the bytes on the wire are v1's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
@@ -41,13 +38,12 @@ MANAGEMENT_SERVICES = {
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[MarinerServe]:
+def mariner(shared_digits_torchscript: MarinerServe) -> MarinerServe:
+    """The session's shared server (tests/integration/conftest.py): reflection only reads what the
+    ports serve. It was started here without waiting for the model (`settle=False`), only because
+    reflection does not need it; the shared one has settled, which changes no answer here."""
     protogen.generate()
-    srv = MarinerServe(model_store, "digits_torchscript.mar").start(settle=False)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return shared_digits_torchscript.alive()
 
 
 def ask(target: str, service: str, *requests: r.ServerReflectionRequest) -> list[r.ServerReflectionResponse]:

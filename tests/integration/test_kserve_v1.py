@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import numpy as np
 import pytest
 import requests
 
-from tests.integration.test_explanations import current_digits_archive
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
@@ -36,15 +34,11 @@ N_ROWS = 4
 
 
 @pytest.fixture(scope="module")
-def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MarinerServe]:
-    store = tmp_path_factory.mktemp("kserve")
-    for name in (MODEL, ONNX):
-        current_digits_archive(model_store, f"{name}.mar", store)
-    srv = MarinerServe(store, f"{MODEL}.mar,{ONNX}.mar").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_current_digits: MarinerServe) -> MarinerServe:
+    """The session's shared server (tests/integration/conftest.py): MODEL and ONNX with this
+    tree's digits handler (`current_digits_archive`). These tests only send requests, and count
+    metrics as a difference they measure."""
+    return shared_current_digits.alive()
 
 
 @pytest.fixture(scope="module")

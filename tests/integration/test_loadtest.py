@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,9 +46,10 @@ KINDS = (
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[MarinerProcess]:
-    with MarinerProcess(model_store, f"{MODEL}.mar", torch_threads=1) as server:
-        yield server
+def mariner(shared_loadtest_mariner: MarinerProcess) -> MarinerProcess:
+    """The session's shared server (tests/integration/conftest.py): these tests only send requests."""
+    assert shared_loadtest_mariner.running, shared_loadtest_mariner.log_tail()
+    return shared_loadtest_mariner
 
 
 def run_gate(

@@ -17,7 +17,6 @@ import pytest
 import requests
 
 from mariner.loadtest.servers import StockTorchServe
-from tests.integration.test_explanations import current_digits_archive
 from tests.mariner_serve import MarinerServe
 
 pytestmark = pytest.mark.integration
@@ -38,20 +37,17 @@ def same_json(a: Any, b: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def store(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("oracle-explain")
-    for name in MODELS:
-        current_digits_archive(model_store, f"{name}.mar", out)
-    return out
+def store(current_digits_store: Path) -> Path:
+    """MODELS with this tree's digits handler (`current_digits_archive`): the session's store
+    (tests/integration/conftest.py), which stock TorchServe serves here too."""
+    assert sorted(p.stem for p in current_digits_store.glob("*.mar")) == sorted(MODELS)
+    return current_digits_store
 
 
 @pytest.fixture(scope="module")
-def mariner(store: Path) -> Iterator[MarinerServe]:
-    srv = MarinerServe(store, ",".join(f"{m}.mar" for m in MODELS)).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def mariner(shared_current_digits: MarinerServe) -> MarinerServe:
+    """The session's shared server on that store: these tests only send requests."""
+    return shared_current_digits.alive()
 
 
 def stock(store: Path, **extra: str) -> StockTorchServe:

@@ -12,8 +12,6 @@ and, on Debian 12, the Debian 13 glibc it needs).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from mariner.loadtest import perf_analyzer as pa
@@ -26,22 +24,21 @@ MODEL = "digits_torchscript"
 OPTIONS = pa.Options(measurement_ms=2000, stability_pct=100.0, max_trials=4, timeout_s=60.0)
 
 
-def test_perf_analyzer_runs_end_over_http_and_grpc(model_store: Path) -> None:
+def test_perf_analyzer_runs_end_over_http_and_grpc(request: pytest.FixtureRequest) -> None:
     launcher = pa.locate()
     if isinstance(launcher, str):
         pytest.skip(launcher)
-    srv = MarinerServe(model_store, f"{MODEL}.mar").start()
-    try:
-        results = pa.run_matrix(
-            http=srv.http.removeprefix("http://"),
-            grpc=srv.grpc_target,
-            model=MODEL,
-            concurrencies=(64,),
-            options=OPTIONS,
-            launcher=launcher,
-        )
-    finally:
-        srv.stop()
+    # The session's shared server (tests/integration/conftest.py), asked for only once the test
+    # runs: perf_analyzer only sends requests, and reads statistics as differences of its own.
+    srv: MarinerServe = request.getfixturevalue("shared_digits_torchscript").alive()
+    results = pa.run_matrix(
+        http=srv.http.removeprefix("http://"),
+        grpc=srv.grpc_target,
+        model=MODEL,
+        concurrencies=(64,),
+        options=OPTIONS,
+        launcher=launcher,
+    )
     text = pa.table(results)
     assert [r.protocol for r in results] == ["http", "grpc"], text
     assert not [r for r in results if r.status in ("hung", "failed")], text

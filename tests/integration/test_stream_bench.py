@@ -11,7 +11,6 @@ prediction, one stream per client, an in-stream error counted as an error. The m
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,10 @@ def bodies() -> tuple[bytes, ...]:
 
 
 @pytest.fixture(scope="module")
-def mariner(model_store: Path) -> Iterator[MarinerProcess]:
-    with MarinerProcess(model_store, f"{MODEL}.mar", torch_threads=1) as server:
-        yield server
+def mariner(shared_loadtest_mariner: MarinerProcess) -> MarinerProcess:
+    """The session's shared server (tests/integration/conftest.py): these tests only send requests."""
+    assert shared_loadtest_mariner.running, shared_loadtest_mariner.log_tail()
+    return shared_loadtest_mariner
 
 
 def drive(
