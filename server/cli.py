@@ -93,7 +93,7 @@ def _supervise(argv: Sequence[str]) -> int:
         return 2
     setup_logging(cfg.log_level)
     from mariner.server.common import event_loop
-    from mariner.server.supervisor import run
+    from mariner.server.supervisor.main import run
 
     try:
         return event_loop.run(run(cfg))

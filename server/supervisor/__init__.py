@@ -13,8 +13,8 @@
 - `children`: restart backoff and metrics clean-up shared by every child process;
 - `ports`: the hold on the inference ports (SO_REUSEPORT, port 0 resolved before children start);
 - `devices`: the GPUs the workers may use, counted without CUDA.
+
+Nothing is imported here: `mariner serve` imports `private_dir` before it sets
+PROMETHEUS_MULTIPROC_DIR, and a package that imported `main` (hence prometheus_client) at that
+point would leave the supervisor's own metrics out of the merged /metrics.
 """
-
-from mariner.server.supervisor.main import Supervisor, run
-
-__all__ = ["Supervisor", "run"]
