@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 
 from mariner.server.common.batch_policy import (
@@ -109,6 +109,13 @@ class Batcher(BatchQueue):
 
     async def submit(self, req: InferRequest) -> InferResult:
         """Queue `req` and wait for its result. Raises ServingError."""
+        return await self.enqueue(req, CALLER.get())  # a cancelled caller cancels the future: skipped
+
+    def enqueue(self, req: InferRequest, caller: Hashable) -> asyncio.Future[InferResult]:
+        """Queue `req` for `caller` (its fair-order key) and return the future of its result;
+        refusals raise ServingError at once. Synchronous, so that a transport can hand a request
+        over from its own callbacks (`frontend.protocols.prediction_path`); cancelling the future
+        withdraws the request (the dispatcher skips it)."""
         if self._closed:
             raise ServingError(
                 Code.UNAVAILABLE, f"model {req.model} is shutting down; retry on another replica"
@@ -130,13 +137,13 @@ class Batcher(BatchQueue):
             req = replace(req, tokens=self._tokens.cost(req))
             self._queued_tokens += own_tokens(req)
         fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        self._enqueue(req, fut, CALLER.get())
+        self._enqueue(req, fut, caller)
         self._queued_items += req.items
         self._observer.queue_depth(self._queued_items)
         if req.deadline is not None:
             self._deadlines.watch(req.deadline)
         self._arrival.set()
-        return await fut  # a cancelled caller cancels `fut`; the dispatcher then skips it
+        return fut
 
     async def close(self, timeout: float | None = None) -> None:
         """Stop taking requests, finish queued and in-flight ones (within `timeout`), stop."""

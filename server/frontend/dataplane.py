@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Hashable
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
+from mariner.server.common.batch_policy import CALLER
 from mariner.server.common.models import SERVED_STATES, resolve_version, version_ready
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, ModelState
@@ -144,20 +146,27 @@ class DataPlane:
 
     # -- inference ------------------------------------------------------------------------
     async def infer(self, req: InferRequest) -> InferResult:
-        if self.draining and not _ADMITTED.get():
+        return await self.enqueue(req, CALLER.get(), admitted=_ADMITTED.get())
+
+    def enqueue(self, req: InferRequest, caller: Hashable, *, admitted: bool) -> asyncio.Future[InferResult]:
+        """Resolve `req`'s version and queue it; the future of its result (refusals raise at
+        once). `caller` is its fair-order key (`batch_policy.CALLER`); `admitted`, whether its
+        call was admitted before a drain began (`admit`). Synchronous so a transport's callbacks
+        can hand a request over without a task (`frontend.protocols.prediction_path`)."""
+        if self.draining and not admitted:
             raise ServingError(Code.UNAVAILABLE, "server is shutting down; retry on another replica")
-        ep = self.resolve(req.model, req.version)
+        fut = self.resolve(req.model, req.version).enqueue(req, caller)
         self.accepted += 1
         self._inflight += 1
-        try:
-            result = await ep.infer(req)
-        finally:
-            self.answered += 1
-            self._inflight -= 1
-            self._maybe_idle()
-        if result.status == 200:
+        fut.add_done_callback(self._answered)
+        return fut
+
+    def _answered(self, fut: asyncio.Future[InferResult]) -> None:
+        self.answered += 1
+        self._inflight -= 1
+        self._maybe_idle()
+        if not fut.cancelled() and fut.exception() is None and fut.result().status == 200:
             self.answered_ok += 1
-        return result
 
     # -- admission (transports) -----------------------------------------------------------
     def admit(self) -> bool:

@@ -10,14 +10,16 @@ table brings its successor (`update`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from mariner.server.common.batch_policy import (
     ASYNC_BATCHES_PER_RUNNER,
+    CALLER,
     BatchPolicy,
     BatchRunner,
     async_communication,
@@ -224,6 +226,10 @@ class ModelEndpoint:
         self._set_state()
 
     async def infer(self, req: InferRequest) -> InferResult:
+        return await self.enqueue(req, CALLER.get())
+
+    def enqueue(self, req: InferRequest, caller: Hashable) -> asyncio.Future[InferResult]:
+        """Hand `req` to this version's batcher (see `Batcher.enqueue`); refusals raise at once."""
         if self.state is ModelState.FAILED:
             raise ServingError(Code.UNAVAILABLE, failed_message(self.name, self.version))
         if self.state is ModelState.NO_WORKERS:
@@ -237,7 +243,7 @@ class ModelEndpoint:
             req = req.with_deadline(deadline)
         # The batcher answers DEADLINE_EXCEEDED when the deadline passes, queued or running
         # (one timer for all it holds: see frontend.deadlines).
-        return await self.batcher.submit(req)
+        return self.batcher.enqueue(req, caller)
 
     async def close(self, timeout: float | None) -> None:
         """Stop admitting; the batcher answers what it holds within `timeout`; then let every

@@ -33,7 +33,7 @@ def inference_pb() -> object:
 
 @dataclass
 class FakeEndpoint:
-    """Just what DataPlane.infer and resolve use of a model version."""
+    """Just what DataPlane.enqueue and resolve use of a model version."""
 
     name: str = "digits"
     version: str = "1"
@@ -43,8 +43,10 @@ class FakeEndpoint:
     def info(self, is_default: bool) -> ModelInfo:
         return make_info(self.name, self.version, DIGITS)
 
-    async def infer(self, req: InferRequest) -> InferResult:
-        return InferResult(body=b'{"label": 3}', model_version=self.version)
+    def enqueue(self, req: InferRequest, caller: object) -> asyncio.Future[InferResult]:
+        answered: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        answered.set_result(InferResult(body=b'{"label": 3}', model_version=self.version))
+        return answered
 
 
 def test_a_call_admitted_before_the_drain_is_served_though_its_message_comes_after(inference_pb) -> None:

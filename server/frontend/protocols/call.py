@@ -107,9 +107,10 @@ def known_labels(plane: CallPlane, model: str, version: str | None) -> tuple[str
         return UNKNOWN
 
 
-def _record(
+def record(
     plane: CallPlane, protocol: WireProtocol, model: str, version: str | None, code: str, start: float
 ) -> None:
+    """Count and time one finished call (module docstring); `start` is its perf_counter start."""
     label_model, label_version = known_labels(plane, model, version)
     count, duration = plane.metrics.call_children(label_model, label_version, protocol.value, code)
     count.inc()
@@ -118,6 +119,33 @@ def _record(
     book_of(plane.metrics).record(label_model, label_version, code == "200", seconds)
     # TorchServe's names; its model_version label is the version asked for, "default" for none.
     plane.metrics.ts.record_call(label_model, label_version if version else "default", code, seconds)
+
+
+def failure(exc: Exception, protocol: WireProtocol, model: str, what: str) -> Failed:
+    """The `Failed` a call's exception is answered with (module docstring): a ServingError or
+    a refusal as it is, the client gone as CANCELLED, anything else logged and sanitized."""
+    if isinstance(exc, CallerGone):
+        return Failed(
+            ServingError(Code.CANCELLED, "the client went away before the answer"), CANCELLED_STATUS
+        )
+    if isinstance(exc, _HandlerStatus):
+        error = handler_error(exc.result)
+        return Failed(error, error.http_status, exc.result)
+    if isinstance(exc, Refused):
+        return Failed(exc.error, exc.http_status)
+    if isinstance(exc, ServingError):
+        return Failed(exc, exc.http_status)
+    log.error("%s call for model %r failed unexpectedly", protocol.value, model, exc_info=exc)
+    error = internal(what)
+    return Failed(error, error.http_status)
+
+
+def checked(result: InferResult) -> InferResult:
+    """`result`, unless its handler answered with an error status: that ends the call (a
+    `Failed` whose `answer` is the result, see `failure`)."""
+    if is_error_status(result.status):
+        raise _HandlerStatus(result)
+    return result
 
 
 async def run_call(
@@ -141,31 +169,16 @@ async def run_call(
     start = time.perf_counter()
     base = infer if infer is not None else plane.infer
 
-    async def checked(req: InferRequest) -> InferResult:
-        result = await base(req)
-        if is_error_status(result.status):
-            raise _HandlerStatus(result)
-        return result
+    async def checked_infer(req: InferRequest) -> InferResult:
+        return checked(await base(req))
 
     outcome: Ok[T] | Failed
     try:
-        outcome = Ok(await work(checked))
+        outcome = Ok(await work(checked_infer))
     except asyncio.CancelledError:  # the gRPC client went away: record it, let grpc end the call
-        _record(plane, protocol, model, version, str(CANCELLED_STATUS), start)
+        record(plane, protocol, model, version, str(CANCELLED_STATUS), start)
         raise
-    except CallerGone:
-        gone = ServingError(Code.CANCELLED, "the client went away before the answer")
-        outcome = Failed(gone, CANCELLED_STATUS)
-    except _HandlerStatus as exc:
-        error = handler_error(exc.result)
-        outcome = Failed(error, error.http_status, exc.result)
-    except Refused as exc:
-        outcome = Failed(exc.error, exc.http_status)
-    except ServingError as exc:
-        outcome = Failed(exc, exc.http_status)
-    except Exception:
-        log.exception("%s call for model %r failed unexpectedly", protocol.value, model)
-        error = internal(what)
-        outcome = Failed(error, error.http_status)
-    _record(plane, protocol, model, version, code_label(outcome), start)
+    except Exception as exc:
+        outcome = failure(exc, protocol, model, what)
+    record(plane, protocol, model, version, code_label(outcome), start)
     return outcome
