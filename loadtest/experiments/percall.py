@@ -259,6 +259,104 @@ def http_pieces(calls: int, rounds: int) -> list[Piece]:
     ]
 
 
+class _Transport:
+    """A socket transport's surface for uvicorn's protocol: what is written is dropped, and the
+    connection's driver is woken when an answer's last byte (the known body) is written."""
+
+    def __init__(self) -> None:
+        self.answered: asyncio.Future[None] | None = None
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        if data.endswith(ANSWER) and self.answered is not None and not self.answered.done():
+            self.answered.set_result(None)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def protocol_pieces(calls: int, rounds: int) -> list[Piece]:
+    """TorchServe's `/predictions` through the inference listener's real protocol (uvicorn's
+    httptools parser with our limits) and its whole app stack (access log, drain, tokens off),
+    with a transport in place of the socket: the fast path (answered from the protocol's
+    callbacks) and the ASGI app, taken in turn on one plane. Each of 64 keep-alive connections
+    sends its next request when its answer is written; the driver's own cost (a future per
+    request) is in both figures alike."""
+    from uvicorn.server import ServerState
+
+    from mariner.server.common.config import ServerConfig
+    from mariner.server.common.listeners import listener_auth
+    from mariner.server.common.security import load_tokens
+    from mariner.server.frontend.protocols.http_inference import inference_listener
+
+    request = (
+        b"POST /predictions/digits HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    )
+
+    async def interleaved() -> dict[str, float]:
+        plane = _plane()
+        auth = listener_auth(load_tokens(None, None), None)
+        ways = {}
+        for way, fast in (("fast", True), ("app", False)):
+            config = inference_listener(
+                plane, ServerConfig(), auth, port=0, thread="percall", held=None, fast_predictions=fast
+            )
+            config.load()
+            ways[way] = (config, ServerState())
+
+        async def drive(way: str, n: int) -> None:
+            config, state = ways[way]
+            loop = asyncio.get_running_loop()
+
+            async def one() -> None:
+                proto = config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=state, app_state={}, _loop=loop
+                )
+                transport = _Transport()
+                proto.connection_made(transport)  # type: ignore[arg-type]
+                for _ in range(n):
+                    transport.answered = loop.create_future()
+                    proto.data_received(request)
+                    await transport.answered
+                proto.connection_lost(None)
+
+            await asyncio.gather(*(one() for _ in range(CONCURRENCY)))
+
+        spent = dict.fromkeys(ways, 0.0)
+        per = 20
+        for way in ways:
+            await drive(way, per)  # warm-up
+        blocks = max(1, calls // (CONCURRENCY * per))
+        for _ in range(blocks):
+            for way in ways:
+                t0 = time.process_time()
+                await drive(way, per)
+                spent[way] += time.process_time() - t0
+        return {way: cpu / (blocks * CONCURRENCY * per) * 1e6 for way, cpu in spent.items()}
+
+    from mariner.server.common import event_loop
+
+    best = [event_loop.run(interleaved()) for _ in range(rounds)]
+    fast, app = (min(r[k] for r in best) for k in ("fast", "app"))
+    return [
+        Piece("HTTP /predictions through the protocol: the ASGI app", app, "parse + app stack + plane"),
+        Piece("HTTP /predictions through the protocol: the fast path", fast, "parse + path + plane"),
+    ]
+
+
 def codec_pieces(calls: int, rounds: int) -> list[Piece]:
     from mariner.server.contracts import worker_wire as protocol
     from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
@@ -324,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pieces = [
             *servicer_pieces(a.calls, a.rounds),
             *http_pieces(a.calls, a.rounds),
+            *protocol_pieces(a.calls, a.rounds),
             *codec_pieces(a.calls, a.rounds),
         ]
     print(table(pieces))

@@ -194,8 +194,12 @@ def request_headers(request: Request, limit: int) -> dict[str, str]:
     """The first `limit` request headers, as the handler sees them: credentials (the bearer
     token) are checked by the server and never reach handler code, and the mode switches only
     the server sets (`explain`, `describe`) are dropped (HIDDEN_FROM_HANDLERS)."""
+    return handler_headers(request.scope["headers"], limit)
+
+
+def handler_headers(raw: list[tuple[bytes, bytes]], limit: int) -> dict[str, str]:
+    """`request_headers` from an ASGI scope's raw header list."""
     # ASGI servers deliver header names lower-cased already (the spec requires it).
-    raw = request.scope["headers"]
     if len(raw) > limit:
         raw = raw[:limit]
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}

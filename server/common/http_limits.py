@@ -190,7 +190,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.held is not None and self._holding:
             self.held.release(sum(self._holding))
             self._holding.clear()
-        callbacks, self._on_lost = self._on_lost, set()
+        callbacks, self._on_lost = list(self._on_lost), set()  # a callback may remove itself
         for callback in callbacks:
             callback()
 
@@ -203,7 +203,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         elif not self._begun:  # a head already arriving keeps its header timer, then is answered
             self._arm(SHUTDOWN_LINGER_S, self.transport.close)
 
-    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
         """DISCONNECT_HOOK: run `callback` when this connection is lost (soon, if it already is)."""
         if self._lost:
             self.loop.call_soon(callback)
@@ -267,7 +267,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._shutting:
             self.cycle.keep_alive = False  # answered, then closed
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))  # ASGI types it narrowly
-        extensions[DISCONNECT_HOOK] = self._on_disconnect
+        extensions[DISCONNECT_HOOK] = self.on_disconnect
 
     def on_body(self, body: bytes) -> None:
         # Counted as uvicorn keeps it: not once the answer is complete (the rest is dropped).
@@ -374,12 +374,17 @@ def _nothing() -> None:
     pass
 
 
-def limited_protocol(limits: HttpLimits, held: HeldBytes | None = None) -> type[LimitedHttpToolsProtocol]:
+def limited_protocol(
+    limits: HttpLimits,
+    held: HeldBytes | None = None,
+    base: type[LimitedHttpToolsProtocol] = LimitedHttpToolsProtocol,
+) -> type[LimitedHttpToolsProtocol]:
     """The protocol class for one listener: uvicorn instantiates it per connection; the cap
     counts that listener's connections (its ServerState); `held` is its process's budget of
-    request bytes (the inference listener's; None elsewhere)."""
+    request bytes (the inference listener's; None elsewhere); `base` is the listener's own
+    subclass, if it has one (a frontend's inference listener)."""
     return type(
         "LimitedHttpToolsProtocol",
-        (LimitedHttpToolsProtocol,),
+        (base,),
         {"limits": limits, "held": held, "unproven": OrderedDict()},
     )

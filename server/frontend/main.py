@@ -40,13 +40,12 @@ from mariner.server.common.listeners import (
     listener_auth,
     reuseport_listener,
     split_address,
-    uvicorn_config,
 )
 from mariner.server.common.logs import setup_logging
 from mariner.server.common.metrics import Metrics, MetricsConfig
-from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS, load_tokens
+from mariner.server.common.security import load_tokens
 from mariner.server.compat.torchserve.logs import emit as ts_emit
-from mariner.server.compat.torchserve.logs.access import HttpAccessLog, grpc_access_log
+from mariner.server.compat.torchserve.logs.access import grpc_access_log
 from mariner.server.compat.torchserve.logs.records import RecordPipe
 from mariner.server.compat.torchserve.tokens import KeyCheck
 from mariner.server.contracts.errors import ServingError
@@ -56,8 +55,7 @@ from mariner.server.frontend.dataplane import DataPlane
 from mariner.server.frontend.endpoint import ModelEndpoint
 from mariner.server.frontend.protocols.grpc_drain_gate import GrpcDrainGate
 from mariner.server.frontend.protocols.grpc_listener import build_grpc_servers
-from mariner.server.frontend.protocols.http_drain import DrainAware
-from mariner.server.frontend.protocols.http_listener import inference_app
+from mariner.server.frontend.protocols.http_inference import inference_listener
 
 log = logging.getLogger("mariner.frontend")
 
@@ -106,21 +104,17 @@ class Frontend:
         )
         host, _ = split_address(cfg.inference_address)
         self._http_host, self._http_port = host, init.http_port
-        app = HttpAccessLog(  # TorchServe's access_log.log: every answer, 401s and draining 503s too
-            DrainAware(
-                auth.http(
-                    inference_app(
-                        self.dataplane, max_body_bytes=cfg.max_request_bytes, workflows=self.workflows
-                    ),
-                    open_paths=OPEN_HTTP_HEALTH_PATHS if cfg.open_health else frozenset(),
-                ),
-                self.dataplane,
-            ),
-            f"frontend-{self.index}",
-        )
         http_cfg = dataclasses.replace(cfg, http_max_connections=budget.http)
         self.http = EmbeddedUvicorn(
-            uvicorn_config(app, host, init.http_port, http_cfg, listener="inference", held=self.held)
+            inference_listener(
+                self.dataplane,
+                http_cfg,
+                auth,
+                port=init.http_port,
+                thread=f"frontend-{self.index}",
+                held=self.held,
+                workflows=self.workflows,
+            )
         )
         self._applied = 0
         self._ready = False

@@ -176,6 +176,23 @@ def test_an_idle_keep_alive_connection_is_closed(hasty: MarinerServe) -> None:
     poll(lambda: open_connections(hasty) == 0, "the server forgets the closed connection")
 
 
+def test_a_keep_alive_connection_idle_after_a_prediction_is_closed(hasty: MarinerServe) -> None:
+    """Predictions are answered from the protocol's callbacks, not an ASGI task: the keep-alive
+    timer still starts when the answer is complete."""
+    body = b"[" + b", ".join([b"0.0"] * 64) + b"]"
+    predict = (
+        b"POST /predictions/digits_onnx HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with connect(hasty.ports.inference) as idle:
+        for _ in range(2):  # answered, and the connection kept for the next one
+            idle.sendall(predict)
+            answer = read_response(idle)
+            assert b"\r\nx-request-id: " in answer, answer[:300]
+        assert read_until_closed(idle) == b"", "nothing more is sent, the connection just ends"
+    poll(lambda: open_connections(hasty) == 0, "the server forgets the closed connection")
+
+
 def test_connections_beyond_the_cap_get_503_and_grpc_still_answers(patient: MarinerServe) -> None:
     port = patient.ports.inference
     poll(lambda: open_connections(patient) == 0, "no connection left over from other tests")

@@ -7,6 +7,7 @@ chooses what its handler does. Any other model name is not served (NOT_FOUND).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import threading
@@ -81,8 +82,24 @@ def digits_outputs(pixels: np.ndarray) -> dict[str, np.ndarray]:
 Mode = Literal["ok", "reject", "boom"]
 
 
+class TransportCalls:
+    """What the prediction fast path asks of a DataPlane beyond `infer` (a fake plane's mixin):
+    `enqueue` runs the plane's `infer` in a task, so a fake answers both ways alike."""
+
+    draining = False
+
+    def enqueue(self, req: InferRequest, caller: Any, *, admitted: bool) -> asyncio.Future[InferResult]:
+        return asyncio.ensure_future(self.infer(req))  # type: ignore[attr-defined]
+
+    def begin_call(self) -> None:
+        pass
+
+    def end_call(self) -> None:
+        pass
+
+
 @dataclass
-class FakePlane:
+class FakePlane(TransportCalls):
     """The DataPlane surface every inference adapter uses, serving "digits" version "1".
 
     `mode`: "ok" answers (tensors for a tensor request, bytes otherwise), "reject" answers
@@ -140,6 +157,34 @@ class FakePlane:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+
+# The two ways an inference listener answers a prediction (the tests that cover predictions
+# run on both): the protocol's fast path, and the ASGI app alone.
+PREDICTION_PATHS = ("fast", "app")
+
+
+@contextlib.contextmanager
+def serve_inference(plane: Any, app: Any, way: str, *, max_body_bytes: int) -> Iterator[str]:
+    """`serve` the inference `app` over `plane` with the inference listener's protocol; with
+    `way="fast"` the protocol answers predictions itself (`frontend.protocols.prediction_path`)."""
+    from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
+    from mariner.server.common.http_limits import HttpLimits, LimitedHttpToolsProtocol, limited_protocol
+    from mariner.server.frontend.protocols.prediction_path import PredictionPath, prediction_protocol
+
+    assert way in PREDICTION_PATHS
+    base: type[LimitedHttpToolsProtocol] = LimitedHttpToolsProtocol
+    if way == "fast":
+        path = PredictionPath(
+            plane,
+            max_body_bytes=max_body_bytes,
+            max_headers=DEFAULT_MAX_HEADERS,
+            credential=None,
+            thread="test",
+        )
+        base = prediction_protocol(path)
+    with serve(app, http=limited_protocol(HttpLimits(), None, base)) as url:
+        yield url
 
 
 @contextlib.contextmanager

@@ -25,7 +25,13 @@ from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.types import InferResult
 from mariner.server.frontend.protocols import call as call_path
 from mariner.server.frontend.protocols.call import Failed, Ok, run_call
-from tests.unit.fakes import FakePlane, QuietMetrics, grpc_inference_channel, serve
+from tests.unit.fakes import (
+    PREDICTION_PATHS,
+    FakePlane,
+    QuietMetrics,
+    grpc_inference_channel,
+    serve_inference,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -58,11 +64,13 @@ def plane(shared_plane: FakePlane) -> FakePlane:
     return shared_plane
 
 
-@pytest.fixture(scope="module")
-def url(shared_plane: FakePlane) -> Iterator[str]:
+@pytest.fixture(scope="module", params=PREDICTION_PATHS)
+def url(shared_plane: FakePlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The inference listener, answering predictions on its fast path and through the app."""
     from mariner.server.frontend.protocols.http_listener import inference_app
 
-    with serve(inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)) as base:  # type: ignore[arg-type]
+    app = inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)  # type: ignore[arg-type]
+    with serve_inference(shared_plane, app, request.param, max_body_bytes=MAX_MESSAGE) as base:
         yield base
 
 

@@ -33,7 +33,7 @@ from mariner.server.frontend.protocols.http_listener import inference_app
 from mariner.server.supervisor.management.http import management_app
 from mariner.server.supervisor.metrics_http import metrics_app
 from tests.unit import fakes
-from tests.unit.fakes import QuietMetrics, serve
+from tests.unit.fakes import PREDICTION_PATHS, QuietMetrics, TransportCalls, serve, serve_inference
 
 pytestmark = pytest.mark.unit
 
@@ -62,7 +62,7 @@ async def ok_answer(req: InferRequest) -> InferResult:
     return InferResult(body=b'{\n  "ok": true\n}', model_version="1.0")
 
 
-class FakePlane:
+class FakePlane(TransportCalls):
     """DataPlane's surface, driven by the test: `answer` decides what infer does."""
 
     def __init__(self) -> None:
@@ -157,9 +157,11 @@ def plane(shared_plane: FakePlane) -> FakePlane:
     return shared_plane
 
 
-@pytest.fixture(scope="module")
-def inference_url(shared_plane: FakePlane) -> Iterator[str]:
-    with serve(inference_app(shared_plane, max_body_bytes=MAX_BODY)) as url:
+@pytest.fixture(scope="module", params=PREDICTION_PATHS)
+def inference_url(shared_plane: FakePlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The inference listener, answering predictions on its fast path and through the app."""
+    app = inference_app(shared_plane, max_body_bytes=MAX_BODY)
+    with serve_inference(shared_plane, app, request.param, max_body_bytes=MAX_BODY) as url:
         yield url
 
 

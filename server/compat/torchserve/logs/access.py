@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from mariner.server.compat.torchserve.logs.emit import current, emit, enabled
@@ -54,20 +54,23 @@ class HttpAccessLog:
             await self.app(scope, receive, sending)
         finally:
             if status:
-                self._log(scope, status, start)
+                log_http_access(self.thread, scope, status, start)
 
-    def _log(self, scope: Scope, status: int, start: float) -> None:
-        target = current()
-        if target is None:
-            return
-        path = scope.get("raw_path") or scope["path"].encode()
-        query = scope.get("query_string")
-        uri = (path + b"?" + query if query else path).decode("latin-1")
-        now = time.time()
-        protocol = f"HTTP/{scope.get('http_version', '1.1')}"
-        remote = remote_address(scope.get("client"))
-        message = access_message(remote, scope["method"], uri, protocol, status, int((now - start) * 1000))
-        target(Kind.ACCESS, now, "INFO", self.thread, ACCESS_LOG, message)
+
+def log_http_access(thread: str, scope: Mapping[str, Any], status: int, start: float) -> None:
+    """TorchServe's access line for one HTTP request answered `status` (`start`: time.time()
+    when it arrived); nothing when its access log is off."""
+    target = current()
+    if target is None:
+        return
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string")
+    uri = (path + b"?" + query if query else path).decode("latin-1")
+    now = time.time()
+    protocol = f"HTTP/{scope.get('http_version', '1.1')}"
+    remote = remote_address(scope.get("client"))
+    message = access_message(remote, scope["method"], uri, protocol, status, int((now - start) * 1000))
+    target(Kind.ACCESS, now, "INFO", thread, ACCESS_LOG, message)
 
 
 def _peer(context: Any) -> str:

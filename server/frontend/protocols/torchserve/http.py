@@ -100,11 +100,11 @@ def _result_response(result: InferResult, request_id: str) -> Response:
     """The handler's answer, byte for byte, with its status and headers (once they are checked
     sendable: see `answer_check`)."""
     result = sendable(result, request_id)
-    status, headers = _answer_head(result, request_id)
+    status, headers = answer_head(result, request_id)
     return Response(result.body, status, headers)
 
 
-def _answer_head(result: InferResult, request_id: str) -> tuple[int, dict[str, str]]:
+def answer_head(result: InferResult, request_id: str) -> tuple[int, dict[str, str]]:
     """An answer's status and headers (one sent whole, or a streamed one's first part).
 
     TorchServe sends a Content-Type only when the handler set one. We do the same and, when the
@@ -217,34 +217,33 @@ class Predictions:
         dataplane = self._plane
         request_id = new_request_id()
         # Where the handler's intermediate answers go, if it sends any (most send none).
-        streamed = ChunkedAnswer(asgi_send(request), request_id, _answer_head)
+        streamed = ChunkedAnswer(asgi_send(request), request_id, answer_head)
 
         async def work(infer: Infer) -> InferResult:
             body = await read_body(request, self._max_body_bytes)
-            if not body:
-                raise ServingError(
-                    Code.INVALID_ARGUMENT, "empty body: send the model input as the request body"
-                )
-            content_type = request.headers.get("content-type", "")
-            data = await offload_if_large(len(body), decode_data, content_type, body)
+            require_body(body)
+            data = await offload_if_large(
+                len(body), decode_data, request.headers.get("content-type", ""), body
+            )
             target = model
             if invocations:
                 query = list(request.query_params.multi_items())[:MAX_FORM_PARTS]
                 data = {**{k: v.encode("utf-8") for k, v in query}, **data}
                 target = model or self._invocation_target(request, data)
             headers = request_headers(request, self._max_headers)
-            headers[EXPLAIN_HEADER] = "True" if explain else "False"
-            headers[URL_PATH_HEADER] = "" if url_path is None else url_path_of(url_path)
-            req = InferRequest(
-                model=target,
-                version=version,
-                data=data,
-                protocol=protocol,
-                request_id=request_id,
-                headers=headers,
-                size=len(body),
+            return await infer(
+                prediction_request(
+                    target,
+                    version,
+                    data,
+                    headers,
+                    len(body),
+                    request_id,
+                    explain=explain,
+                    url_path=url_path,
+                    protocol=protocol,
+                )  # fmt: skip
             )
-            return await infer(req)
 
         label = model
         if invocations and not label:  # the form-field choice is only known once the body is read
@@ -265,17 +264,57 @@ class Predictions:
             raise
         finally:
             STREAMS.pop(request_id, None)
-        if streamed.started:
-            return _streamed_end(streamed, outcome)
-        if not isinstance(outcome, Failed):
-            return _result_response(outcome.value, request_id)
-        if outcome.answer is not None:  # the handler's own error status and body pass through
-            return _result_response(outcome.answer, request_id)
-        if outcome.cancelled:
-            return Response(status_code=CANCELLED_STATUS)  # nobody reads it
-        # A handler's failure answers with TorchServe's status; our refusals with their own.
-        status = None if outcome.error.torchserve is not None else outcome.http_status
-        return error_response(outcome.error, status=status, headers={"x-request-id": request_id})
+        return final_answer(outcome, request_id, streamed)
+
+
+def require_body(body: bytes) -> None:
+    if not body:
+        raise ServingError(Code.INVALID_ARGUMENT, "empty body: send the model input as the request body")
+
+
+def prediction_request(
+    model: str,
+    version: str | None,
+    data: dict[str, Any],
+    headers: dict[str, str],
+    size: int,
+    request_id: str,
+    *,
+    explain: bool = False,
+    url_path: str | None = None,
+    protocol: WireProtocol = _PROTOCOL,
+) -> InferRequest:
+    """The request a prediction's decoded body and handler headers make, with the headers
+    TorchServe's frontend sets (`explain`, `url_path`: module docstring). Both ways a prediction
+    arrives build it here (`Predictions.answer`, `frontend.protocols.prediction_path`)."""
+    headers[EXPLAIN_HEADER] = "True" if explain else "False"
+    headers[URL_PATH_HEADER] = "" if url_path is None else url_path_of(url_path)
+    return InferRequest(
+        model=model,
+        version=version,
+        data=data,
+        protocol=protocol,
+        request_id=request_id,
+        headers=headers,
+        size=size,
+    )
+
+
+def final_answer(outcome: Ok[InferResult] | Failed, request_id: str, streamed: ChunkedAnswer) -> Response:
+    """What a finished prediction is answered with: the handler's answer (its own error status
+    and body too), the end of a streamed answer, or TorchServe's error JSON. Both ways a
+    prediction arrives answer with it, so they answer the same bytes."""
+    if streamed.started:
+        return _streamed_end(streamed, outcome)
+    if not isinstance(outcome, Failed):
+        return _result_response(outcome.value, request_id)
+    if outcome.answer is not None:  # the handler's own error status and body pass through
+        return _result_response(outcome.answer, request_id)
+    if outcome.cancelled:
+        return Response(status_code=CANCELLED_STATUS)  # nobody reads it
+    # A handler's failure answers with TorchServe's status; our refusals with their own.
+    status = None if outcome.error.torchserve is not None else outcome.http_status
+    return error_response(outcome.error, status=status, headers={"x-request-id": request_id})
 
 
 # -- routes ------------------------------------------------------------------------------------

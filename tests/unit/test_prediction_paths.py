@@ -1,0 +1,308 @@
+"""The two ways the inference listener answers TorchServe's predictions send the same bytes.
+
+The same raw HTTP calls go to two real uvicorn listeners over one plane: one whose protocol
+answers predictions itself (`frontend.protocols.prediction_path`), one that sends them through
+the ASGI app. Each answer is read whole from the socket and compared byte for byte, with only the
+`date` header and the request id (new per request) masked: statuses, header order, handler-set
+statuses and headers, errors, chunked (streamed) answers, keep-alive and pipelined requests.
+A call the fast path should take is checked to have taken it, so the comparison is never between
+the app and itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mariner.server.contracts.types import InferRequest, InferResult
+from mariner.server.frontend.protocols.http_listener import inference_app
+from mariner.server.frontend.protocols.prediction_path import PredictionPath
+from mariner.server.frontend.streams import STREAMS
+from tests.unit.fakes import FakePlane, serve_inference
+
+pytestmark = pytest.mark.unit
+
+MAX_BODY = 64 * 1024
+TIMEOUT = 10.0
+
+
+class ScriptedPlane(FakePlane):
+    """A plane whose handler does what the request's `x-script` header says; it counts the
+    calls the drain waits for (`begin_call` / `end_call`)."""
+
+    calls_open = 0
+
+    def begin_call(self) -> None:
+        ScriptedPlane.calls_open += 1
+
+    def end_call(self) -> None:
+        ScriptedPlane.calls_open -= 1
+
+    async def infer(self, req: InferRequest) -> InferResult:
+        self.resolve(req.model, req.version)
+        script = req.headers.get("x-script", "echo")
+        if script == "echo":
+            seen = {
+                "model": req.model,
+                "version": req.version,
+                "data": repr(req.data),
+                "headers": req.headers,
+            }
+            return InferResult(body=json.dumps(seen, sort_keys=True).encode())
+        if script == "text":
+            return InferResult(body=b"three")
+        if script == "status":
+            return InferResult(
+                body=b"a,b\n", status=201, content_type="text/csv", headers={"X-Handler": "set"}
+            )
+        if script == "handler-error":
+            return InferResult(body=b'{"error": "pixels out of range"}', status=507)
+        if script == "no-content":
+            return InferResult(body=b"dropped", status=204)
+        if script == "bad-header":
+            return InferResult(body=b"{}", headers={"x-bad": "split\r\ninjected: 1"})
+        if script == "raise":
+            raise RuntimeError("secret /srv/handler.py line 42")
+        if script in ("stream", "stream-error-first", "stream-then-fail"):
+            sink = STREAMS[req.request_id]
+            first = 500 if script == "stream-error-first" else 200
+            sink.partial(InferResult(body=b"part-1 ", status=first, headers={"x-part": "1"}))
+            await asyncio.sleep(0.01)
+            sink.partial(InferResult(body=b"part-2 "))
+            await asyncio.sleep(0.01)
+            if script == "stream-then-fail":
+                raise RuntimeError("the handler died mid-stream")
+            return InferResult(body=b"final")
+        raise AssertionError(f"unknown script {script!r}")
+
+
+class CountingPath(PredictionPath):
+    taken = 0
+
+    def take(self, protocol: Any, cycle: Any) -> Any:
+        prediction = super().take(protocol, cycle)
+        if prediction is not None:
+            CountingPath.taken += 1
+        return prediction
+
+
+PLANE = ScriptedPlane()
+
+
+@pytest.fixture(scope="module")
+def listeners(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Ports of the two listeners ("fast", "app") over one scripted plane."""
+    monkeypatch_module.setattr(
+        "mariner.server.frontend.protocols.prediction_path.PredictionPath", CountingPath
+    )
+    plane = PLANE
+    ports: dict[str, int] = {}
+    with (
+        serve_inference(
+            plane, inference_app(plane, max_body_bytes=MAX_BODY), "fast", max_body_bytes=MAX_BODY
+        ) as fast,  # type: ignore[arg-type]
+        serve_inference(
+            plane, inference_app(plane, max_body_bytes=MAX_BODY), "app", max_body_bytes=MAX_BODY
+        ) as app,  # type: ignore[arg-type]
+    ):
+        ports["fast"] = int(fast.rsplit(":", 1)[1])
+        ports["app"] = int(app.rsplit(":", 1)[1])
+        yield ports
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def exchange(port: int, raw: bytes) -> bytes:
+    """Send `raw` on a fresh connection and read until the server closes it (the last request
+    of every call asks for `Connection: close`, or the server closes after an error)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(raw)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_MASKS = (
+    (re.compile(rb"\r\ndate: [^\r]*"), b"\r\ndate: <date>"),
+    (re.compile(rb"\r\nx-request-id: [0-9a-zA-Z-]+"), b"\r\nx-request-id: <id>"),
+)
+
+
+def masked(answer: bytes) -> bytes:
+    for pattern, mask in _MASKS:
+        answer = pattern.sub(mask, answer)
+    return answer
+
+
+def post(path: str, body: bytes, *, script: str = "echo", close: bool = True, extra: bytes = b"") -> bytes:
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nX-Script: {script}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+    ).encode()
+    return head + extra + (b"Connection: close\r\n" if close else b"") + b"\r\n" + body
+
+
+BODY = b'{"pixels": [0, 1, 2]}'
+CALLS: dict[str, tuple[bytes, int]] = {  # name: (raw request bytes, predictions the fast path takes)
+    "json": (post("/predictions/digits", BODY), 1),
+    "version": (post("/predictions/digits/1", BODY), 1),
+    "url path": (post("/predictions/digits/1/v1/chat/completions", BODY), 1),
+    "trailing slash": (post("/predictions/digits/", BODY), 1),
+    "put": (post("/predictions/digits", BODY).replace(b"POST", b"PUT", 1), 1),
+    "text body": (post("/predictions/digits", b"plain words").replace(b"application/json", b"text/plain"), 1),
+    "form": (
+        post(
+            "/predictions/digits",
+            b'--XX\r\nContent-Disposition: form-data; name="data"\r\n\r\nabc\r\n--XX--\r\n',
+        ).replace(b"application/json", b"multipart/form-data; boundary=XX"),
+        1,
+    ),
+    "plain answer": (post("/predictions/digits", BODY, script="text"), 1),
+    "handler status and headers": (post("/predictions/digits", BODY, script="status"), 1),
+    "handler error status": (post("/predictions/digits", BODY, script="handler-error"), 1),
+    "204 drops its body": (post("/predictions/digits", BODY, script="no-content"), 1),
+    "unsendable header": (post("/predictions/digits", BODY, script="bad-header"), 1),
+    "handler raises": (post("/predictions/digits", BODY, script="raise"), 1),
+    "streamed": (post("/predictions/digits", BODY, script="stream"), 1),
+    "streamed, error first": (post("/predictions/digits", BODY, script="stream-error-first"), 1),
+    "streamed, then fails": (post("/predictions/digits", BODY, script="stream-then-fail"), 1),
+    "malformed json": (post("/predictions/digits", b'{"pixels": [1,'), 1),
+    "unknown model": (post("/predictions/nope", BODY), 1),
+    "unknown version": (post("/predictions/digits/9", BODY), 1),
+    "control characters in url path": (post("/predictions/digits/1/a%01b", BODY), 1),
+    "many headers": (
+        post("/predictions/digits", BODY, extra=b"".join(b"X-H%d: v\r\n" % i for i in range(150))),
+        1,
+    ),
+    "http/1.0": (post("/predictions/digits", BODY, close=False).replace(b"HTTP/1.1", b"HTTP/1.0", 1), 1),
+    "keep-alive then close": (
+        post("/predictions/digits", BODY, close=False) + post("/predictions/digits/1", BODY),
+        2,
+    ),
+    "pipelined three": (
+        post("/predictions/digits", BODY, close=False, script="text")
+        + post("/predictions/digits", BODY, close=False, script="status")
+        + post("/predictions/digits", BODY),
+        3,
+    ),
+    # Sent to the app by both listeners (the fast path's module docstring): compared all the same.
+    "empty body": (post("/predictions/digits", b""), 0),
+    "over the body limit": (post("/predictions/digits", b"1" * (MAX_BODY + 1)), 0),
+    "chunked body": (
+        b"POST /predictions/digits HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n5\r\n[1,2]\r\n0\r\n\r\n",
+        0,
+    ),
+    "explanation": (post("/explanations/digits", BODY), 0),
+    "get is not a prediction": (post("/predictions/digits", BODY).replace(b"POST", b"GET", 1), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_both_ways_answer_the_same_bytes(listeners: dict[str, int], name: str) -> None:
+    raw, fast_takes = CALLS[name]
+    before = CountingPath.taken
+    fast = exchange(listeners["fast"], raw)
+    assert CountingPath.taken - before == fast_takes, "the fast path took what it should, and only that"
+    app = exchange(listeners["app"], raw)
+    assert app.startswith(b"HTTP/1.1 "), app[:200]
+    assert masked(fast) == masked(app)
+
+
+def test_a_prediction_answer_is_what_the_handler_said(listeners: dict[str, int]) -> None:
+    """The comparison above would pass if both ways were wrong alike: one answer checked whole."""
+    answer = exchange(listeners["fast"], post("/predictions/digits", BODY, script="status"))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 201 Created"
+    assert masked(head).split(b"\r\n")[1:] == [
+        b"date: <date>",
+        b"server: uvicorn",
+        b"x-request-id: <id>",
+        b"x-handler: set",
+        b"content-type: text/csv",
+        b"content-length: 4",
+        b"connection: close",
+    ]
+    assert body == b"a,b\n"
+
+
+def test_the_fast_path_cancels_an_inference_whose_client_left(listeners: dict[str, int]) -> None:
+    started, cancelled = threading.Event(), threading.Event()
+    plane_infer = ScriptedPlane.infer
+
+    async def hang(self: ScriptedPlane, req: InferRequest) -> InferResult:
+        if req.headers.get("x-script") != "hang":
+            return await plane_infer(self, req)
+        started.set()
+        try:
+            await asyncio.sleep(TIMEOUT)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError("not cancelled")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ScriptedPlane, "infer", hang)
+        sock = socket.create_connection(("127.0.0.1", listeners["fast"]), timeout=TIMEOUT)
+        sock.sendall(post("/predictions/digits", BODY, script="hang"))
+        assert started.wait(TIMEOUT)
+        sock.close()
+        assert cancelled.wait(TIMEOUT), "the inference kept running for a client that left"
+
+
+def wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_a_prediction_admitted_before_the_drain_is_answered_and_closes_the_connection(
+    listeners: dict[str, int],
+) -> None:
+    """Admitted with its head, as the app's drain middleware admits: its body may come after the
+    drain began, it is still answered, with `Connection: close`; the drain waits for it."""
+    raw = post("/predictions/digits", BODY, close=False)
+    head, body = raw[: -len(BODY)], raw[-len(BODY) :]
+    before = CountingPath.taken
+    with socket.create_connection(("127.0.0.1", listeners["fast"]), timeout=TIMEOUT) as sock:
+        sock.sendall(head)
+        wait_for(lambda: CountingPath.taken > before, "the fast path took the head")
+        assert ScriptedPlane.calls_open == 1, "admitted: the drain waits for it"
+        PLANE.draining = True
+        try:
+            sock.sendall(body)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        finally:
+            PLANE.draining = False
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+    assert b"\r\nconnection: close\r\n" in answer.partition(b"\r\n\r\n")[0] + b"\r\n"
+    wait_for(lambda: ScriptedPlane.calls_open == 0, "the call ended for the drain")
+
+
+def test_a_client_gone_before_its_body_ends_its_call_without_an_inference(listeners: dict[str, int]) -> None:
+    raw = post("/predictions/digits", BODY, script="raise")
+    before = CountingPath.taken
+    errors_before = PLANE.samples("mariner_requests_total", protocol="torchserve-http", code="500")
+    with socket.create_connection(("127.0.0.1", listeners["fast"]), timeout=TIMEOUT) as sock:
+        sock.sendall(raw[: -len(BODY)])
+        wait_for(lambda: CountingPath.taken > before, "the fast path took the head")
+    wait_for(lambda: ScriptedPlane.calls_open == 0, "the call ended when its client left")
+    errors = PLANE.samples("mariner_requests_total", protocol="torchserve-http", code="500")
+    assert errors == errors_before, "nothing was inferred or counted for a request whose body never came"
