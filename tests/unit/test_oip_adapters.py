@@ -29,7 +29,16 @@ from mariner.server.common.metrics import Metrics
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.tensors import ModelSignature, TensorSpec, encode_raw
 from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo
-from tests.unit.fakes import DIGITS, QuietMetrics, digits_outputs, grpc_inference_channel, make_info, serve
+from tests.unit.fakes import (
+    DIGITS,
+    PREDICTION_PATHS,
+    QuietMetrics,
+    TransportCalls,
+    digits_outputs,
+    grpc_inference_channel,
+    make_info,
+    serve_inference,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +61,7 @@ def _info(name: str, version: str, default: bool) -> ModelInfo:
 
 
 @dataclass
-class FakePlane:
+class FakePlane(TransportCalls):
     metrics: Metrics = field(default_factory=QuietMetrics)
     ready: bool = True
     infos: list[ModelInfo] = field(
@@ -423,11 +432,13 @@ def plane(shared_plane: FakePlane) -> FakePlane:
     return shared_plane
 
 
-@pytest.fixture(scope="module")
-def url(shared_plane: FakePlane) -> Iterator[str]:
+@pytest.fixture(scope="module", params=PREDICTION_PATHS)
+def url(shared_plane: FakePlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The inference listener, answering infer calls on its fast path and through the app."""
     from mariner.server.frontend.protocols.http_listener import inference_app
 
-    with serve(inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)) as base:
+    app = inference_app(shared_plane, max_body_bytes=MAX_MESSAGE)
+    with serve_inference(shared_plane, app, request.param, max_body_bytes=MAX_MESSAGE) as base:
         yield base
 
 

@@ -12,6 +12,7 @@ the app and itself.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import socket
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from mariner.server.contracts.types import InferRequest, InferResult
@@ -49,6 +51,12 @@ class ScriptedPlane(FakePlane):
     async def infer(self, req: InferRequest) -> InferResult:
         self.resolve(req.model, req.version)
         script = req.headers.get("x-script", "echo")
+        if req.tensors is not None:  # an Open Inference Protocol call
+            if script == "raise":
+                raise RuntimeError("secret /srv/handler.py line 42")
+            if script == "handler-error":
+                return InferResult(body=b'{"error": "pixels out of range"}', status=422)
+            return await super().infer(req)
         if script == "echo":
             seen = {
                 "model": req.model,
@@ -156,6 +164,25 @@ def post(path: str, body: bytes, *, script: str = "echo", close: bool = True, ex
 
 
 BODY = b'{"pixels": [0, 1, 2]}'
+_PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 64], "data": [float(i % 17) for i in range(64)]}
+OIP = json.dumps({"inputs": [_PIXELS]}).encode()
+OIP_WITH_OUTPUTS = json.dumps(
+    {
+        "id": "call-7",
+        "inputs": [_PIXELS],
+        "outputs": [{"name": "label"}, {"name": "logits", "parameters": {"binary_data": True}}],
+    }
+).encode()
+_HEAD = json.dumps(
+    {
+        "inputs": [
+            {"name": "pixels", "datatype": "FP32", "shape": [1, 64], "parameters": {"binary_data_size": 256}}
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+).encode()
+OIP_HEAD = len(_HEAD)
+OIP_BINARY = _HEAD + np.arange(64, dtype=np.float32).tobytes()
 CALLS: dict[str, tuple[bytes, int]] = {  # name: (raw request bytes, predictions the fast path takes)
     "json": (post("/predictions/digits", BODY), 1),
     "version": (post("/predictions/digits/1", BODY), 1),
@@ -198,7 +225,30 @@ CALLS: dict[str, tuple[bytes, int]] = {  # name: (raw request bytes, predictions
         + post("/predictions/digits", BODY),
         3,
     ),
+    "oip json": (post("/v2/models/digits/infer", OIP), 1),
+    "oip versioned, id, outputs": (post("/v2/models/digits/versions/1/infer", OIP_WITH_OUTPUTS), 1),
+    "oip binary in and out": (
+        post(
+            "/v2/models/digits/infer", OIP_BINARY, extra=b"Inference-Header-Content-Length: %d\r\n" % OIP_HEAD
+        ),
+        1,
+    ),
+    "oip handler raises": (post("/v2/models/digits/infer", OIP, script="raise"), 1),
+    "oip handler error status": (post("/v2/models/digits/infer", OIP, script="handler-error"), 1),
+    "oip bad json": (post("/v2/models/digits/infer", b'{"inputs": ['), 1),
+    "oip wrong shape": (post("/v2/models/digits/infer", OIP.replace(b"[1, 64]", b"[1, 63]")), 1),
+    "oip unknown model": (post("/v2/models/nope/infer", OIP), 1),
+    "oip bad header length": (
+        post("/v2/models/digits/infer", OIP, extra=b"Inference-Header-Content-Length: 99999\r\n"),
+        1,
+    ),
+    "oip trailing slash": (post("/v2/models/digits/infer/", OIP), 1),
     # Sent to the app by both listeners (the fast path's module docstring): compared all the same.
+    "oip gzip": (
+        post("/v2/models/digits/infer", gzip.compress(OIP), extra=b"Content-Encoding: gzip\r\n"),
+        0,
+    ),
+    "oip put": (post("/v2/models/digits/infer", OIP).replace(b"POST", b"PUT", 1), 0),
     "empty body": (post("/predictions/digits", b""), 0),
     "over the body limit": (post("/predictions/digits", b"1" * (MAX_BODY + 1)), 0),
     "chunked body": (

@@ -1,26 +1,31 @@
-"""TorchServe's `POST|PUT /predictions/{model}[/{version}[/{url_path}]]` answered from the HTTP
-protocol's own callbacks: no task, no ASGI app, no middleware chain per prediction.
+"""Inference calls answered from the HTTP protocol's own callbacks: no task, no ASGI app, no
+middleware chain per call. TorchServe's `POST|PUT /predictions/{model}[/{version}[/{url_path}]]`
+and the Open Inference Protocol's `POST /v2/models/{model}[/versions/{version}]/infer` take it
+(`prediction_routes`); every other request goes to the Starlette app.
 
 Under load a prediction's cost in the frontend was mostly the ASGI machinery around it, not the
 work: a task per request, the app and three middlewares (access log, drain, tokens) each wrapping
 `send` in a closure, Starlette's Request, and a coroutine resumed after its batch. Here the
 protocol (`PredictionProtocol`, uvicorn's httptools protocol with our limits) takes the request
 when its head is in: the body collects in uvicorn's per-request cycle as before; when it is
-complete the request is decoded and handed to the batcher synchronously (`DataPlane.enqueue`), and
-the batch's completion writes the answer through the cycle (uvicorn's own `send`, driven without
-a task), so the bytes on the wire are uvicorn's. Building the request and the answer is shared
-with the ASGI route (`torchserve.http.prediction_request`, `final_answer`), and so is the call's
-accounting (`call.record`, `call.failure`), so both answer the same bytes and count the same
-metrics (a test sends the same calls both ways and compares them).
+complete the route builds the request and it is handed to the batcher synchronously
+(`DataPlane.enqueue`), and the batch's completion writes the answer through the cycle (uvicorn's
+own `send`, driven without a task), so the bytes on the wire are uvicorn's. The request and the
+answer are built by the functions the Starlette routes use, and the call is recorded by the same
+functions (`call.record`, `call.failure`), so both ways answer the same bytes and count the same
+metrics (tests/unit/test_prediction_paths.py sends the same calls both ways and compares them).
 
-Only a request this path answers exactly as the ASGI app would takes it; anything else goes to the
-app (`PredictionPath.take`): a body without a Content-Length, or one the app would refuse unread
-(empty, over `max_body_bytes`) or decode off the loop (`OFFLOAD_DECODE_BYTES` or more); an
-`Expect: 100-continue`; proxy headers (uvicorn's middleware rewrites the client from them); a token
-that does not pass (the app answers the refusal); a frontend already draining (the app refuses,
-with `Connection: close`). The connection-level limits (head size and timeout, body timeout,
+Only a request this path answers exactly as the app would takes it; anything else goes to the
+app (`PredictionPath.take`, `Route.accepts`): a body without a Content-Length, or one the app would
+refuse unread (empty, over `max_body_bytes`) or decode off the loop (`OFFLOAD_DECODE_BYTES` or
+more); an `Expect: 100-continue`; proxy headers (uvicorn's middleware rewrites the client from
+them); a token that does not pass (the app answers the refusal); a frontend already draining (the
+app refuses, with `Connection: close`); a compressed OIP body or a model answered through
+TorchServe's envelope. The connection-level limits (head size and timeout, body timeout,
 keep-alive, connection cap, held bytes, shutdown linger) are the protocol's and hold on both
 paths. A client that goes away cancels the inference (the batcher skips it), as on the app.
+Tasks remain only where the app would also leave the loop's turn: a streamed answer's writer, OIP
+outputs large enough to be encoded on a worker thread, and a write to a client that is not reading.
 """
 
 from __future__ import annotations
@@ -34,42 +39,28 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from mariner.server.common.http_common import (
-    OFFLOAD_DECODE_BYTES,
-    ClientGone,
-    error_response,
-    handler_headers,
-)
+from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone
 from mariner.server.common.http_limits import LimitedHttpToolsProtocol
-from mariner.server.common.request_ids import new_request_id
 from mariner.server.common.security import Credential, authorization_header
-from mariner.server.compat.torchserve.forms import decode_data
 from mariner.server.compat.torchserve.logs.access import log_http_access
 from mariner.server.contracts.errors import internal
-from mariner.server.contracts.types import InferResult, WireProtocol
+from mariner.server.contracts.types import InferResult
 from mariner.server.frontend.protocols.call import Failed, Ok, checked, code_label, failure, record
 from mariner.server.frontend.protocols.http_drain import CLOSE
-from mariner.server.frontend.protocols.http_listener import prediction_params
-from mariner.server.frontend.protocols.torchserve.chunked import ChunkedAnswer
-from mariner.server.frontend.protocols.torchserve.http import (
-    answer_head,
-    final_answer,
-    prediction_request,
-    require_body,
-)
+from mariner.server.frontend.protocols.prediction_routes import OipInfer, Route, TorchServePredictions
 from mariner.server.frontend.streams import STREAMS
 
 if TYPE_CHECKING:
     from mariner.server.frontend.dataplane import DataPlane
+    from mariner.server.frontend.protocols.torchserve.chunked import ChunkedAnswer
 
 log = logging.getLogger("mariner.http")
 
-_PROTOCOL = WireProtocol.TS_HTTP
-_METHODS = frozenset({"POST", "PUT"})
 # Headers that send a request to the app: uvicorn's proxy middleware rewrites the scope from the
 # first two; the others need the app's reading of the body.
 _TO_THE_APP = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"transfer-encoding"})
 Message = MutableMapping[str, Any]
+Headers = list[tuple[bytes, bytes]]
 
 
 class PredictionPath:
@@ -86,76 +77,87 @@ class PredictionPath:
         thread: str,
     ) -> None:
         self.plane = plane
-        self.max_body_bytes = min(max_body_bytes, OFFLOAD_DECODE_BYTES - 1)
         self.max_headers = max_headers
         self.credential = credential if credential else None
         self.thread = thread
+        # Bodies the app would decode off the loop, or refuse unread, go to the app.
+        self._max_taken = min(max_body_bytes, OFFLOAD_DECODE_BYTES - 1)
+        self.routes: tuple[Route, ...] = (TorchServePredictions(), OipInfer(max_body_bytes))
 
     def take(self, protocol: PredictionProtocol, cycle: RequestResponseCycle) -> Prediction | None:
-        """The prediction this request is, when this path answers it (module docstring); None
-        sends it to the app."""
+        """The call this request is, when this path answers it (module docstring); None sends it
+        to the app."""
         scope = cycle.scope
-        if scope["method"] not in _METHODS or scope["root_path"] or cycle.waiting_for_100_continue:
+        if scope["root_path"] or cycle.waiting_for_100_continue or self.plane.draining:
             return None
-        path = scope["path"]
-        params = prediction_params(path.rstrip("/") if len(path) > 1 else path)
-        if params is None or self.plane.draining:
+        path, method = scope["path"], scope["method"]
+        if len(path) > 1:
+            path = path.rstrip("/") or "/"  # as the app reads it (`without_trailing_slashes`)
+        for route in self.routes:
+            params = route.match(method, path)
+            if params is not None:
+                break
+        else:
             return None
+        headers = cast(Headers, scope["headers"])
         size = -1
-        content_type = ""
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"content-length":
                 size = int(value) if value.isdigit() else -1
-            elif name == b"content-type":
-                content_type = content_type or value.decode("latin-1")
             elif name in _TO_THE_APP:
                 return None
-        if not 0 < size <= self.max_body_bytes:
+        if not 0 < size <= self._max_taken or not route.accepts(self.plane, params, headers):
             return None
         credential = self.credential
         if credential is not None and not credential.accepts(authorization_header(scope)):
             return None
-        return Prediction(self, protocol, cycle, params, content_type)
+        return Prediction(self, route, protocol, cycle, params)
 
 
 class Prediction:
-    """One prediction on the fast path, from its head to its answer (module docstring)."""
+    """One call on the fast path, from its head to its answer (module docstring). Its route
+    reads `params`, `headers`, `header()` and `path`, and keeps what it needs for the answer in
+    `request_id`, `streamed` and `state`."""
 
     __slots__ = (
-        "_content_type",
         "_cycle",
         "_future",
         "_over",
-        "_params",
-        "_path",
         "_protocol",
-        "_request_id",
+        "_route",
         "_start",
         "_started",
         "_status",
         "_stop_watching",
-        "_streamed",
         "_wall_start",
+        "headers",
+        "params",
+        "path",
+        "request_id",
+        "state",
+        "streamed",
     )
 
     def __init__(
         self,
         path: PredictionPath,
+        route: Route,
         protocol: PredictionProtocol,
         cycle: RequestResponseCycle,
         params: dict[str, str],
-        content_type: str,
     ) -> None:
-        self._path = path
+        self.path = path
+        self.params = params
+        self.headers = cast(Headers, cycle.scope["headers"])
+        self.request_id = ""
+        self.streamed: ChunkedAnswer | None = None  # where a handler's intermediate answers go
+        self.state: Any = None
+        self._route = route
         self._protocol = protocol
         self._cycle = cycle
-        self._params = params
-        self._content_type = content_type
         self._wall_start = time.time()  # the access log's
         self._start = time.perf_counter()  # the call's duration
-        self._request_id = ""
         self._future: asyncio.Future[InferResult] | None = None
-        self._streamed: ChunkedAnswer | None = None
         self._started = False
         self._over = False
         self._status = 0
@@ -164,36 +166,34 @@ class Prediction:
         path.plane.begin_call()
         self._stop_watching: Callable[[], None] = protocol.on_disconnect(self._client_gone)
 
+    def header(self, name: bytes) -> str | None:
+        """The request's first `name` header (lower case), as Starlette's `headers.get` reads it."""
+        for key, value in self.headers:
+            if key == name:
+                return value.decode("latin-1")
+        return None
+
     # -- the request ---------------------------------------------------------------------------
     def start(self) -> None:
         """The body is complete: decode it and hand the request to the batcher."""
         if self._over:  # its client left before its turn came
             return
         self._started = True
-        path, params = self._path, self._params
-        request_id = self._request_id = new_request_id()
-        self._streamed = ChunkedAnswer(self._send, request_id, answer_head)
         try:
             body = bytes(self._cycle.body)
             self._cycle.body.clear()
-            require_body(body)
-            req = prediction_request(
-                params["model"],
-                params.get("version"),
-                decode_data(self._content_type, body),
-                handler_headers(
-                    cast(list[tuple[bytes, bytes]], self._cycle.scope["headers"]), path.max_headers
-                ),
-                len(body),
-                request_id,
-                url_path=params.get("url_path"),
-            )
-            future = self._future = path.plane.enqueue(req, self._cycle.scope["client"], admitted=True)
+            req = self._route.request(self, body)
+            future = self.path.plane.enqueue(req, self._cycle.scope["client"], admitted=True)
         except Exception as exc:  # noqa: BLE001 - answered as the app answers it
-            self._finish(failure(exc, _PROTOCOL, params["model"], "answering a prediction"))
+            self._finish(self._failure(exc))
             return
-        STREAMS[request_id] = self._streamed
+        self._future = future
+        if self.streamed is not None:
+            STREAMS[self.request_id] = self.streamed
         future.add_done_callback(self._done)
+
+    def _failure(self, exc: Exception) -> Failed:
+        return failure(exc, self._route.protocol, self.params["model"], self._route.what)
 
     def _client_gone(self) -> None:
         if self._future is not None:
@@ -202,42 +202,53 @@ class Prediction:
             self._end()  # its body never came: no call to record, as on the app
 
     def _done(self, future: asyncio.Future[InferResult]) -> None:
-        STREAMS.pop(self._request_id, None)
-        outcome: Ok[InferResult] | Failed
+        if self.streamed is not None:
+            STREAMS.pop(self.request_id, None)
         if future.cancelled():
-            outcome = failure(ClientGone(), _PROTOCOL, self._params["model"], "answering a prediction")
-        else:
-            try:
-                outcome = Ok(checked(future.result()))
-            except Exception as exc:  # noqa: BLE001 - mapped as every call's failure is
-                outcome = failure(exc, _PROTOCOL, self._params["model"], "answering a prediction")
+            self._finish(self._failure(ClientGone()))
+            return
+        try:
+            value = self._route.value(self, checked(future.result()))
+        except Exception as exc:  # noqa: BLE001 - mapped as every call's failure is
+            self._finish(self._failure(exc))
+            return
+        if isinstance(value, Coroutine):  # work that belongs off the loop (large outputs)
+            self._protocol.run(self._finish_later(value))
+            return
+        self._finish(Ok(value))
+
+    async def _finish_later(self, value: Coroutine[Any, Any, Any]) -> None:
+        try:
+            outcome: Ok[Any] | Failed = Ok(await value)
+        except Exception as exc:  # noqa: BLE001 - mapped as every call's failure is
+            outcome = self._failure(exc)
         self._finish(outcome)
 
     # -- the answer ----------------------------------------------------------------------------
-    def _finish(self, outcome: Ok[InferResult] | Failed) -> None:
-        params = self._params
+    def _finish(self, outcome: Ok[Any] | Failed) -> None:
+        route, params = self._route, self.params
         record(
-            self._path.plane,
-            _PROTOCOL,
+            self.path.plane,
+            route.protocol,
             params["model"],
             params.get("version"),
             code_label(outcome),
             self._start,
         )
-        assert self._streamed is not None
         try:
-            response = final_answer(outcome, self._request_id, self._streamed)
-            if self._streamed.started:  # the writer sends the rest: wait for it (a task, rarely)
-                self._protocol.run(self._finish_streamed())
+            response = route.answer(self, outcome)
+            if self.streamed is not None and self.streamed.started:  # its writer sends the rest
+                self._protocol.run(self._finish_streamed(self.streamed))
                 return
             if not self._protocol.transport.is_closing():
                 self._answer(response)
         except Exception:  # a bug's net, as uvicorn's around an app
-            log.exception("answering a prediction for %s failed", self._cycle.scope["path"])
+            log.exception("answering %s failed", self._cycle.scope["path"])
             if self._cycle.response_started:
                 self._protocol.transport.close()
             else:
-                self._answer(error_response(internal("answering a prediction")))
+                error = internal(route.what)
+                self._answer(route.answer(self, Failed(error, error.http_status)))
         self._end()
 
     def _answer(self, response: Response) -> None:
@@ -246,10 +257,9 @@ class Prediction:
         )
         self._send_now({"type": "http.response.body", "body": response.body})
 
-    async def _finish_streamed(self) -> None:
-        assert self._streamed is not None
+    async def _finish_streamed(self, streamed: ChunkedAnswer) -> None:
         try:
-            await self._streamed.finish()
+            await streamed.finish()
             if not self._cycle.response_complete:  # cut short: the client must not wait for more
                 self._protocol.transport.close()
         finally:
@@ -260,11 +270,11 @@ class Prediction:
         frontend drains; the status noted for the access log."""
         if message["type"] == "http.response.start":
             self._status = message["status"]
-            if self._path.plane.draining:
+            if self.path.plane.draining:
                 message = {**message, "headers": [*message["headers"], CLOSE]}
         return message
 
-    async def _send(self, message: Message) -> None:
+    async def send(self, message: Message) -> None:
         """The ASGI `send` of a streamed answer's writer."""
         await self._cycle.send(self._message(message))  # type: ignore[arg-type]
 
@@ -288,9 +298,9 @@ class Prediction:
             return
         self._over = True
         self._stop_watching()
-        self._path.plane.end_call()
+        self.path.plane.end_call()
         if self._status:
-            log_http_access(self._path.thread, self._cycle.scope, self._status, self._wall_start)
+            log_http_access(self.path.thread, self._cycle.scope, self._status, self._wall_start)
 
 
 class PredictionProtocol(LimitedHttpToolsProtocol):

@@ -55,7 +55,7 @@ from mariner.server.common.http_common import (
 )
 from mariner.server.contracts.errors import ServingError
 from mariner.server.contracts.tensors import ModelSignature, bad, decode_raw, decode_values, encode_raw
-from mariner.server.contracts.types import WireProtocol
+from mariner.server.contracts.types import InferResult, WireProtocol
 from mariner.server.frontend.protocols.call import CANCELLED_STATUS, Failed, Infer, run_call
 from mariner.server.frontend.protocols.http_call import infer_unless_client_gone
 from mariner.server.frontend.protocols.torchserve.http import Predictions
@@ -91,7 +91,7 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
-def _header_length(value: str | None, size: int) -> int | None:
+def header_length(value: str | None, size: int) -> int | None:
     if value is None:
         return None
     digits = value.strip()
@@ -262,7 +262,55 @@ def encode_response(
     return b"".join([head, *parts]), len(head)
 
 
-def _through_envelope(dataplane: oip.OipPlane, model: str, version: str | None) -> bool:
+def prepared_infer(handle: Any, parsed: ParsedInfer, headers: dict[str, str]) -> oip.Prepared:
+    """The checked request a decoded infer call makes (both ways an infer call arrives:
+    `routes` and `frontend.protocols.prediction_path`)."""
+    return oip.prepare(
+        handle,
+        inputs=parsed.inputs,
+        requested=parsed.requested,
+        request_id=oip.request_id_of(parsed.client_id),
+        protocol=PROTOCOL,
+        deadline=oip.deadline_from(parsed.params, None),
+        headers=headers,
+    )
+
+
+def answer_outputs(
+    prepared: oip.Prepared, parsed: ParsedInfer, result: InferResult
+) -> tuple[list[oip.OutputTensor], dict[str, Any]]:
+    """The outputs an answer carries and its JSON header fields."""
+    outputs = oip.pick_outputs(prepared, result)
+    handle = prepared.handle
+    header: dict[str, Any] = {
+        "model_name": handle.name,
+        "model_version": result.model_version or handle.version,
+    }
+    if parsed.client_id:
+        header["id"] = parsed.client_id
+    return outputs, header
+
+
+def large_outputs(outputs: list[oip.OutputTensor]) -> bool:
+    """Whether encoding `outputs` belongs on a worker thread (`_OFFLOAD_ELEMENTS`)."""
+    return sum(o.array.size for o in outputs) >= _OFFLOAD_ELEMENTS
+
+
+def infer_response(content: bytes, json_length: int | None) -> Response:
+    """An infer call's answer: plain JSON, or JSON and binary parts (module docstring)."""
+    if json_length is None:
+        return Response(content, 200, media_type=JSON)
+    return Response(content, 200, {"inference-header-content-length": str(json_length)}, media_type=_OCTETS)
+
+
+def failed_response(outcome: Failed) -> Response:
+    """What a failed infer call is answered with."""
+    if outcome.cancelled:
+        return Response(status_code=CANCELLED_STATUS)  # nobody reads it
+    return error_json_response(outcome.error, outcome.http_status)
+
+
+def through_envelope(dataplane: oip.OipPlane, model: str, version: str | None) -> bool:
     """A model with a TorchServe service_envelope (kservev2) and no tensor signature of its own:
     its handler answers /infer through the envelope, as on TorchServe (module docstring)."""
     try:
@@ -305,30 +353,16 @@ def routes(
         p = request.path_params
         body = await read_body(request, max_body_bytes)
         body = inflate(body, request.headers.get("content-encoding", "").strip().lower(), max_body_bytes)
-        header_length = _header_length(request.headers.get(HEADER_LENGTH), len(body))
+        head_length = header_length(request.headers.get(HEADER_LENGTH), len(body))
         handle = dataplane.resolve(p["model"], p.get("version"))
         sig = oip.signature_of(handle)
         parsed = await offload_if_large(
-            len(body), ParsedInfer, body, header_length, max_elements, sig, handle.batch_size
+            len(body), ParsedInfer, body, head_length, max_elements, sig, handle.batch_size
         )
-        prepared = oip.prepare(
-            handle,
-            inputs=parsed.inputs,
-            requested=parsed.requested,
-            request_id=oip.request_id_of(parsed.client_id),
-            protocol=PROTOCOL,
-            deadline=oip.deadline_from(parsed.params, None),
-            headers=request_headers(request, max_headers),
-        )
+        prepared = prepared_infer(handle, parsed, request_headers(request, max_headers))
         result = await infer(prepared.request)
-        outputs = oip.pick_outputs(prepared, result)
-        header: dict[str, Any] = {
-            "model_name": handle.name,
-            "model_version": result.model_version or handle.version,
-        }
-        if parsed.client_id:
-            header["id"] = parsed.client_id
-        content, json_length = await offload_if_large(
+        outputs, header = answer_outputs(prepared, parsed, result)
+        content = await offload_if_large(
             sum(o.array.size for o in outputs),
             encode_response,
             outputs,
@@ -336,17 +370,13 @@ def routes(
             header,
             threshold=_OFFLOAD_ELEMENTS,
         )
-        if json_length is None:
-            return Response(content, 200, media_type=JSON)
-        return Response(
-            content, 200, {"inference-header-content-length": str(json_length)}, media_type=_OCTETS
-        )
+        return infer_response(*content)
 
     predictions = Predictions(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
 
     async def infer(request: Request) -> Response:
         p = request.path_params
-        if _through_envelope(dataplane, p["model"], p.get("version")):
+        if through_envelope(dataplane, p["model"], p.get("version")):
             return await predictions.answer(request, p["model"], p.get("version"), protocol=PROTOCOL)
         outcome = await run_call(
             dataplane,
@@ -356,11 +386,7 @@ def routes(
             lambda infer: run_infer(request, infer),
             infer=lambda req: infer_unless_client_gone(dataplane, req, request.scope, request.receive),
         )
-        if not isinstance(outcome, Failed):
-            return outcome.value
-        if outcome.cancelled:
-            return Response(status_code=CANCELLED_STATUS)  # nobody reads it
-        return error_json_response(outcome.error, outcome.http_status)
+        return outcome.value if not isinstance(outcome, Failed) else failed_response(outcome)
 
     from mariner.server.common import triton_ext_http as http_ext
 
