@@ -20,6 +20,7 @@ from mariner.server.contracts.types import InferRequest, InferResult, WireProtoc
 from mariner.server.frontend.protocols.call import Failed, Ok
 from mariner.server.frontend.protocols.http_listener import prediction_params
 from mariner.server.frontend.protocols.oip import http as oip_http
+from mariner.server.frontend.protocols.oip import rest_codec
 from mariner.server.frontend.protocols.torchserve.chunked import ChunkedAnswer
 from mariner.server.frontend.protocols.torchserve.http import (
     answer_head,
@@ -131,10 +132,10 @@ class OipInfer:
 
     def request(self, call: Prediction, body: bytes) -> InferRequest:
         params = call.params
-        header_length = oip_http.header_length(call.header(oip_http.HEADER_LENGTH.encode()), len(body))
+        header_length = rest_codec.header_length(call.header(rest_codec.HEADER_LENGTH.encode()), len(body))
         handle = call.path.plane.resolve(params["model"], params.get("version"))
         signature = oip.signature_of(handle)
-        parsed = oip_http.ParsedInfer(body, header_length, self._max_elements, signature, handle.batch_size)
+        parsed = rest_codec.ParsedInfer(body, header_length, self._max_elements, signature, handle.batch_size)
         prepared = oip_http.prepared_infer(
             handle, parsed, handler_headers(call.headers, call.path.max_headers)
         )
@@ -146,10 +147,10 @@ class OipInfer:
         outputs, header = oip_http.answer_outputs(prepared, parsed, result)
         if oip_http.large_outputs(outputs):
             return self._encoded_off_the_loop(outputs, parsed, header)
-        return oip_http.infer_response(*oip_http.encode_response(outputs, parsed, header))
+        return oip_http.infer_response(*rest_codec.encode_response(outputs, parsed, header))
 
     async def _encoded_off_the_loop(self, outputs: Any, parsed: Any, header: dict[str, Any]) -> Value:
-        content = await run_in_threadpool(oip_http.encode_response, outputs, parsed, header)
+        content = await run_in_threadpool(rest_codec.encode_response, outputs, parsed, header)
         return oip_http.infer_response(*content)
 
     def answer(self, call: Prediction, outcome: Ok[Any] | Failed) -> Response:
