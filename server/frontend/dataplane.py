@@ -155,8 +155,13 @@ class DataPlane:
         can hand a request over without a task (`frontend.protocols.prediction_path`)."""
         if self.draining and not admitted:
             raise ServingError(Code.UNAVAILABLE, "server is shutting down; retry on another replica")
-        fut = self.resolve(req.model, req.version).enqueue(req, caller)
-        self.accepted += 1
+        ep = self.resolve(req.model, req.version)
+        self.accepted += 1  # a refusal by the version (overloaded, restarting) is an answer too
+        try:
+            fut = ep.enqueue(req, caller)
+        except BaseException:
+            self.answered += 1
+            raise
         self._inflight += 1
         fut.add_done_callback(self._answered)
         return fut
