@@ -235,11 +235,16 @@ def without_trailing_slashes(scope: Any) -> Any:
     path = scope.get("path", "")
     if scope.get("type") != "http" or len(path) < 2 or not path.endswith("/"):
         return scope
-    scope = {**scope, "path": path.rstrip("/") or "/"}
+    scope = {**scope, "path": trimmed_path(path)}
     raw = scope.get("raw_path")
     if isinstance(raw, bytes):
         scope["raw_path"] = raw.rstrip(b"/") or b"/"
     return scope
+
+
+def trimmed_path(path: str) -> str:
+    """`path` without trailing slashes, as TorchServe's router reads it (`without_trailing_slashes`)."""
+    return path.rstrip("/") or "/"
 
 
 class TrailingSlashes:

@@ -170,13 +170,13 @@ def uvicorn_config(
     protocol: type[LimitedHttpToolsProtocol] = LimitedHttpToolsProtocol,
 ) -> uvicorn.Config:
     """uvicorn settings for one of our HTTP listeners: the loop is ours, TLS (our context: AEAD
-        suites only; on `listener` when `tls_listeners` covers it, on any when no listener is named)
-        and the access log follow the config, a graceful shutdown never outlasts the
-        drain's grace period, and the connection limits are enforced by our protocol class (a fresh
-        one per listener) before uvicorn hands a request to auth or routing, with `held` (a frontend's
-        budget of request bytes, common.held_bytes) counting request bodies; `protocol` is the listener's
-    subclass of that class, if it has one. No WebSocket upgrade: no
-        route needs one, and an upgraded connection would leave the limits behind."""
+    suites only; on `listener` when `tls_listeners` covers it, on any when no listener is named)
+    and the access log follow the config, a graceful shutdown never outlasts the
+    drain's grace period, and the connection limits are enforced by our protocol class (a fresh
+    one per listener) before uvicorn hands a request to auth or routing, with `held` (a frontend's
+    budget of request bytes, common.held_bytes) counting request bodies; `protocol` is the
+    listener's subclass of that class, if it has one. No WebSocket upgrade: no route needs one,
+    and an upgraded connection would leave the limits behind."""
     tls: Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext] | None = None
     encrypted = cfg.tls_cert_file is not None and (listener is None or listener in tls_listeners(cfg))
     if encrypted:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone
+from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
 from mariner.server.common.http_limits import LimitedHttpToolsProtocol
 from mariner.server.common.security import Credential, authorization_header
 from mariner.server.compat.torchserve.logs.access import log_http_access
@@ -90,9 +90,7 @@ class PredictionPath:
         scope = cycle.scope
         if scope["root_path"] or cycle.waiting_for_100_continue or self.plane.draining:
             return None
-        path, method = scope["path"], scope["method"]
-        if len(path) > 1:
-            path = path.rstrip("/") or "/"  # as the app reads it (`without_trailing_slashes`)
+        path, method = trimmed_path(scope["path"]), scope["method"]  # as the app reads it
         for route in self.routes:
             params = route.match(method, path)
             if params is not None:
@@ -126,7 +124,6 @@ class Prediction:
         "_protocol",
         "_route",
         "_start",
-        "_started",
         "_status",
         "_stop_watching",
         "_wall_start",
@@ -158,7 +155,6 @@ class Prediction:
         self._wall_start = time.time()  # the access log's
         self._start = time.perf_counter()  # the call's duration
         self._future: asyncio.Future[InferResult] | None = None
-        self._started = False
         self._over = False
         self._status = 0
         # Admitted now, with its head in (as the app's drain middleware admits): the drain waits
@@ -178,7 +174,6 @@ class Prediction:
         """The body is complete: decode it and hand the request to the batcher."""
         if self._over:  # its client left before its turn came
             return
-        self._started = True
         try:
             body = bytes(self._cycle.body)
             self._cycle.body.clear()
@@ -198,8 +193,8 @@ class Prediction:
     def _client_gone(self) -> None:
         if self._future is not None:
             self._future.cancel()  # the batcher skips it; `_done` records the call as cancelled
-        elif not self._started:
-            self._end()  # its body never came: no call to record, as on the app
+        else:  # its body never came (a start that failed has ended the call): nothing to record
+            self._end()
 
     def _answer_next_turn(self, future: asyncio.Future[InferResult]) -> None:
         """Answer on the loop turn after the result came, not on the turn it came.
