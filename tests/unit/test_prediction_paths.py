@@ -356,3 +356,98 @@ def test_a_client_gone_before_its_body_ends_its_call_without_an_inference(listen
     wait_for(lambda: ScriptedPlane.calls_open == 0, "the call ended when its client left")
     errors = PLANE.samples("mariner_requests_total", protocol="torchserve-http", code="500")
     assert errors == errors_before, "nothing was inferred or counted for a request whose body never came"
+
+
+class RecordingTransport:
+    """A socket transport's surface for uvicorn's protocol that records what is done to it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    def close(self) -> None:
+        self.calls.append(("close", b""))
+
+    def is_closing(self) -> bool:
+        return ("close", b"") in self.calls
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8080)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _answered(transport: RecordingTransport, count: int) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while sum(1 for kind, data in transport.calls if kind == "write" and data.endswith(b"three")) < count:
+        assert time.monotonic() < deadline, transport.calls
+        await asyncio.sleep(0.001)
+
+
+async def _fast_protocol() -> tuple[Any, RecordingTransport]:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
+    from mariner.server.common.http_limits import HttpLimits, limited_protocol
+    from mariner.server.frontend.protocols.prediction_path import prediction_protocol
+
+    path = PredictionPath(
+        PLANE, max_body_bytes=MAX_BODY, max_headers=DEFAULT_MAX_HEADERS, credential=None, thread="t"
+    )
+    config = Config(
+        inference_app(PLANE, max_body_bytes=MAX_BODY),
+        http=limited_protocol(HttpLimits(), None, prediction_protocol(path)),
+        log_level="warning",
+        lifespan="off",
+    )
+    config.load()
+    loop = asyncio.get_running_loop()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+def test_an_answer_is_one_write_and_a_closing_answer_closes_after_it() -> None:
+    asyncio.run(_one_write())
+
+
+async def _one_write() -> None:
+    protocol, transport = await _fast_protocol()
+    protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+    await _answered(transport, 1)
+    assert [kind for kind, _ in transport.calls] == ["write"], "head and body in one write"
+    head, _, body = transport.calls[0][1].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert body == b"three"
+
+    protocol.data_received(post("/predictions/digits", BODY, script="text"))
+    await _answered(transport, 2)
+    assert [kind for kind, _ in transport.calls] == ["write", "write", "close"], transport.calls
+    assert b"\r\nconnection: close\r\n" in transport.calls[1][1]
+    protocol.connection_lost(None)
+
+
+def test_an_answer_to_a_client_not_reading_waits_for_its_writes_to_resume() -> None:
+    asyncio.run(_paused_writes())
+
+
+async def _paused_writes() -> None:
+    protocol, transport = await _fast_protocol()
+    protocol.pause_writing()  # what the transport calls when its buffer is over the high mark
+    protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+    await asyncio.sleep(0.05)
+    assert transport.calls == [], "nothing written while writes are paused"
+    protocol.resume_writing()
+    await _answered(transport, 1)
+    answer = b"".join(data for _, data in transport.calls)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert answer.endswith(b"\r\n\r\nthree")
+    protocol.connection_lost(None)

@@ -260,10 +260,36 @@ class Prediction:
         self._end()
 
     def _answer(self, response: Response) -> None:
-        self._send_now(
-            {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
-        )
-        self._send_now({"type": "http.response.body", "body": response.body})
+        """Send `response` through uvicorn's `send`, its head and body in one write.
+
+        uvicorn writes an answer's head and its body separately: two send(2) calls, and two
+        segments the client may wake for (TCP_NODELAY). With writes flowing, both sends run to
+        their end at once, so their writes are gathered and made as one (`_OneWrite`); the bytes
+        are uvicorn's either way. A client not reading gets them from a task when it drains.
+        """
+        start = {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+        body = {"type": "http.response.body", "body": response.body}
+        cycle = self._cycle
+        if cycle.flow.write_paused:
+            self._protocol.run(self._send_later(start, body))
+            return
+        transport = cycle.transport
+        gathered = _OneWrite(transport)
+        cycle.transport = cast(asyncio.Transport, gathered)
+        try:
+            self._send_now(start)
+            self._send_now(body)
+        finally:
+            cycle.transport = transport
+            gathered.flush()
+
+    async def _send_later(self, start: Message, body: Message) -> None:
+        await self.send(start)
+        await self.send(body)
 
     async def _finish_streamed(self, streamed: ChunkedAnswer) -> None:
         try:
@@ -287,12 +313,9 @@ class Prediction:
         await self._cycle.send(self._message(message))  # type: ignore[arg-type]
 
     def _send_now(self, message: Message) -> None:
-        """uvicorn's `send`, run to its end without a task: it only suspends while the transport's
-        writes are paused (a client not reading), and then a task finishes it."""
+        """uvicorn's `send`, run to its end without a task: with writes not paused it never
+        suspends (`_answer` checks)."""
         send = self._cycle.send(self._message(message))  # type: ignore[arg-type]
-        if self._cycle.flow.write_paused:
-            self._protocol.run(send)
-            return
         try:
             send.send(None)
         except StopIteration:
@@ -309,6 +332,32 @@ class Prediction:
         self.path.plane.end_call()
         if self._status:
             log_http_access(self.path.thread, self._cycle.scope, self._status, self._wall_start)
+
+
+class _OneWrite:
+    """The transport uvicorn's `send` sees while one answer is sent (`Prediction._answer`):
+    its writes are kept and made as one, before a close or when `flush` is called."""
+
+    __slots__ = ("_parts", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def flush(self) -> None:
+        if self._parts:
+            parts, self._parts = self._parts, []
+            self._transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 class PredictionProtocol(LimitedHttpToolsProtocol):
