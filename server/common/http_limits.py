@@ -125,6 +125,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # uvicorn logs each answer when the "uvicorn.access" logger has a handler, whatever
+        # `access_log` says: a logging setup that gives it one would turn `--access-log` on.
+        self.access_log = self.access_log and self.config.access_log
         self._in_head = True  # waiting for or reading a request head (else reading or past a body)
         self._in_body = False  # the head is complete, the body is not
         self._begun = False  # the parser has seen a first byte of the current request

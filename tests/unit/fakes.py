@@ -183,7 +183,8 @@ def serve_inference(plane: Any, app: Any, way: str, *, max_body_bytes: int) -> I
             thread="test",
         )
         base = prediction_protocol(path)
-    with serve(app, http=limited_protocol(HttpLimits(), None, base)) as url:
+    # uvicorn's own access log off, as Mariner's listeners run (`--access-log` turns it on).
+    with serve(app, http=limited_protocol(HttpLimits(), None, base), access_log=False) as url:
         yield url
 
 

@@ -383,14 +383,14 @@ class RecordingTransport:
         pass
 
 
-async def _answered(transport: RecordingTransport, count: int) -> None:
+async def _answered(transport: RecordingTransport, count: int, end: bytes = b"three") -> None:
     deadline = time.monotonic() + TIMEOUT
-    while sum(1 for kind, data in transport.calls if kind == "write" and data.endswith(b"three")) < count:
+    while sum(1 for kind, data in transport.calls if kind == "write" and data.endswith(end)) < count:
         assert time.monotonic() < deadline, transport.calls
         await asyncio.sleep(0.001)
 
 
-async def _fast_protocol() -> tuple[Any, RecordingTransport]:
+async def _fast_protocol(*, access_log: bool = False) -> tuple[Any, RecordingTransport]:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
@@ -406,6 +406,7 @@ async def _fast_protocol() -> tuple[Any, RecordingTransport]:
         http=limited_protocol(HttpLimits(), None, prediction_protocol(path)),
         log_level="warning",
         lifespan="off",
+        access_log=access_log,
     )
     config.load()
     loop = asyncio.get_running_loop()
@@ -451,3 +452,19 @@ async def _paused_writes() -> None:
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
     assert answer.endswith(b"\r\n\r\nthree")
     protocol.connection_lost(None)
+
+
+def test_with_uvicorns_access_log_on_an_answer_goes_through_its_send() -> None:
+    """`--access-log` asks uvicorn to log each answer, which its `send` does: the fast path
+    answers through it then, the same bytes in two writes."""
+
+    async def answers(access_log: bool) -> list[bytes]:
+        protocol, transport = await _fast_protocol(access_log=access_log)
+        protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+        await _answered(transport, 1)
+        protocol.connection_lost(None)
+        return [data for kind, data in transport.calls if kind == "write"]
+
+    logged, quiet = asyncio.run(answers(True)), asyncio.run(answers(False))
+    assert len(logged) == 2, "head and body, as uvicorn's send writes them"
+    assert masked(b"".join(logged)) == masked(b"".join(quiet))

@@ -34,10 +34,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, MutableMapping
+from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from starlette.responses import Response
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    RequestResponseCycle,
+)
 
 from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
 from mariner.server.common.http_limits import LimitedHttpToolsProtocol
@@ -260,32 +266,48 @@ class Prediction:
         self._end()
 
     def _answer(self, response: Response) -> None:
-        """Send `response` through uvicorn's `send`, its head and body in one write.
-
-        uvicorn writes an answer's head and its body separately: two send(2) calls, and two
-        segments the client may wake for (TCP_NODELAY). With writes flowing, both sends run to
-        their end at once, so their writes are gathered and made as one (`_OneWrite`); the bytes
-        are uvicorn's either way. A client not reading gets them from a task when it drains.
-        """
-        start = {
-            "type": "http.response.start",
-            "status": response.status_code,
-            "headers": response.raw_headers,
-        }
-        body = {"type": "http.response.body", "body": response.body}
+        """Write `response` (`_write_whole`). A client not reading (writes paused), uvicorn's own
+        access log (`--access-log`) and an answer without a Content-Length (a 204 or 1xx) go
+        through uvicorn's `send` instead, in a task."""
+        headers = response.raw_headers
         cycle = self._cycle
-        if cycle.flow.write_paused:
-            self._protocol.run(self._send_later(start, body))
+        if cycle.flow.write_paused or cycle.access_log or all(n != b"content-length" for n, _ in headers):
+            start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            self._protocol.run(self._send_later(start, {"type": "http.response.body", "body": response.body}))
             return
+        self._write_whole(response.status_code, headers, response.body)
+
+    def _write_whole(self, status: int, headers: Headers, body: bytes | memoryview) -> None:
+        """What uvicorn's `send` does for an answer's start and its whole body, with the head and
+        the body in one write: the same bytes (status line, uvicorn's default headers then the
+        answer's, lower-cased and checked, `connection: close` when the connection ends), then
+        the cycle's end (keep-alive or close, the next pipelined request). uvicorn writes the head
+        and the body apart: two send(2) calls and two segments the client may wake for."""
+        cycle = self._cycle
+        self._status = status
+        if self.path.plane.draining:
+            headers = [*headers, CLOSE]
+        cycle.response_started = True
+        content: list[bytes | memoryview] = [STATUS_LINE[status]]
+        closes = False
+        for name, value in chain(cycle.default_headers, headers):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header.")  # as uvicorn's send: the bug net's
+            name = name.lower()
+            if name == b"connection" and b"close" in [t.lower().strip() for t in value.split(b",")]:
+                cycle.keep_alive = False
+                closes = True
+            content += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive and not closes:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
         transport = cycle.transport
-        gathered = _OneWrite(transport)
-        cycle.transport = cast(asyncio.Transport, gathered)
-        try:
-            self._send_now(start)
-            self._send_now(body)
-        finally:
-            cycle.transport = transport
-            gathered.flush()
+        transport.write(b"".join(content))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            transport.close()
+        cycle.on_response()
 
     async def _send_later(self, start: Message, body: Message) -> None:
         await self.send(start)
@@ -312,17 +334,6 @@ class Prediction:
         """The ASGI `send` of a streamed answer's writer."""
         await self._cycle.send(self._message(message))  # type: ignore[arg-type]
 
-    def _send_now(self, message: Message) -> None:
-        """uvicorn's `send`, run to its end without a task: with writes not paused it never
-        suspends (`_answer` checks)."""
-        send = self._cycle.send(self._message(message))  # type: ignore[arg-type]
-        try:
-            send.send(None)
-        except StopIteration:
-            return
-        send.close()
-        raise RuntimeError("uvicorn's send suspended with writes not paused")
-
     def _end(self) -> None:
         """The call is over (answered, or its client gone): the drain and the access log learn it."""
         if self._over:
@@ -332,32 +343,6 @@ class Prediction:
         self.path.plane.end_call()
         if self._status:
             log_http_access(self.path.thread, self._cycle.scope, self._status, self._wall_start)
-
-
-class _OneWrite:
-    """The transport uvicorn's `send` sees while one answer is sent (`Prediction._answer`):
-    its writes are kept and made as one, before a close or when `flush` is called."""
-
-    __slots__ = ("_parts", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def flush(self) -> None:
-        if self._parts:
-            parts, self._parts = self._parts, []
-            self._transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
 
 
 class PredictionProtocol(LimitedHttpToolsProtocol):
