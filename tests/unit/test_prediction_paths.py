@@ -12,6 +12,7 @@ the app and itself.
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import json
 import re
@@ -26,7 +27,7 @@ import pytest
 
 from mariner.server.contracts.types import InferRequest, InferResult
 from mariner.server.frontend.protocols.http_listener import inference_app
-from mariner.server.frontend.protocols.prediction_path import PredictionPath
+from mariner.server.frontend.protocols.prediction_path import Prediction, PredictionPath
 from mariner.server.frontend.streams import STREAMS
 from tests.unit.fakes import FakePlane, serve_inference
 
@@ -468,3 +469,33 @@ def test_with_uvicorns_access_log_on_an_answer_goes_through_its_send() -> None:
     logged, quiet = asyncio.run(answers(True)), asyncio.run(answers(False))
     assert len(logged) == 2, "head and body, as uvicorn's send writes them"
     assert masked(b"".join(logged)) == masked(b"".join(quiet))
+
+
+def test_a_call_is_freed_when_it_ends_not_by_the_cyclic_gc() -> None:
+    """A call in a reference cycle outlives its answer until a cyclic collection, and at 64
+    clients those collections cost the frontend ~10 us a request (docs/benchmark.md): plain,
+    streamed and abandoned calls all leave nothing for the collector."""
+
+    async def main() -> list[Prediction]:
+        protocol, transport = await _fast_protocol()
+        gc.collect()
+        gc.disable()
+        try:
+            for n in range(1, 4):
+                protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+                await _answered(transport, n)
+            protocol.data_received(post("/predictions/digits", BODY, script="stream", close=False))
+            await _answered(transport, 1, end=b"0\r\n\r\n")
+            gone, gone_transport = await _fast_protocol()
+            gone.data_received(post("/predictions/digits", BODY, close=False)[:-3])  # body unfinished
+            gone.connection_lost(None)
+            await asyncio.sleep(0.01)
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            return [o for o in gc.garbage if isinstance(o, Prediction)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+    assert asyncio.run(main()) == []
