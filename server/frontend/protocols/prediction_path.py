@@ -9,8 +9,10 @@ work: a task per request, the app and three middlewares (access log, drain, toke
 protocol (`PredictionProtocol`, uvicorn's httptools protocol with our limits) takes the request
 when its head is in: the body collects in uvicorn's per-request cycle as before; when it is
 complete the route builds the request and it is handed to the batcher synchronously
-(`DataPlane.enqueue`), and the batch's completion writes the answer through the cycle (uvicorn's
-own `send`, driven without a task), so the bytes on the wire are uvicorn's. The request and the
+(`DataPlane.enqueue`), and the batch's completion writes the answer: the bytes uvicorn's `send`
+would write, head and body in one write, then the cycle's end as `send` ends it (keep-alive or
+close, the next pipelined request). A call ends holding no reference back to itself, so it is
+freed when it ends, not by the cyclic collector (`_end`). The request and the
 answer are built by the functions the Starlette routes use, and the call is recorded by the same
 functions (`call.record`, `call.failure`), so both ways answer the same bytes and count the same
 metrics (tests/unit/test_prediction_paths.py sends the same calls both ways and compares them).
@@ -25,7 +27,8 @@ TorchServe's envelope. The connection-level limits (head size and timeout, body 
 keep-alive, connection cap, held bytes, shutdown linger) are the protocol's and hold on both
 paths. A client that goes away cancels the inference (the batcher skips it), as on the app.
 Tasks remain only where the app would also leave the loop's turn: a streamed answer's writer, OIP
-outputs large enough to be encoded on a worker thread, and a write to a client that is not reading.
+outputs large enough to be encoded on a worker thread, and an answer sent through uvicorn's `send`
+(a client that is not reading, uvicorn's own `--access-log`, an answer without a Content-Length).
 """
 
 from __future__ import annotations
