@@ -5,7 +5,9 @@ load; their difference is what Mariner adds, but on a shared 2-core machine both
 by tens of percent between runs. This tool measures the pieces themselves in one process, on the
 real code: the TorchServe gRPC servicer's `Predictions` (request parsing, headers, the call path
 and its metrics, the DataPlane, the endpoint's deadline, the batcher) driven by 64 concurrent
-coroutines with a runner that answers at once, and the frame codec between a frontend and a
+coroutines with a runner that answers at once, HTTP's `/predictions` through the inference
+listener's real protocol both ways (the ASGI app and the fast path), what every call pays for its
+request id, metrics, drain accounting and access line, and the frame codec between a frontend and a
 worker (a batch of 32 requests out, 32 results back, both pickled and checked against the
 allowlist). CPU time (`time.process_time`) over many calls, best of several rounds: a lower
 bound that noise can only raise.
@@ -401,6 +403,65 @@ def codec_pieces(calls: int, rounds: int) -> list[Piece]:
     ]
 
 
+def bookkeeping_pieces(calls: int, rounds: int) -> list[Piece]:
+    """What every HTTP prediction pays beside its own work, on both ways alike: its request id,
+    its metrics (`call.record`: the call's count and duration, the OIP statistics book,
+    TorchServe's call metrics; written to the memory-mapped files once per loop turn, here one
+    turn per batch of 32 answers as a batch's answers come), the drain's accounting, and its
+    TorchServe access line (formatted and handed to a record pipe, which writes to /dev/null)."""
+    from mariner.server.common.request_ids import new_request_id
+    from mariner.server.compat.torchserve.logs import emit
+    from mariner.server.compat.torchserve.logs.access import log_http_access
+    from mariner.server.compat.torchserve.logs.records import RecordPipe
+    from mariner.server.contracts.types import WireProtocol
+    from mariner.server.frontend.protocols.call import record
+
+    batches = max(1, calls // BATCH)
+    scope = _http_scope("/predictions/digits")
+
+    async def in_turns(one: Callable[[], object]) -> float:
+        t0 = time.process_time()
+        for _ in range(batches):
+            for _ in range(BATCH):
+                one()
+            await asyncio.sleep(0)  # the turn ends: deferred metric writes, the pipe's flush
+        return (time.process_time() - t0) / (batches * BATCH) * 1e6
+
+    async def best(one: Callable[[], object]) -> float:
+        return min([await in_turns(one) for _ in range(rounds)])
+
+    async def measure() -> list[Piece]:
+        plane = _plane()
+        start = time.perf_counter()
+
+        def drain() -> None:
+            plane.begin_call()
+            plane.end_call()
+
+        sink = os.open(os.devnull, os.O_WRONLY)
+        pipe = RecordPipe(sink)
+        pipe.attach(asyncio.get_running_loop())
+        previous = emit.current()
+        emit.set_target(pipe.put_fields)
+        try:
+            access = await best(lambda: log_http_access("frontend-0", scope, 200, time.time()))
+        finally:
+            emit.set_target(previous)
+            pipe.close()
+        return [
+            Piece("request id", await best(new_request_id), "per call"),
+            Piece(
+                "call metrics (count, duration, OIP book, TorchServe's)",
+                await best(lambda: record(plane, WireProtocol.TS_HTTP, "digits", None, "200", start)),
+                "written once per turn",
+            ),
+            Piece("drain accounting (begin_call, end_call)", await best(drain), "per call"),
+            Piece("TorchServe access line into the record pipe", access, "written per burst"),
+        ]
+
+    return asyncio.run(measure())
+
+
 def table(pieces: Sequence[Piece]) -> str:
     lines = ["| piece | µs per request | |", "|---|---:|---|"]
     lines += [f"| {p.name} | {p.us_per_request:.1f} | {p.note} |" for p in pieces]
@@ -423,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             *servicer_pieces(a.calls, a.rounds),
             *http_pieces(a.calls, a.rounds),
             *protocol_pieces(a.calls, a.rounds),
+            *bookkeeping_pieces(a.calls, a.rounds),
             *codec_pieces(a.calls, a.rounds),
         ]
     print(table(pieces))
