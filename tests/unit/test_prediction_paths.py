@@ -499,3 +499,35 @@ def test_a_call_is_freed_when_it_ends_not_by_the_cyclic_gc() -> None:
             gc.enable()
 
     assert asyncio.run(main()) == []
+
+
+def test_every_way_an_answer_is_written_logs_its_access_line_with_its_status() -> None:
+    """TorchServe's access line is written when the call ends: for an answer written at once, one
+    sent through uvicorn's `send` (a 204 has no Content-Length) and one waiting for a client that
+    is not reading, with the status the client gets."""
+    from mariner.server.compat.torchserve.logs import emit
+    from mariner.server.compat.torchserve.logs.records import Kind, Record
+
+    records: list[Record] = []
+
+    async def main() -> None:
+        protocol, transport = await _fast_protocol()
+        protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+        await _answered(transport, 1)
+        protocol.data_received(post("/predictions/digits", BODY, script="no-content", close=False))
+        await _answered(transport, 1, end=b"\r\n\r\n")
+        protocol.pause_writing()
+        protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+        await asyncio.sleep(0.05)
+        protocol.resume_writing()
+        await _answered(transport, 2)
+        protocol.connection_lost(None)
+
+    previous = emit.current()
+    emit.set_target(emit.to_records(records.append))
+    try:
+        asyncio.run(main())
+    finally:
+        emit.set_target(previous)
+    access = [r.message for r in records if r.kind == Kind.ACCESS]
+    assert [line.split('" ')[1].split()[0] for line in access] == ["200", "204", "200"], access

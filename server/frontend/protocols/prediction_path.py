@@ -275,7 +275,11 @@ class Prediction:
         headers = response.raw_headers
         cycle = self._cycle
         if cycle.flow.write_paused or cycle.access_log or all(n != b"content-length" for n, _ in headers):
-            start = {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            # The head's status and `Connection: close` are settled now: the call ends (for the
+            # drain and the access log) when this returns, before the task writes.
+            start = self._message(
+                {"type": "http.response.start", "status": response.status_code, "headers": headers}
+            )
             self._protocol.run(self._send_later(start, {"type": "http.response.body", "body": response.body}))
             return
         self._write_whole(response.status_code, headers, response.body)
@@ -313,8 +317,8 @@ class Prediction:
         cycle.on_response()
 
     async def _send_later(self, start: Message, body: Message) -> None:
-        await self.send(start)
-        await self.send(body)
+        await self._cycle.send(start)  # type: ignore[arg-type]
+        await self._cycle.send(body)  # type: ignore[arg-type]
 
     async def _finish_streamed(self, streamed: ChunkedAnswer) -> None:
         try:
