@@ -11,7 +11,7 @@ when its head is in: the body collects in uvicorn's per-request cycle as before;
 complete the route builds the request and it is handed to the batcher synchronously
 (`DataPlane.enqueue`), and the batch's completion writes the answer: the bytes uvicorn's `send`
 would write, head and body in one write, then the cycle's end as `send` ends it (keep-alive or
-close, the next pipelined request). A call ends holding no reference back to itself, so it is
+close, the next pipelined request: `whole_answer`). A call ends holding no reference back to itself, so it is
 freed when it ends, not by the cyclic collector (`_end`). The request and the
 answer are built by the functions the Starlette routes use, and the call is recorded by the same
 functions (`call.record`, `call.failure`), so both ways answer the same bytes and count the same
@@ -37,14 +37,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, MutableMapping
-from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import (
-    HEADER_RE,
-    HEADER_VALUE_RE,
-    STATUS_LINE,
     RequestResponseCycle,
 )
 
@@ -57,6 +53,7 @@ from mariner.server.contracts.types import InferResult
 from mariner.server.frontend.protocols.call import Failed, Ok, checked, code_label, failure, record
 from mariner.server.frontend.protocols.http_drain import CLOSE
 from mariner.server.frontend.protocols.prediction_routes import OipInfer, Route, TorchServePredictions
+from mariner.server.frontend.protocols.whole_answer import write_whole_answer
 from mariner.server.frontend.streams import STREAMS
 
 if TYPE_CHECKING:
@@ -285,36 +282,10 @@ class Prediction:
         self._write_whole(response.status_code, headers, response.body)
 
     def _write_whole(self, status: int, headers: Headers, body: bytes | memoryview) -> None:
-        """What uvicorn's `send` does for an answer's start and its whole body, with the head and
-        the body in one write: the same bytes (status line, uvicorn's default headers then the
-        answer's, lower-cased and checked, `connection: close` when the connection ends), then
-        the cycle's end (keep-alive or close, the next pipelined request). uvicorn writes the head
-        and the body apart: two send(2) calls and two segments the client may wake for."""
-        cycle = self._cycle
         self._status = status
         if self.path.plane.draining:
             headers = [*headers, CLOSE]
-        cycle.response_started = True
-        content: list[bytes | memoryview] = [STATUS_LINE[status]]
-        closes = False
-        for name, value in chain(cycle.default_headers, headers):
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                raise RuntimeError("Invalid HTTP header.")  # as uvicorn's send: the bug net's
-            name = name.lower()
-            if name == b"connection" and b"close" in [t.lower().strip() for t in value.split(b",")]:
-                cycle.keep_alive = False
-                closes = True
-            content += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive and not closes:
-            content.append(b"connection: close\r\n")
-        content += (b"\r\n", body)
-        transport = cycle.transport
-        transport.write(b"".join(content))
-        cycle.response_complete = True
-        cycle.message_event.set()
-        if not cycle.keep_alive:
-            transport.close()
-        cycle.on_response()
+        write_whole_answer(self._cycle, status, headers, body)
 
     async def _send_later(self, start: Message, body: Message) -> None:
         await self._cycle.send(start)  # type: ignore[arg-type]
