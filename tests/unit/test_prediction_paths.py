@@ -531,3 +531,32 @@ def test_every_way_an_answer_is_written_logs_its_access_line_with_its_status() -
         emit.set_target(previous)
     access = [r.message for r in records if r.kind == Kind.ACCESS]
     assert [line.split('" ')[1].split()[0] for line in access] == ["200", "204", "200"], access
+
+
+def test_an_answer_that_cannot_be_built_closes_the_connection_and_still_ends_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bug net: when building the answer fails, and building the 500 fails too, the client
+    is not left waiting and the drain is not left counting a call that will never end."""
+    from mariner.server.frontend.protocols.prediction_routes import TorchServePredictions
+
+    def broken(self: Any, call: Any, outcome: Any) -> Any:
+        raise RuntimeError("answer builder bug")
+
+    monkeypatch.setattr(TorchServePredictions, "answer", broken)
+    open_before = ScriptedPlane.calls_open
+
+    async def main() -> RecordingTransport:
+        protocol, transport = await _fast_protocol()
+        protocol.data_received(post("/predictions/digits", BODY, script="text", close=False))
+        deadline = time.monotonic() + TIMEOUT
+        while not transport.is_closing():
+            assert time.monotonic() < deadline, transport.calls
+            await asyncio.sleep(0.001)
+        protocol.connection_lost(None)
+        return transport
+
+    transport = asyncio.run(main())
+    assert transport.calls, "the connection closed"
+    assert all(kind == "close" for kind, _ in transport.calls), "nothing half-written"
+    assert ScriptedPlane.calls_open == open_before, "the call ended for the drain"

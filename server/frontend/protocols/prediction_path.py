@@ -258,12 +258,20 @@ class Prediction:
                 self._answer(response)
         except Exception:  # a bug's net, as uvicorn's around an app
             log.exception("answering %s failed", self._cycle.scope["path"])
-            if self._cycle.response_started:
-                self._protocol.transport.close()
-            else:
+            self._answer_bug(route)
+        self._end()
+
+    def _answer_bug(self, route: Route) -> None:
+        """A 500 when nothing of the answer was sent, else the connection closes (the client
+        must not wait for the rest); if even the 500 fails, the connection closes too."""
+        try:
+            if not self._cycle.response_started:
                 error = internal(route.what)
                 self._answer(route.answer(self, Failed(error, error.http_status)))
-        self._end()
+                return
+        except Exception:  # noqa: BLE001 - the call must still end
+            log.exception("answering the failure of %s failed", self._cycle.scope["path"])
+        self._protocol.transport.close()
 
     def _answer(self, response: Response) -> None:
         """Write `response` (`_write_whole`). A client not reading (writes paused), uvicorn's own
