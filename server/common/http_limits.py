@@ -60,6 +60,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mariner.server.common.held_bytes import HeldBytes
+from mariner.server.common.raw_headers import first_header
 from mariner.server.contracts.errors import RETRY_AFTER_SECONDS
 
 # The ASGI scope extension through which a request learns that its connection is gone: a function
@@ -296,7 +297,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Refuse this request unread when its Content-Length cannot fit the frontend's budget;
         else start counting its body (`on_body`)."""
         assert self.held is not None
-        length = next((v for k, v in self.headers if k == b"content-length"), b"")
+        length = first_header(self.headers, b"content-length") or b""
         # A body larger than the whole budget is larger than any the server takes: the app
         # answers it 413, unread, whatever the load. Without a Content-Length, nothing to check.
         size = int(length) if length.isdigit() else None

@@ -30,6 +30,7 @@ import grpc
 
 from mariner.server.common.grpc_server import HandlerInterceptor
 from mariner.server.common.grpc_status import grpc_code
+from mariner.server.common.raw_headers import first_header
 from mariner.server.contracts.errors import STATUS, TORCHSERVE_TYPES, Code, ServingError
 from mariner.server.contracts.worker_wire import CREDENTIAL_HEADERS
 
@@ -130,10 +131,8 @@ def error_body(status: int, kind: str, message: str) -> bytes:
 
 def authorization_header(scope: Mapping[str, Any]) -> str | None:
     """An ASGI request's `Authorization` value, if it has one."""
-    for key, value in scope["headers"]:
-        if key == b"authorization":
-            return str(value.decode("latin-1"))
-    return None
+    value = first_header(scope["headers"], b"authorization")
+    return None if value is None else value.decode("latin-1")
 
 
 # Mariner's own tokens: 401 / UNAUTHENTICATED, TorchServe's exception name in the body.

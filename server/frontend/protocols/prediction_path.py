@@ -46,6 +46,7 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
 from mariner.server.common.http_limits import LimitedHttpToolsProtocol
+from mariner.server.common.raw_headers import first_header
 from mariner.server.common.security import Credential, authorization_header
 from mariner.server.compat.torchserve.logs.access import log_http_access
 from mariner.server.contracts.errors import internal
@@ -170,10 +171,8 @@ class Prediction:
 
     def header(self, name: bytes) -> str | None:
         """The request's first `name` header (lower case), as Starlette's `headers.get` reads it."""
-        for key, value in self.headers:
-            if key == name:
-                return value.decode("latin-1")
-        return None
+        value = first_header(self.headers, name)
+        return None if value is None else value.decode("latin-1")
 
     # -- the request ---------------------------------------------------------------------------
     def start(self) -> None:

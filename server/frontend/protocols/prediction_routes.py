@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from mariner.server.common import oip_codec as oip
 from mariner.server.common.http_common import handler_headers
+from mariner.server.common.raw_headers import first_header
 from mariner.server.common.request_ids import new_request_id
 from mariner.server.compat.torchserve.forms import decode_data
 from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
@@ -125,7 +126,7 @@ class OipInfer:
         return None
 
     def accepts(self, plane: DataPlane, params: dict[str, str], headers: list[tuple[bytes, bytes]]) -> bool:
-        encoding = next((v for k, v in headers if k == b"content-encoding"), b"")
+        encoding = first_header(headers, b"content-encoding") or b""
         return encoding.strip().lower() in _IDENTITY and not oip_http.through_envelope(
             plane, params["model"], params.get("version")
         )
