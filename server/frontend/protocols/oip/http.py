@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -172,15 +173,9 @@ def routes(
         prepared = prepared_infer(handle, parsed, request_headers(request, max_headers))
         result = await infer(prepared.request)
         outputs, header = answer_outputs(prepared, parsed, result)
-        content = await offload_if_large(
-            sum(o.array.size for o in outputs),
-            encode_response,
-            outputs,
-            parsed,
-            header,
-            threshold=_OFFLOAD_ELEMENTS,
-        )
-        return infer_response(*content)
+        if large_outputs(outputs):  # the fast path's route decides the same way
+            return infer_response(*await run_in_threadpool(encode_response, outputs, parsed, header))
+        return infer_response(*encode_response(outputs, parsed, header))
 
     predictions = Predictions(dataplane, max_body_bytes=max_body_bytes, max_headers=max_headers)
 
