@@ -29,11 +29,12 @@ from mariner.server.contracts.types import InferRequest, InferResult
 from mariner.server.frontend.protocols.http_listener import inference_app
 from mariner.server.frontend.protocols.prediction_path import Prediction, PredictionPath
 from mariner.server.frontend.streams import STREAMS
-from tests.unit.fakes import FakePlane, serve_inference
+from tests.unit.fakes import FakePlane, digits_outputs, serve_inference
 
 pytestmark = pytest.mark.unit
 
 MAX_BODY = 64 * 1024
+LARGE_ROWS = 3200  # 21 output elements a row: over the 64 Ki encoded off the loop
 TIMEOUT = 10.0
 
 
@@ -57,6 +58,9 @@ class ScriptedPlane(FakePlane):
                 raise RuntimeError("secret /srv/handler.py line 42")
             if script == "handler-error":
                 return InferResult(body=b'{"error": "pixels out of range"}', status=422)
+            if script == "large-outputs":  # over the elements encoded off the loop
+                rows = np.ones((LARGE_ROWS, 64), dtype=np.float32)
+                return InferResult(body=b"", tensors=digits_outputs(rows), model_version="1")
             return await super().infer(req)
         if script == "echo":
             seen = {
@@ -235,6 +239,7 @@ CALLS: dict[str, tuple[bytes, int]] = {  # name: (raw request bytes, predictions
         1,
     ),
     "oip handler raises": (post("/v2/models/digits/infer", OIP, script="raise"), 1),
+    "oip large outputs": (post("/v2/models/digits/infer", OIP, script="large-outputs"), 1),
     "oip handler error status": (post("/v2/models/digits/infer", OIP, script="handler-error"), 1),
     "oip bad json": (post("/v2/models/digits/infer", b'{"inputs": ['), 1),
     "oip wrong shape": (post("/v2/models/digits/infer", OIP.replace(b"[1, 64]", b"[1, 63]")), 1),
@@ -560,3 +565,26 @@ def test_an_answer_that_cannot_be_built_closes_the_connection_and_still_ends_the
     assert transport.calls, "the connection closed"
     assert all(kind == "close" for kind, _ in transport.calls), "nothing half-written"
     assert ScriptedPlane.calls_open == open_before, "the call ended for the drain"
+
+
+def test_large_oip_outputs_are_encoded_off_the_loop_on_both_ways(
+    listeners: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mariner.server.frontend.protocols.oip import http as oip_http
+    from mariner.server.frontend.protocols.oip import rest_codec
+
+    threads: list[str] = []
+    real = rest_codec.encode_response
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(rest_codec, "encode_response", recording)
+    monkeypatch.setattr(oip_http, "encode_response", recording)
+    for way in ("fast", "app"):
+        answer = exchange(listeners[way], post("/v2/models/digits/infer", OIP, script="large-outputs"))
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+        assert len(json.loads(answer.partition(b"\r\n\r\n")[2])["outputs"][2]["data"]) == LARGE_ROWS
+    assert len(threads) == 2
+    assert all(name.startswith("AnyIO worker thread") for name in threads), threads
