@@ -126,7 +126,7 @@ class Supervisor:
         self.snapshots = ConfigSnapshots(
             cfg, lambda: self.workflows.without_nodes(self.registry.snapshot_models())
         )
-        self.registry.on_management_change = self.snapshots.request
+        self.registry.on_management_change = self.snapshots.changed
         self._started = False
         self.frontends: FrontendPool | None = None
         self._reserved: list[socket.socket] = []

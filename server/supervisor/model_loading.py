@@ -45,6 +45,10 @@ from mariner.server.supervisor.worker_slots import admit
 log = logging.getLogger("mariner.supervisor")
 
 
+async def _no_change_hook() -> None:
+    """`on_management_change` until the supervisor sets its own."""
+
+
 class ModelLoading(ModelViews):
     """The versions' archives, settings and worker budget, and their workers' start and stop
     (the constructor's arguments: see `ModelRegistry`)."""
@@ -86,8 +90,10 @@ class ModelLoading(ModelViews):
             max_bytes=cfg.install_py_dep_max_mb << 20,
             allow_builds=cfg.install_py_dep_allow_builds,
         )
-        # Called after every management change that succeeded (the supervisor's config snapshot).
-        self.on_management_change: Callable[[], None] = lambda: None
+        # Awaited after every management change that succeeded, before the call answers (the
+        # supervisor's config snapshot: TorchServe writes it before it answers, and its tests
+        # look for the file as soon as the answer comes).
+        self.on_management_change: Callable[[], Awaitable[None]] = _no_change_hook
 
     # -- opening ----------------------------------------------------------------------------
     async def _unpack(self, spec: ModelSpec) -> ModelArchive:

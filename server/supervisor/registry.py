@@ -144,7 +144,7 @@ class ModelRegistry(ModelLoading):
         # A fixed archive registered under a name that failed at start-up supersedes that failure.
         if self._failed.clear(v.name):
             await self._changed()
-        self.on_management_change()
+        await self.on_management_change()
 
     async def _start_in_background(self, v: Version, added: Sequence[Instance]) -> None:
         """An asynchronous register's second half: nobody waits for it, so a failure is logged
@@ -191,7 +191,7 @@ class ModelRegistry(ModelLoading):
             await self._changed()
             return
         await self._remove(self.resolve(model, version))
-        self.on_management_change()
+        await self.on_management_change()
 
     async def customized_metadata(
         self, model: str, version: str | None, headers: Mapping[str, str], protocol: WireProtocol
@@ -212,7 +212,7 @@ class ModelRegistry(ModelLoading):
         self.resolve(model, version)
         self._defaults[model] = version
         await self._changed()
-        self.on_management_change()
+        await self.on_management_change()
 
     async def scale(self, model: str, version: str | None, min_workers: int, max_workers: int) -> None:
         """Start or stop worker processes until the version has `min_workers` of them.
@@ -275,4 +275,4 @@ class ModelRegistry(ModelLoading):
                     v.instances.pop(inst.index, None)
                 await self._changed()
         log.info("model %s version %s scaled to %d workers", v.name, v.version, min_workers)
-        self.on_management_change()
+        await self.on_management_change()

@@ -124,8 +124,8 @@ class ConfigSnapshots:
     """Writes the supervisor's config snapshots, one at a time, off the event loop.
 
     `models` answers the models part on the event loop (it reads the registry, which only the
-    loop changes); the file is written in a thread. `request` starts a write and returns (the
-    management call does not wait for the disk); `save` waits for it (start-up and shutdown)."""
+    loop changes); the file is written in a thread, one at a time. A management call answers once
+    its change's snapshot is written (`changed`), as TorchServe's does."""
 
     def __init__(
         self, cfg: ServerConfig, models: Callable[[], Models], env: Mapping[str, str] | None = None
@@ -136,7 +136,6 @@ class ConfigSnapshots:
         self._props = snapshot_properties(cfg, env) if self.enabled else {}
         self._models = models
         self._lock = asyncio.Lock()  # files in the order of the changes they record
-        self._pending: set[asyncio.Task[Path | None]] = set()
         self._warned = False
         if cfg.model_snapshot is not None:
             source = Path(str(cfg.config_file))
@@ -149,13 +148,9 @@ class ConfigSnapshots:
             else:  # a config.properties given with a model_snapshot (KServe's TorchServe layout)
                 log.info("serving the models of model_snapshot in %s, in place of --models", source)
 
-    def request(self, kind: str = "snapshot") -> None:
-        """Write a snapshot soon (after the ones already asked for)."""
-        if not self.enabled:
-            return
-        task = asyncio.create_task(self.save(kind))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+    async def changed(self) -> None:
+        """A management change succeeded: its snapshot, written before its call answers."""
+        await self.save("snapshot")
 
     async def save(self, kind: str) -> Path | None:
         """Write a snapshot of `kind` now; None when snapshots are off or it could not be written."""
@@ -175,6 +170,6 @@ class ConfigSnapshots:
         return path
 
     async def close(self) -> None:
-        """Wait for the snapshots asked for, so the shutdown one is the last."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        """Wait for a snapshot being written, so the shutdown one is the last."""
+        async with self._lock:
+            pass

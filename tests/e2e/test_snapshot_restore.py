@@ -62,12 +62,15 @@ def test_snapshots_are_written_and_the_newest_is_restored(model_store: Path, tmp
         mgmt = f"{first.url('mgmt')}/models"
         scaled = requests.put(f"{mgmt}/digits_onnx?min_worker=2&synchronous=true", timeout=180)
         assert scaled.status_code == 200, scaled.text
+        # Written before the call answers, as TorchServe's own tests expect (they look at once).
+        assert len(_snapshots(config_dir, "snapshot")) == 1
         added = requests.post(
             mgmt,
             params={"url": "digits_torchscript.mar", "model_name": "ts", "initial_workers": "1"},
             timeout=180,
         )
         assert added.status_code == 200, added.text
+        assert len(_snapshots(config_dir, "snapshot")) == 2
     finally:
         _stop(first)
     assert len(_snapshots(config_dir, "snapshot")) == 2  # one per change
