@@ -3,7 +3,6 @@ output and the record wire between a frontend and the supervisor."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
@@ -25,14 +24,7 @@ from mariner.server.compat.torchserve.logs.lines import (
     safe_text,
 )
 from mariner.server.compat.torchserve.logs.pump import LineReader, OutputPump
-from mariner.server.compat.torchserve.logs.records import (
-    LINGER_SECONDS,
-    Kind,
-    Record,
-    RecordPipe,
-    decode,
-    encode,
-)
+from mariner.server.compat.torchserve.logs.records import Kind, Record, RecordPipe, decode, encode
 from tests.unit.ts_logs_support import read_available
 
 pytestmark = pytest.mark.unit
@@ -204,36 +196,6 @@ def test_record_pipe_never_blocks_and_counts_what_it_dropped() -> None:
     notes = [r for r in decoded if r and r.kind == Kind.SERVER]
     assert notes
     assert "log records dropped" in notes[0].message
-
-
-def test_record_pipe_writes_a_burst_of_access_lines_once_and_other_records_that_turn() -> None:
-    """Access lines linger (LINGER_SECONDS) so a loaded frontend writes them in bursts; any
-    other record is written at the end of its turn, and takes the waiting lines with it."""
-    read_fd, write_fd = os.pipe()
-    pipe = RecordPipe(write_fd)
-
-    def access(n: int) -> Record:
-        return Record(Kind.ACCESS, time.time(), "INFO", "frontend-0", "ACCESS_LOG", f"call {n}")
-
-    async def main() -> tuple[bytes, bytes, bytes]:
-        pipe.attach(asyncio.get_running_loop())
-        for n in range(3):
-            pipe.put(access(n))
-            await asyncio.sleep(0)  # a loop turn each, as calls answered apart
-        after_turns = read_available(read_fd)
-        await asyncio.sleep(LINGER_SECONDS * 5)
-        lingered = read_available(read_fd)
-        pipe.put(access(3))
-        pipe.put(Record(Kind.SERVER, time.time(), "WARN", "frontend-0", "mariner", "a warning"))
-        await asyncio.sleep(0)
-        return after_turns, lingered, read_available(read_fd)
-
-    after_turns, lingered, with_warning = asyncio.run(main())
-    pipe.close()
-    os.close(read_fd)
-    assert after_turns == b"", "access lines waited for the ones after them"
-    assert [decode(line).message for line in lingered.decode().splitlines()] == ["call 0", "call 1", "call 2"]
-    assert [decode(line).message for line in with_warning.decode().splitlines()] == ["call 3", "a warning"]
 
 
 def test_output_pump_reads_every_pipe_to_its_end() -> None:

@@ -79,23 +79,14 @@ def widen_pipe(fd: int, size: int = 1 << 20) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
 
 
-# Records written on every call (an access line; a metric line in the `log` metrics mode): they
-# wait up to LINGER_SECONDS for the records after them, so one write carries a burst of calls
-# instead of one write (and a wake-up of the supervisor's pump and sink threads) per loop turn.
-LINGERING = frozenset({Kind.ACCESS, Kind.TS_METRICS})
-LINGER_SECONDS = 0.01
-
-
 class RecordPipe:
     """A frontend's end of its record pipe: `put` buffers, the event loop writes.
 
-    `put` is cheap and thread-safe (a lock and a list append). What is buffered is written at
-    the end of the loop turn in which a record came (a `call_soon`), or at once when no loop
-    runs; a turn that added only per-call records (LINGERING) leaves them up to LINGER_SECONDS
-    for the next ones, so the access log of a loaded frontend is one write per 10 ms rather
-    than one per turn. Writes are non-blocking: what the pipe does not take waits (bounded by
-    `max_backlog` bytes) for the pipe to drain; beyond that, records are dropped and counted,
-    and the count is reported as one record once the pipe takes records again.
+    `put` is cheap and thread-safe (a lock and a list append); the buffer is written once per
+    loop turn (a `call_soon` scheduled by the first record of the turn), or at once when no loop
+    runs. Writes are non-blocking: what the pipe does not take waits (bounded by `max_backlog`
+    bytes) for the pipe to drain; beyond that, records are dropped and counted, and the count is
+    reported as one record once the pipe takes records again.
     """
 
     def __init__(self, fd: int, *, max_backlog: int = 8 << 20) -> None:
@@ -106,8 +97,7 @@ class RecordPipe:
         self._size = 0
         self._backlog = bytearray()
         self._max_backlog = max_backlog
-        self._soon = False  # a flush at the end of this turn is scheduled
-        self._later = False  # a flush LINGER_SECONDS from the first lingering record is
+        self._scheduled = False
         self._waiting_writable = False
         self._dropped = 0
         self._closed = False
@@ -125,26 +115,19 @@ class RecordPipe:
     def put_fields(self, kind: int, t: float, level: str, thread: str, logger: str, message: str) -> None:
         """`put` without a Record: the frontend's hot path (`emit`'s target)."""
         text = encode_fields(kind, t, level, thread, logger, message)
-        on_loop = threading.get_ident() == self._loop_thread
-        linger = on_loop and kind in LINGERING
         with self._lock:
             if self._closed or self._size + len(self._backlog) > self._max_backlog:
                 self._dropped += 1
                 return
             self._parts.append(text)
             self._size += len(text)
-            if self._soon or (linger and self._later):
+            if self._scheduled:
                 return
-            if linger:
-                self._later = True
-            else:
-                self._soon = True
+            self._scheduled = True
         loop = self._loop
         if loop is None or loop.is_closed():
             self.flush()
-        elif linger:
-            loop.call_later(LINGER_SECONDS, self.flush)
-        elif on_loop:
+        elif threading.get_ident() == self._loop_thread:
             loop.call_soon(self.flush)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to write to
@@ -153,7 +136,7 @@ class RecordPipe:
     def flush(self) -> None:
         """Write what is buffered (never blocks)."""
         with self._lock:
-            self._soon = self._later = False
+            self._scheduled = False
             parts, self._parts, self._size = self._parts, [], 0
             dropped, self._dropped = self._dropped, 0
             if dropped:
