@@ -11,8 +11,8 @@ when its head is in: the body collects in uvicorn's per-request cycle as before;
 complete the route builds the request and it is handed to the batcher synchronously
 (`DataPlane.enqueue`), and the batch's completion writes the answer: the bytes uvicorn's `send`
 would write, head and body in one write, then the cycle's end as `send` ends it (keep-alive or
-close, the next pipelined request: `whole_answer`). A call ends holding no reference back to itself, so it is
-freed when it ends, not by the cyclic collector (`_end`). The request and the
+close, the next pipelined request: `whole_answer`). A call ends holding no reference back to
+itself, so it is freed when it ends, not by the cyclic collector (`_end`). The request and the
 answer are built by the functions the Starlette routes use, and the call is recorded by the same
 functions (`call.record`, `call.failure`), so both ways answer the same bytes and count the same
 metrics (tests/unit/test_prediction_paths.py sends the same calls both ways and compares them).
@@ -40,9 +40,7 @@ from collections.abc import Callable, Coroutine, MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from starlette.responses import Response
-from uvicorn.protocols.http.httptools_impl import (
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
 from mariner.server.common.http_limits import LimitedHttpToolsProtocol
