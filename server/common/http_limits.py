@@ -211,7 +211,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """DISCONNECT_HOOK: run `callback` when this connection is lost (soon, if it already is)."""
         if self._lost:
             self.loop.call_soon(callback)
-            return _nothing
+            return nothing_to_stop
         self._on_lost.add(callback)
         return functools.partial(self._on_lost.discard, callback)
 
@@ -374,8 +374,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def _nothing() -> None:
-    pass
+def nothing_to_stop() -> None:
+    """What `on_disconnect` returns when there is nothing to stop watching."""
 
 
 def limited_protocol(

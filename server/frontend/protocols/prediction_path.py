@@ -43,7 +43,7 @@ from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
-from mariner.server.common.http_limits import LimitedHttpToolsProtocol
+from mariner.server.common.http_limits import LimitedHttpToolsProtocol, nothing_to_stop
 from mariner.server.common.raw_headers import first_header
 from mariner.server.common.security import Credential, authorization_header
 from mariner.server.compat.torchserve.logs.access import log_http_access
@@ -271,12 +271,12 @@ class Prediction:
         self._protocol.transport.close()
 
     def _answer(self, response: Response) -> None:
-        """Write `response` (`_write_whole`). A client not reading (writes paused), uvicorn's own
+        """Write `response` (`write_whole_answer`). A client not reading (writes paused), uvicorn's own
         access log (`--access-log`) and an answer without a Content-Length (a 204 or 1xx) go
         through uvicorn's `send` instead, in a task."""
         headers = response.raw_headers
         cycle = self._cycle
-        if cycle.flow.write_paused or cycle.access_log or all(n != b"content-length" for n, _ in headers):
+        if cycle.flow.write_paused or cycle.access_log or first_header(headers, b"content-length") is None:
             # The head's status and `Connection: close` are settled now: the call ends (for the
             # drain and the access log) when this returns, before the task writes.
             start = self._message(
@@ -284,13 +284,8 @@ class Prediction:
             )
             self._protocol.run(self._send_later(start, {"type": "http.response.body", "body": response.body}))
             return
-        self._write_whole(response.status_code, headers, response.body)
-
-    def _write_whole(self, status: int, headers: Headers, body: bytes | memoryview) -> None:
-        self._status = status
-        if self.path.plane.draining:
-            headers = [*headers, CLOSE]
-        write_whole_answer(self._cycle, status, headers, body)
+        status = response.status_code
+        write_whole_answer(cycle, status, self._head(status, headers), response.body)
 
     async def _send_later(self, start: Message, body: Message) -> None:
         await self._cycle.send(start)  # type: ignore[arg-type]
@@ -304,14 +299,17 @@ class Prediction:
         finally:
             self._end()
 
+    def _head(self, status: int, headers: Headers) -> Headers:
+        """What the app's middlewares do to an answer's head: the status noted for the access
+        log; `Connection: close` while the frontend drains."""
+        self._status = status
+        return [*headers, CLOSE] if self.path.plane.draining else headers
+
     def _message(self, message: Message) -> Message:
-        """What the app's middlewares do to an answer's head: `Connection: close` while the
-        frontend drains; the status noted for the access log."""
-        if message["type"] == "http.response.start":
-            self._status = message["status"]
-            if self.path.plane.draining:
-                message = {**message, "headers": [*message["headers"], CLOSE]}
-        return message
+        """`_head` on an ASGI message (a streamed answer's, or one sent through uvicorn's `send`)."""
+        if message["type"] != "http.response.start":
+            return message
+        return {**message, "headers": self._head(message["status"], message["headers"])}
 
     async def send(self, message: Message) -> None:
         """The ASGI `send` of a streamed answer's writer."""
@@ -327,15 +325,11 @@ class Prediction:
         # and its streamed answer (a `send` bound to the call) each point back at it, and a
         # call left in a reference cycle waits for the cyclic GC, which at 64 clients cost the
         # frontend ~10 us a request (docs/benchmark.md).
-        self._stop_watching = _nothing
+        self._stop_watching = nothing_to_stop
         self.streamed = None
         self.path.plane.end_call()
         if self._status:
             log_http_access(self.path.thread, self._cycle.scope, self._status, self._wall_start)
-
-
-def _nothing() -> None:
-    pass
 
 
 class PredictionProtocol(LimitedHttpToolsProtocol):
