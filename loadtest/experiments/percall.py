@@ -456,7 +456,7 @@ def bookkeeping_pieces(calls: int, rounds: int) -> list[Piece]:
                 "written once per turn",
             ),
             Piece("drain accounting (begin_call, end_call)", await best(drain), "per call"),
-            Piece("TorchServe access line into the record pipe", access, "written per burst"),
+            Piece("TorchServe access line into the record pipe", access, "written once per turn"),
         ]
 
     return asyncio.run(measure())
