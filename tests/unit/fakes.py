@@ -164,10 +164,9 @@ class FakePlane(TransportCalls):
 PREDICTION_PATHS = ("fast", "app")
 
 
-@contextlib.contextmanager
-def serve_inference(plane: Any, app: Any, way: str, *, max_body_bytes: int) -> Iterator[str]:
-    """`serve` the inference `app` over `plane` with the inference listener's protocol; with
-    `way="fast"` the protocol answers predictions itself (`frontend.protocols.prediction_path`)."""
+def inference_protocol(plane: Any, way: str, *, max_body_bytes: int) -> type[Any]:
+    """The inference listener's protocol class over `plane`, default limits, no tokens; with
+    `way="fast"` it answers predictions itself (`frontend.protocols.prediction_path`)."""
     from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
     from mariner.server.common.http_limits import HttpLimits, LimitedHttpToolsProtocol, limited_protocol
     from mariner.server.frontend.protocols.prediction_path import PredictionPath, prediction_protocol
@@ -183,8 +182,16 @@ def serve_inference(plane: Any, app: Any, way: str, *, max_body_bytes: int) -> I
             thread="test",
         )
         base = prediction_protocol(path)
+    return limited_protocol(HttpLimits(), None, base)
+
+
+@contextlib.contextmanager
+def serve_inference(plane: Any, app: Any, way: str, *, max_body_bytes: int) -> Iterator[str]:
+    """`serve` the inference `app` over `plane` with the inference listener's protocol
+    (`inference_protocol`)."""
     # uvicorn's own access log off, as Mariner's listeners run (`--access-log` turns it on).
-    with serve(app, http=limited_protocol(HttpLimits(), None, base), access_log=False) as url:
+    http = inference_protocol(plane, way, max_body_bytes=max_body_bytes)
+    with serve(app, http=http, access_log=False) as url:
         yield url
 
 

@@ -29,7 +29,7 @@ from mariner.server.contracts.types import InferRequest, InferResult
 from mariner.server.frontend.protocols.http_listener import inference_app
 from mariner.server.frontend.protocols.prediction_path import Prediction, PredictionPath
 from mariner.server.frontend.streams import STREAMS
-from tests.unit.fakes import FakePlane, digits_outputs, serve_inference
+from tests.unit.fakes import FakePlane, digits_outputs, inference_protocol, serve_inference
 
 pytestmark = pytest.mark.unit
 
@@ -400,16 +400,9 @@ async def _fast_protocol(*, access_log: bool = False) -> tuple[Any, RecordingTra
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-    from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
-    from mariner.server.common.http_limits import HttpLimits, limited_protocol
-    from mariner.server.frontend.protocols.prediction_path import prediction_protocol
-
-    path = PredictionPath(
-        PLANE, max_body_bytes=MAX_BODY, max_headers=DEFAULT_MAX_HEADERS, credential=None, thread="t"
-    )
     config = Config(
         inference_app(PLANE, max_body_bytes=MAX_BODY),
-        http=limited_protocol(HttpLimits(), None, prediction_protocol(path)),
+        http=inference_protocol(PLANE, "fast", max_body_bytes=MAX_BODY),
         log_level="warning",
         lifespan="off",
         access_log=access_log,
