@@ -83,6 +83,9 @@ class Batcher(BatchQueue):
         # idle (it had room) is dropped when taken.
         self._load: dict[BatchRunner, int] = {}
         self._task: asyncio.Task[None] | None = None
+        # The loop it dispatches on, kept from `start`: CPython 3.11's `get_running_loop` makes a
+        # getpid system call each time, and `enqueue` runs once per request.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._replace_runner = replace_runner
         self._replacing: set[asyncio.Task[None]] = set()
@@ -91,7 +94,8 @@ class Batcher(BatchQueue):
     # -- public ---------------------------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._dispatch_loop(), name="batcher")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._dispatch_loop(), name="batcher")
 
     @property
     def inflight_batches(self) -> int:
@@ -136,7 +140,7 @@ class Batcher(BatchQueue):
             # Counted before queueing, on the event loop: tens to hundreds of microseconds a text.
             req = replace(req, tokens=self._tokens.cost(req))
             self._queued_tokens += own_tokens(req)
-        fut: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[InferResult] = (self._loop or asyncio.get_running_loop()).create_future()
         self._enqueue(req, fut, caller)
         self._queued_items += req.items
         self._observer.queue_depth(self._queued_items)
