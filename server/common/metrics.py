@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
 
+from mariner.server.common import metric_values  # noqa: F401 - before any metric is created
 from mariner.server.common.deferred_metrics import (
     DeferredCounter,
     DeferredGauge,

@@ -163,6 +163,8 @@ def make_metric(spec: MetricSpec, labelnames: Sequence[str], registry: Any) -> A
     """
     from prometheus_client import Counter, Gauge, Histogram
 
+    from mariner.server.common import metric_values  # noqa: F401 - before any metric is created
+
     if spec.kind == "counter":
         return Counter(spec.name + COUNTER_SUFFIX, spec.help, labelnames, registry=registry)
     if spec.kind == "gauge":
