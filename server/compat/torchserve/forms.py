@@ -9,11 +9,11 @@ fail), so one bad request cannot fail a whole batch.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 from urllib.parse import parse_qsl
 
+from mariner.server.common import json_body
 from mariner.server.common.http_common import JSON
 from mariner.server.compat.torchserve.part_headers import parse_part_headers
 from mariner.server.contracts.errors import Code, ServingError
@@ -31,7 +31,7 @@ def decode_value(raw: bytes, mime: str, what: str) -> Any:
     """One input the way TorchServe's Python backend decodes it: JSON, text or bytes."""
     if mime == JSON:
         try:
-            return json.loads(raw)
+            return json_body.loads(raw)
         except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both name the position
             raise ServingError(
                 Code.INVALID_ARGUMENT,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mariner.server.common import json_body
 from mariner.server.common.http_common import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADERS,
@@ -81,7 +81,7 @@ def parse_instances(body: bytes) -> list[Any]:
     if not body:
         raise ServingError(Code.INVALID_ARGUMENT, 'empty body: send {"instances": [...]}')
     try:
-        doc = json.loads(body)
+        doc = json_body.loads(body)
     except ValueError as exc:
         raise ServingError(Code.INVALID_ARGUMENT, f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -109,7 +109,7 @@ def answer_value(result: InferResult) -> Any:
     """One handler answer as a JSON value of the response list."""
     body = result.body
     try:
-        return json.loads(body)
+        return json_body.loads(body)
     except ValueError:
         pass
     try:

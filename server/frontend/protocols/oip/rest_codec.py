@@ -6,12 +6,12 @@ the routes and the call are `http`'s, and the fast path's (`frontend.protocols.p
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Any
 
 import numpy as np
 
+from mariner.server.common import json_body
 from mariner.server.common import oip_codec as oip
 from mariner.server.common.http_common import BodyTooLarge, compact_json
 from mariner.server.contracts.tensors import ModelSignature, bad, decode_raw, decode_values, encode_raw
@@ -87,7 +87,7 @@ class ParsedInfer:
         self._may_hold_bools = b"true" in head or b"false" in head
         self._sig, self._max_rows = sig, max_rows
         try:
-            doc = json.loads(head)
+            doc = json_body.loads(head)
         except ValueError as exc:
             raise bad(f"inference request is not valid JSON: {exc}") from None
         except RecursionError:
