@@ -7,6 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 STORE ?= model_store
 PYTEST_ARGS ?=
+# pytest processes for `make test` (pytest-xdist, one test module per process at a time, so a
+# module's shared server stays one server). Most of the suite waits on servers starting and on
+# timeouts running out, so two processes take the 2-core machine's run from ~16 to ~10 minutes.
+# The tests marked `serial` (latency bounds) run after, alone (scripts/run_tests.sh).
+# `TEST_WORKERS=0` runs the first pass in one process too (what `-x` or a debugger wants).
+TEST_WORKERS ?= 2
 
 .PHONY: attacks bench-startup venv protos java k8s-tools promtool triton-venv kserve-venv models models-full serve serve-torchserve test test-unit test-experiments lint format clean loadtest bench bench-scaling quickbench fuzz gpu-check image image-gpu image-test
 
@@ -142,7 +148,7 @@ format: venv
 # The checks of built images (marked `image`) are left to image-test, which builds them first: an
 # image left by an earlier build holds other sources, and checking it would judge old code.
 test: venv protos java k8s-tools promtool triton-venv kserve-venv models lint
-	$(PY) -m pytest --ignore=tests/experiments -m "not image" $(PYTEST_ARGS)
+	bash scripts/run_tests.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The one-off measurement tools of loadtest/experiments/ (not the product's): their own target,
 # which CI runs after `make test`.

@@ -249,6 +249,7 @@ def test_a_register_in_progress_keeps_the_server_ready(tmp_path: Path) -> None:
         srv.stop()
 
 
+@pytest.mark.serial  # a latency bound: measured with no other test's servers beside it
 def test_an_alias_bomb_registered_is_refused_while_the_server_keeps_answering(tmp_path: Path) -> None:
     """The review's attack: a ~1 KB model-config of nested aliases, registered. It is refused with
     400 naming the alias, and health, management and metrics answer throughout (they stopped, and

@@ -71,6 +71,7 @@ def _stream(srv: MarinerServe, n: int, answers: list[int]) -> None:
             answers[n] += 1
 
 
+@pytest.mark.serial  # a latency bound: measured with no other test's servers beside it
 def test_streams_and_large_calls_are_held_to_the_budget_and_others_are_served(
     server: MarinerServe, tmp_path: Path
 ) -> None:

@@ -303,6 +303,7 @@ def _flood(target: str, big: bytes, threads: int, calls: int, seconds: float, ou
     out.put((codes, started, time.monotonic()))
 
 
+@pytest.mark.serial  # a latency bound: measured with no other test's servers beside it
 def test_unauthenticated_large_requests_are_refused_unread_and_a_victim_keeps_its_latency(
     server: MarinerServe, pb: SimpleNamespace
 ) -> None:
