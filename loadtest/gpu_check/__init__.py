@@ -2,6 +2,7 @@
 
     python -m mariner.loadtest.gpu_check                  # on the GPU machine (make gpu-check)
     python -m mariner.loadtest.gpu_check --device cpu --quick   # CI's dry run, so it cannot rot
+    python -m mariner.loadtest.gpu_check --only serve,bench     # some sections (keys: --help)
     python -m mariner.loadtest.gpu_check carry pack DIR   # the MiniLM weights for the trip there (`carry`)
 
 Why one script: a GPU is lent for minutes, so the first run must measure, not debug. Each
@@ -33,6 +34,9 @@ Sections 7 run inside `--budget-s` (default 480 s on CUDA, so the whole check fi
 slot on an H200): a step that no longer fits is skipped and named in the report. How to run
 it on the lent GPU machine (no Java, no torchserve, no grpcio-tools; the MiniLM weights do not
 fit one transfer): docs/benchmark.md, "GPU checklist".
+
+`--only` runs the sections named and reports the others as skipped: a rerun of what failed on a
+lent machine, and the dry run in two parts the tests run side by side.
 
 The report (markdown) goes to --out (default bench/results-gpu.md; the dry run writes under
 build/). A run on the CPU is labelled as such: no GPU figure comes from it.

@@ -36,6 +36,38 @@ class Section:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
+# The sections' keys for --only, in the order `main` runs them (the package docstring's 1 to 7).
+SECTION_KEYS = (
+    "environment",
+    "archives",
+    "recompiles",
+    "oom",
+    "serve",
+    "families",
+    "family-recompiles",
+    "family-serve",
+    "accel-bench",
+    "bench",
+)
+
+
+def section_keys(text: str) -> frozenset[str]:
+    """--only's value: comma-separated keys of SECTION_KEYS, at least one."""
+    keys = frozenset(k.strip() for k in text.split(",") if k.strip())
+    unknown = sorted(keys - set(SECTION_KEYS))
+    if unknown or not keys:
+        named = ", ".join(unknown) or "(none given)"
+        raise argparse.ArgumentTypeError(
+            f"unknown section {named}; the sections are {', '.join(SECTION_KEYS)}"
+        )
+    return keys
+
+
+def not_asked(title: str, only: frozenset[str]) -> Section:
+    """A section left out by --only: skipped, and the report says why."""
+    return Section(title, "skipped", notes=[f"Not asked for: --only {','.join(sorted(only))}."])
+
+
 def run_section(title: str, fn: Callable[[Section], None]) -> Section:
     sec = Section(title)
     t0 = time.perf_counter()
@@ -137,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds for the whole check; steps that no longer fit are skipped and named "
         "(default 480 on CUDA: an 8-minute slot; no limit on the CPU)",
     )
+    p.add_argument(
+        "--only",
+        type=section_keys,
+        default=None,
+        metavar="KEY[,KEY...]",
+        help="run only these sections, the others reported as skipped (a rerun of what failed, "
+        f"or the dry run split in parts): {', '.join(SECTION_KEYS)}",
+    )
     a = p.parse_args(args)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available here (use --device cpu for the dry run)")
@@ -152,33 +192,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = 8 if a.quick else 64  # requests per family compared with the CPU reference
     with tempfile.TemporaryDirectory(prefix="mariner-gpu-check-") as tmp:
         work = Path(tmp)
-        sections = [
-            run_section("environment", lambda s: environment(s, a.device)),
-            run_section("archives vs eager", lambda s: verify_archives(s, store, a.device, work)),
-            run_section(
+        steps: list[tuple[str, str, Callable[[Section], None]]] = [  # (--only key, title, step)
+            ("environment", "environment", lambda s: environment(s, a.device)),
+            ("archives", "archives vs eager", lambda s: verify_archives(s, store, a.device, work)),
+            (
+                "recompiles",
                 "no recompiles after warm-up",
                 lambda s: recompiles(s, store, a.device, work, top),
             ),
-            run_section("out-of-memory recognised", lambda s: out_of_memory(s, store, a.device, work)),
-            run_section("mariner serve", lambda s: serve(s, store, a.device, work)),
-            run_section(
-                "minilm and resnet18 vs eager", lambda s: verify_families(s, store, a.device, work, n, budget)
+            ("oom", "out-of-memory recognised", lambda s: out_of_memory(s, store, a.device, work)),
+            ("serve", "mariner serve", lambda s: serve(s, store, a.device, work)),
+            (
+                "families",
+                "minilm and resnet18 vs eager",
+                lambda s: verify_families(s, store, a.device, work, n, budget),
             ),
-            run_section(
+            (
+                "family-recompiles",
                 "minilm and resnet18: no graphs after warm-up",
                 lambda s: family_recompiles(s, store, a.device, work, 4 if a.quick else top, budget),
             ),
-            run_section(
+            (
+                "family-serve",
                 "mariner serve: minilm and resnet18",
                 lambda s: serve_families(s, store, a.device, work, n, budget),
             ),
-            run_section(
+            (
+                "accel-bench",
                 "minilm and resnet18: bf16 and CUDA graphs benchmark",
                 lambda s: accel_bench(
                     s, store, a.device, a.quick, work, out.parent / f"{out.stem}-accel", budget
                 ),
             ),
-            run_section("benchmark", lambda s: digits_bench(s, store, a.quick, bench_out, budget)),
+            ("bench", "benchmark", lambda s: digits_bench(s, store, a.quick, bench_out, budget)),
+        ]
+        assert tuple(key for key, _, _ in steps) == SECTION_KEYS
+        sections = [
+            run_section(title, step) if a.only is None or key in a.only else not_asked(title, a.only)
+            for key, title, step in steps
         ]
     out.write_text(report(sections, a.device, a.quick, time.perf_counter() - t0))
     print(f"[gpu-check] report: {out}", flush=True)

@@ -21,6 +21,7 @@ import yaml
 
 from mariner.loadtest.gpu_check import Section, report, run_section
 from mariner.loadtest.gpu_check.bench import accel_bench, bench_args, plan, rows_from, speedups
+from mariner.loadtest.gpu_check.checklist import SECTION_KEYS
 from mariner.loadtest.gpu_check.families import Budget, family_recompiles
 from mariner.loadtest.gpu_check.workloads import (
     ACCEL_VARIANTS,
@@ -34,10 +35,33 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILY_ARCHIVES = ("minilm_onnx", "resnet18_onnx", "resnet18_torchscript")  # the default store's
 
 
-def test_cpu_dry_run_passes_every_section_that_can_run_here(tmp_path: Path) -> None:
+# The dry run in two parts, one per test module (tests/integration/test_gpu_check_families.py has
+# the other), so that `make test`'s two pytest processes can run them side by side: together they
+# took 102 s of one process.
+DIGITS_SECTIONS = ("environment", "archives", "recompiles", "oom", "serve", "bench")
+FAMILY_SECTIONS = ("families", "family-recompiles", "family-serve", "accel-bench")
+DIGITS_TITLES = (
+    "environment",
+    "archives vs eager",
+    "no recompiles after warm-up",
+    "mariner serve",
+    "benchmark",
+)
+FAMILY_TITLES = (
+    "minilm and resnet18 vs eager",
+    "minilm and resnet18: no graphs after warm-up",
+    "mariner serve: minilm and resnet18",
+    "minilm and resnet18: bf16 and CUDA graphs benchmark",
+)
+
+
+def dry_run(tmp_path: Path, sections: tuple[str, ...]) -> str:
+    """`python -m mariner.loadtest.gpu_check --device cpu --quick --only SECTIONS` for real; its
+    report, after checking it ran to the end."""
     out = tmp_path / "gpu-check.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "mariner.loadtest.gpu_check", "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "mariner.loadtest.gpu_check", "--device", "cpu", "--quick"]
+        + ["--only", ",".join(sections), "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -46,8 +70,12 @@ def test_cpu_dry_run_passes_every_section_that_can_run_here(tmp_path: Path) -> N
     text = out.read_text()
     assert proc.returncode == 0, text
     assert text.startswith("# GPU checklist: CPU dry run (no GPU figure here)")
-    ran = ("environment", "archives vs eager", "no recompiles after warm-up", "mariner serve", "benchmark")
-    for title in ran:
+    return text
+
+
+def test_cpu_dry_run_passes_every_digits_section_that_can_run_here(tmp_path: Path) -> None:
+    text = dry_run(tmp_path, DIGITS_SECTIONS)
+    for title in DIGITS_TITLES:
         assert f"| {title} | passed |" in text
     assert "| out-of-memory recognised | skipped |" in text
     assert "Needs CUDA" in text
@@ -56,35 +84,35 @@ def test_cpu_dry_run_passes_every_section_that_can_run_here(tmp_path: Path) -> N
         assert f"| {name} | cpu |" in text
     assert "| 1..8 | 0 |" in text  # no graph compiled after the handler's warm-up
     assert (tmp_path / "gpu-check-bench" / "results.md").exists()
-    # the sentence encoder and the image classifier, each variant against its eager archive
-    families = (
-        "minilm and resnet18 vs eager",
-        "minilm and resnet18: no graphs after warm-up",
-        "mariner serve: minilm and resnet18",
-        "minilm and resnet18: bf16 and CUDA graphs benchmark",
-    )
-    for title in families:
-        assert f"| {title} | passed |" in text
-    for name in (*FAMILY_ARCHIVES, "minilm_eager +bf16", "resnet18_eager +bf16"):
-        assert f"| {name} | cpu |" in text
-    for name in ("minilm_eager +bf16+graphs", "resnet18_eager +bf16+graphs"):
-        assert f"| {name} | cpu |" in text
-    assert text.count("| 1..4 | 0 | 0 | 0 |") == 2  # batch sizes, graphs, recompiles, unrecorded calls
-    assert "| minilm_eager | 8 | 0 | cosine min" in text  # served, 8 requests, none refused
-    assert "| resnet18_eager | 8 | 0 | top-1 100.0%, top-5 identical 100.0% |" in text
-    assert (tmp_path / "gpu-check-accel" / "bf16" / "results-minilm_eager.json").exists()
+    # the other part's sections are reported, not run
+    for title in FAMILY_TITLES:
+        assert f"| {title} | skipped |" in text
+    assert text.count(f"Not asked for: --only {','.join(sorted(DIGITS_SECTIONS))}.") == len(FAMILY_TITLES)
+    assert not (tmp_path / "gpu-check-accel").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
-def test_cuda_requested_without_cuda_is_refused_not_run_on_the_cpu(tmp_path: Path) -> None:
+def refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """The checklist run with `args` and refused before any section: exit status 2."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mariner.loadtest.gpu_check", "--out", str(tmp_path / "r.md")],
+        [sys.executable, "-m", "mariner.loadtest.gpu_check", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
+    return proc
+
+
+def test_only_names_the_sections_there_are() -> None:
+    proc = refused("--device", "cpu", "--only", "serve,nope")
+    assert "unknown section nope; the sections are environment, archives," in proc.stderr
+    assert set(DIGITS_SECTIONS + FAMILY_SECTIONS) == set(SECTION_KEYS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_requested_without_cuda_is_refused_not_run_on_the_cpu(tmp_path: Path) -> None:
+    proc = refused("--out", str(tmp_path / "r.md"))
     assert "CUDA is not available" in proc.stderr
     assert not (tmp_path / "r.md").exists()
 
