@@ -9,7 +9,7 @@ STORE ?= model_store
 PYTEST_ARGS ?=
 # pytest processes for `make test` (pytest-xdist, one test module per process at a time, so a
 # module's shared server stays one server). Most of the suite waits on servers starting and on
-# timeouts running out, so two processes take the 2-core machine's run from ~16 to ~10 minutes.
+# timeouts running out, so two processes take the 2-core machine's run from ~16 to ~11 minutes.
 # The tests marked `serial` (latency bounds) run after, alone (scripts/run_tests.sh).
 # `TEST_WORKERS=0` runs the first pass in one process too (what `-x` or a debugger wants).
 TEST_WORKERS ?= 2
