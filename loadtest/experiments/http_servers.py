@@ -10,7 +10,14 @@ Servers:
   (httptools behind our limits protocol, keep-alive timer, no lifespan, no WebSocket);
 - `granian-asgi`: granian's embedded server (`granian.server.embed.Server`, ASGI without
   lifespan) handed the very socket we bound, in our own loop, one Rust runtime thread;
-- `granian-rsgi`: the same embedded server with granian's native RSGI interface.
+- `granian-rsgi`: the same embedded server with granian's native RSGI interface;
+- `bare-protocol`: no server library: httptools' parser on an `asyncio.Protocol` of our own,
+  the answer's bytes written from the parser's last callback (`BareProtocol`). It enforces no
+  limit and serves only `raw`: it is the floor of a Python frontend on uvloop + httptools, what
+  replacing uvicorn's protocol on the prediction path could reach at best;
+- `mariner-listener`: the frontend's own inference listener (`inference_listener`: uvicorn with
+  Mariner's protocol, predictions answered from its callbacks, TorchServe's access log), serving
+  only `mariner`.
 
 Apps:
 - `raw`: a bare ASGI callable that reads the body and answers a fixed 30-byte JSON body (the
@@ -45,7 +52,7 @@ from mariner.server.common import event_loop
 from mariner.server.common.config import ServerConfig
 from mariner.server.common.listeners import EmbeddedUvicorn, reuseport_listener, uvicorn_config
 
-SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi")
+SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi", "bare-protocol", "mariner-listener")
 APPS = ("raw", "floor", "mariner")
 ANSWER = b'{"label": 3, "probability": 1}'  # the fixed 30-byte JSON answer
 MODEL = "digits"
@@ -108,17 +115,55 @@ class FloorRsgi:
         proto.response_bytes(200, self._headers, ANSWER)
 
 
-def mariner_app() -> Any:
-    """The frontend's inference app over a real DataPlane whose one model answers in-process."""
+class BareProtocol(asyncio.Protocol):
+    """httptools on an asyncio Protocol and nothing else: keep-alive, bodies by Content-Length,
+    the fixed answer (head and body in one write) from the parser's message-complete callback."""
+
+    _answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(ANSWER),
+        ANSWER,
+    )
+
+    def __init__(self) -> None:
+        import httptools
+
+        self._errors = (httptools.HttpParserError,)
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except self._errors:
+            assert self._transport is not None
+            self._transport.close()
+
+    def on_message_complete(self) -> None:
+        assert self._transport is not None
+        self._transport.write(self._answer)
+        if not self._parser.should_keep_alive():
+            self._transport.close()
+
+
+async def _serve_bare(sock: socket.socket, stop: asyncio.Event) -> None:
+    server = await asyncio.get_running_loop().create_server(BareProtocol, sock=sock)
+    _announce(sock.getsockname()[1])
+    await stop.wait()
+    server.close()
+    await server.wait_closed()
+
+
+def answering_plane(cfg: ServerConfig) -> Any:
+    """A real DataPlane, ModelEndpoint and Batcher whose one model answers in-process."""
     from mariner.server.common.metrics import Metrics, MetricsConfig
     from mariner.server.common.model_settings import ModelSettings
-    from mariner.server.common.security import HttpTokenAuth, load_tokens
     from mariner.server.contracts.types import InferRequest, InferResult, ModelState
     from mariner.server.contracts.worker_api import ModelEntry
     from mariner.server.frontend.dataplane import DataPlane
     from mariner.server.frontend.endpoint import ModelEndpoint
-    from mariner.server.frontend.protocols.http_drain import DrainAware
-    from mariner.server.frontend.protocols.http_listener import inference_app
 
     class Answering:
         """A BatchRunner that answers every request of a batch with the fixed body at once."""
@@ -128,7 +173,6 @@ def mariner_app() -> Any:
         async def run(self, requests: Sequence[InferRequest]) -> list[InferResult]:
             return [InferResult(body=ANSWER, model_version="1.0") for _ in requests]
 
-    cfg = ServerConfig()
     metrics = Metrics(MetricsConfig(slo_seconds=cfg.slo_ms / 1e3))
     plane = DataPlane(metrics)
     settings = ModelSettings(batch_size=8, max_batch_delay_ms=0.0)
@@ -138,13 +182,34 @@ def mariner_app() -> Any:
     plane.set_default(MODEL, "1.0")
     endpoint._start_batcher([Answering()])  # noqa: SLF001 - an in-process runner instead of a worker's connection
     endpoint.state = ModelState.READY
+    return plane
+
+
+def mariner_app(cfg: ServerConfig) -> Any:
+    """The frontend's inference app (the ASGI routes) over `answering_plane`."""
+    from mariner.server.common.security import HttpTokenAuth, load_tokens
+    from mariner.server.frontend.protocols.http_drain import DrainAware
+    from mariner.server.frontend.protocols.http_listener import inference_app
+
+    plane = answering_plane(cfg)
     app = inference_app(plane, max_body_bytes=cfg.max_request_bytes)
     return DrainAware(HttpTokenAuth(app, load_tokens(None, None)), plane)
 
 
-async def _serve_uvicorn(app: Any, sock: socket.socket, stop: asyncio.Event, cfg: ServerConfig) -> None:
+def mariner_listener(cfg: ServerConfig, port: int) -> Any:
+    """The frontend's own inference listener (`inference_listener`: its protocol, predictions on
+    the callback path, the access log) over `answering_plane`: uvicorn's settings."""
+    from mariner.server.common.listeners import listener_auth
+    from mariner.server.common.security import load_tokens
+    from mariner.server.frontend.protocols.http_inference import inference_listener
+
+    auth = listener_auth(load_tokens(None, None), None)
+    return inference_listener(answering_plane(cfg), cfg, auth, port=port, thread="bench", held=None)
+
+
+async def _serve_uvicorn(config: Any, sock: socket.socket, stop: asyncio.Event) -> None:
     port = sock.getsockname()[1]
-    server = EmbeddedUvicorn(uvicorn_config(app, HOST, port, cfg))
+    server = EmbeddedUvicorn(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
@@ -262,14 +327,25 @@ async def serve(server: str, app_name: str, cfg: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sock = reuseport_listener(HOST, 0)
+    if server == "bare-protocol":
+        if app_name != "raw":
+            raise SystemExit("bare-protocol serves only the raw app: it has no ASGI")
+        await _serve_bare(sock, stop)
+        return 0
     if server == "granian-rsgi":
         if app_name != "raw":
             raise SystemExit("granian-rsgi serves only the raw app: Starlette and Mariner's app are ASGI")
         await _serve_granian(FloorRsgi(), "rsgi", sock, stop, cfg)
         return 0
-    app = {"raw": lambda: raw_asgi, "floor": floor_app, "mariner": mariner_app}[app_name]()
+    port = sock.getsockname()[1]
+    if server == "mariner-listener":
+        if app_name != "mariner":
+            raise SystemExit("mariner-listener serves only the mariner app: it is the frontend's listener")
+        await _serve_uvicorn(mariner_listener(cfg, port), sock, stop)
+        return 0
+    app = {"raw": lambda: raw_asgi, "floor": floor_app, "mariner": lambda: mariner_app(cfg)}[app_name]()
     if server == "uvicorn":
-        await _serve_uvicorn(app, sock, stop, cfg)
+        await _serve_uvicorn(uvicorn_config(app, HOST, port, cfg), sock, stop)
     else:
         await _serve_granian(app, "asgi", sock, stop, cfg)
     return 0

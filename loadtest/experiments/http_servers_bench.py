@@ -1,4 +1,6 @@
-"""Interleaved comparison of HTTP servers under the same app: uvicorn vs granian (ASGI, RSGI).
+"""Interleaved comparison of HTTP servers under the same app: uvicorn vs granian (ASGI, RSGI), vs
+a bare httptools protocol (the floor of a Python frontend), and Mariner's own inference listener
+against its ASGI app under plain uvicorn.
 
 Every server x app pair (`mariner.loadtest.experiments.http_servers`) runs as a process of its own for the
 whole comparison; each repeat measures every pair once, one after the other (A, B, C, A, B, C...),
@@ -11,6 +13,8 @@ without queueing). Server CPU is the server process's user + system time over th
 serving the same app, then the median over repeats is reported.
 
     python -m mariner.loadtest.experiments.http_servers_bench --repeats 3 --seconds 5 --json out.json
+    python -m mariner.loadtest.experiments.http_servers_bench \
+        --servers uvicorn,bare-protocol,mariner-listener --apps raw,mariner   # without granian
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("uvicorn", "raw"),
     ("granian-asgi", "raw"),
     ("granian-rsgi", "raw"),
+    ("bare-protocol", "raw"),
     ("uvicorn", "floor"),
     ("granian-asgi", "floor"),
     ("uvicorn", "mariner"),
     ("granian-asgi", "mariner"),
+    ("mariner-listener", "mariner"),
 )
 WARMUP_S = 1.0
 START_TIMEOUT_S = 60.0
@@ -294,10 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--latency-seconds", type=float, default=3.0, help="timed phase at 1 connection")
     parser.add_argument("--apps", default="raw,floor,mariner")
+    parser.add_argument("--servers", default=",".join(SERVERS), help="of " + ", ".join(SERVERS))
     parser.add_argument("--json", help="write every sample and the summary here")
     args = parser.parse_args(argv)
     apps = set(args.apps.split(","))
-    pairs = [p for p in PAIRS if p[1] in apps]
+    servers = set(args.servers.split(","))
+    pairs = [p for p in PAIRS if p[1] in apps and p[0] in servers]
     samples = run(pairs, args.repeats, args.seconds, args.connections, args.latency_seconds)
     rows = summary(samples)
     print(markdown(rows))

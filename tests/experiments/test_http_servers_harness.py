@@ -76,3 +76,31 @@ def test_the_summary_pairs_each_server_with_uvicorn_serving_the_same_app() -> No
     rows = summary([sample("uvicorn", 100, 50), sample("granian-asgi", 150, 40)] * 3)
     ratios = {r["server"]: (r["rps_ratio"], r["cpu_ratio"]) for r in rows}
     assert ratios == {"uvicorn": (1.0, 1.0), "granian-asgi": (1.5, 0.8)}
+
+
+def _exchange(port: int, data: bytes) -> bytes:
+    """`data` sent on one connection, and everything read until the server closes it."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got
+
+
+def test_the_bare_protocol_answers_pipelined_requests_in_order_and_honours_close() -> None:
+    from mariner.loadtest.experiments.http_servers import ANSWER
+
+    srv = ServerProc("bare-protocol", "raw")
+    try:
+        head = b"POST /predictions/digits HTTP/1.1\r\nHost: x\r\n"
+        one = head + b"Content-Length: 2\r\n\r\n{}"
+        last = head + b"Connection: close\r\nContent-Length: 2\r\n\r\n{}"
+        got = _exchange(srv.port, one + one + last)  # the server closes after the third answer
+        assert got.count(b"HTTP/1.1 200 OK\r\n") == 3
+        assert got.endswith(ANSWER)
+        assert _exchange(srv.port, b"NOT HTTP AT ALL\r\n\r\n") == b""  # a parse error closes
+    finally:
+        srv.stop()
