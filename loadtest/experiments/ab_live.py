@@ -70,6 +70,21 @@ def cpu_by_role(pid: int) -> dict[str, float]:
     return out
 
 
+def path_first(path: Path) -> dict[str, str]:
+    """This process's environment with `path` first on PYTHONPATH."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def imported_from(path: Path, module: str) -> str:
+    """The file `module` is imported from with `path` first on PYTHONPATH."""
+    code = f"import {module} as m; print(m.__file__)"
+    return subprocess.run([sys.executable, "-c", code], env=path_first(path), capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+
+
 @contextlib.contextmanager
 def checkout(ref: str) -> Iterator[Path]:
     """A directory to put on PYTHONPATH that imports `mariner` from `ref`'s tree."""
@@ -80,10 +95,7 @@ def checkout(ref: str) -> Iterator[Path]:
         shutil.copytree(REPO / "server" / "_proto", tree / "server" / "_proto", dirs_exist_ok=True)
         (tmp / "path").mkdir()
         (tmp / "path" / "mariner").symlink_to(tree)
-        origin = subprocess.run(
-            [sys.executable, "-c", "import mariner.server.cli as m; print(m.__file__)"],
-            env={**os.environ, "PYTHONPATH": str(tmp / "path")}, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+        origin = imported_from(tmp / "path", "mariner.server.cli")
         if not origin.startswith(str(tmp / "path")):
             raise RuntimeError(f"the base build would import mariner from {origin}, not from {tree}")
         yield tmp / "path"
@@ -160,20 +172,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.rounds < 1 or a.seconds <= 0 or a.clients < 1:
         p.error("--rounds, --seconds and --clients must be positive")
     with checkout(a.base) as path:
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])),
-        }
-        builds = {
-            "base": MarinerProcess(a.model_store, a.model, torch_threads=1, env=env),
-            "new": MarinerProcess(a.model_store, a.model, torch_threads=1),
-        }
-        with contextlib.ExitStack() as stack:
-            for server in builds.values():
-                stack.enter_context(server)
-            print(f"base: {a.base}; new: this checkout; {a.clients} clients, {a.rounds} x {a.seconds:g} s")
-            samples = measure(builds, model=a.model, rounds=a.rounds, seconds=a.seconds, clients=a.clients)
-            print(report(samples), flush=True)
+        compare(a, base_env=path_first(path), new_env=None, names=(a.base, "this checkout"))
+
+
+def compare(
+    a: argparse.Namespace,
+    *,
+    base_env: dict[str, str] | None,
+    new_env: dict[str, str] | None,
+    names: tuple[str, str],
+) -> None:
+    """Serve the two builds (each env's PYTHONPATH picks its `mariner`; None: this checkout),
+    drive them in turn as `a` says (model, model_store, rounds, seconds, clients) and print the
+    rounds and the report."""
+    builds = {
+        "base": MarinerProcess(a.model_store, a.model, torch_threads=1, env=base_env),
+        "new": MarinerProcess(a.model_store, a.model, torch_threads=1, env=new_env),
+    }
+    with contextlib.ExitStack() as stack:
+        for server in builds.values():
+            stack.enter_context(server)
+        print(f"base: {names[0]}; new: {names[1]}; {a.clients} clients, {a.rounds} x {a.seconds:g} s")
+        samples = measure(builds, model=a.model, rounds=a.rounds, seconds=a.seconds, clients=a.clients)
+        print(report(samples), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mariner.loadtest.experiments.ab_live import checkout, measure, report
-from mariner.loadtest.servers.mariner import REPO, MarinerProcess
+from mariner.loadtest.experiments.ab_live import checkout, compare, imported_from, path_first
+from mariner.loadtest.servers.mariner import REPO
 
 # What a prediction over HTTP runs in the frontend (module paths under the package root). Left
 # out: `frontend/protocols/call.py` (mypyc cannot compile its generic frozen dataclass `Ok`) and
@@ -92,14 +92,6 @@ def compile_in_place(path: Path, modules: Sequence[str]) -> None:
         raise RuntimeError(f"mypyc failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def imported_from(path: Path, module: str) -> str:
-    """Where `module` is imported from with `path` first on PYTHONPATH."""
-    env = {**os.environ, "PYTHONPATH": str(path)}
-    code = f"import {module} as m; print(m.__file__)"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
-
-
 @contextlib.contextmanager
 def compiled(modules: Sequence[str] = HOT_MODULES) -> Iterator[Path]:
     """A PYTHONPATH entry importing `mariner` from a worktree of HEAD with `modules` compiled."""
@@ -114,9 +106,7 @@ def compiled(modules: Sequence[str] = HOT_MODULES) -> Iterator[Path]:
 
 def percall(path: Path | None) -> str:
     """`percall`'s protocol-piece table under the build at `path` (None: this checkout)."""
-    env = dict(os.environ)
-    if path is not None:
-        env["PYTHONPATH"] = str(path)
+    env = dict(os.environ) if path is None else path_first(path)
     code = (
         "from mariner.loadtest.experiments.percall import protocol_pieces, table\n"
         "print(table(protocol_pieces(12800, 3)))"
@@ -141,17 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for r in range(a.in_process_rounds):
             for name, where in (("interpreted", None), ("compiled", path)):
                 print(f"in-process, round {r + 1}, {name}:\n{percall(where)}", flush=True)
-        env = {**os.environ, "PYTHONPATH": str(path)}
-        builds = {
-            "base": MarinerProcess(a.model_store, a.model, torch_threads=1),
-            "new": MarinerProcess(a.model_store, a.model, torch_threads=1, env=env),
-        }
-        with contextlib.ExitStack() as stack:
-            for server in builds.values():
-                stack.enter_context(server)
-            print(f"base: interpreted; new: compiled; {a.clients} clients, {a.rounds} x {a.seconds:g} s")
-            samples = measure(builds, model=a.model, rounds=a.rounds, seconds=a.seconds, clients=a.clients)
-            print(report(samples), flush=True)
+        compare(a, base_env=None, new_env=path_first(path), names=("interpreted", "compiled"))
 
 
 if __name__ == "__main__":

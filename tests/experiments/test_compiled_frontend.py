@@ -8,7 +8,6 @@ path. Nothing here asserts a speed.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mariner.loadtest.experiments import compiled_frontend as cf
-from mariner.loadtest.experiments.ab_live import checkout
+from mariner.loadtest.experiments.ab_live import checkout, imported_from, path_first
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,16 +29,15 @@ def test_a_compiled_module_of_the_worktree_is_what_the_build_imports_and_answers
     with checkout("HEAD") as path:
         tree = (path / "mariner").resolve()
         cf.compile_in_place(path, [module])
-        origin = cf.imported_from(path, "mariner.server.common.raw_headers")
+        origin = imported_from(path, "mariner.server.common.raw_headers")
         assert origin.endswith(".so")
         assert Path(origin).resolve().is_relative_to(tree)
         code = (
             "from mariner.server.common.raw_headers import first_header as f\n"
             "print(f([(b'a', b'1'), (b'b', b'2'), (b'b', b'3')], b'b'), f([], b'a'))"
         )
-        env = {**os.environ, "PYTHONPATH": str(path)}
         out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", code], env=path_first(path), capture_output=True, text=True, check=True
         )
         assert out.stdout.split() == ["b'2'", "None"]
     assert not tree.exists()  # the worktree and its extensions are gone
