@@ -15,6 +15,9 @@ Servers:
   the answer's bytes written from the parser's last callback (`BareProtocol`). It enforces no
   limit and serves only `raw`: it is the floor of a Python frontend on uvloop + httptools, what
   replacing uvicorn's protocol on the prediction path could reach at best;
+- `bare-mariner`: the same bare protocol doing Mariner's own work per prediction with the fast
+  path's functions and no uvicorn or limits under it (`bare_prediction`), serving only `mariner`:
+  the floor of a prediction path on a protocol of our own;
 - `mariner-listener`: the frontend's own inference listener (`inference_listener`: uvicorn with
   Mariner's protocol, predictions answered from its callbacks, TorchServe's access log), serving
   only `mariner`.
@@ -39,7 +42,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,7 @@ from mariner.server.common import event_loop
 from mariner.server.common.config import ServerConfig
 from mariner.server.common.listeners import EmbeddedUvicorn, reuseport_listener, uvicorn_config
 
-SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi", "bare-protocol", "mariner-listener")
+SERVERS = ("uvicorn", "granian-asgi", "granian-rsgi", "bare-protocol", "bare-mariner", "mariner-listener")
 APPS = ("raw", "floor", "mariner")
 ANSWER = b'{"label": 3, "probability": 1}'  # the fixed 30-byte JSON answer
 MODEL = "digits"
@@ -148,8 +151,10 @@ class BareProtocol(asyncio.Protocol):
             self._transport.close()
 
 
-async def _serve_bare(sock: socket.socket, stop: asyncio.Event) -> None:
-    server = await asyncio.get_running_loop().create_server(BareProtocol, sock=sock)
+async def _serve_bare(
+    sock: socket.socket, stop: asyncio.Event, protocol: Callable[[], asyncio.Protocol] = BareProtocol
+) -> None:
+    server = await asyncio.get_running_loop().create_server(protocol, sock=sock)
     _announce(sock.getsockname()[1])
     await stop.wait()
     server.close()
@@ -205,6 +210,14 @@ def mariner_listener(cfg: ServerConfig, port: int) -> Any:
 
     auth = listener_auth(load_tokens(None, None), None)
     return inference_listener(answering_plane(cfg), cfg, auth, port=port, thread="bench", held=None)
+
+
+def bare_mariner(cfg: ServerConfig) -> Callable[[], asyncio.Protocol]:
+    """Mariner's prediction work on the bare protocol (`bare_prediction`) over `answering_plane`."""
+    from mariner.loadtest.experiments.bare_prediction import bare_prediction
+    from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
+
+    return bare_prediction(answering_plane(cfg), DEFAULT_MAX_HEADERS)
 
 
 async def _serve_uvicorn(config: Any, sock: socket.socket, stop: asyncio.Event) -> None:
@@ -336,6 +349,11 @@ async def serve(server: str, app_name: str, cfg: ServerConfig) -> int:
         if app_name != "raw":
             raise SystemExit("granian-rsgi serves only the raw app: Starlette and Mariner's app are ASGI")
         await _serve_granian(FloorRsgi(), "rsgi", sock, stop, cfg)
+        return 0
+    if server == "bare-mariner":
+        if app_name != "mariner":
+            raise SystemExit("bare-mariner serves only the mariner app: it is Mariner's prediction path")
+        await _serve_bare(sock, stop, bare_mariner(cfg))
         return 0
     port = sock.getsockname()[1]
     if server == "mariner-listener":

@@ -49,6 +49,7 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("granian-asgi", "floor"),
     ("uvicorn", "mariner"),
     ("granian-asgi", "mariner"),
+    ("bare-mariner", "mariner"),
     ("mariner-listener", "mariner"),
 )
 WARMUP_S = 1.0

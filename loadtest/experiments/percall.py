@@ -293,12 +293,16 @@ def protocol_pieces(calls: int, rounds: int) -> list[Piece]:
     """TorchServe's `/predictions` through the inference listener's real protocol (uvicorn's
     httptools parser with our limits) and its whole app stack (access log, drain, tokens off),
     with a transport in place of the socket: the fast path (answered from the protocol's
-    callbacks) and the ASGI app, taken in turn on one plane. Each of 64 keep-alive connections
+    callbacks), the ASGI app, and the fast path's own work on a bare httptools protocol
+    (`bare_prediction`: what uvicorn's protocol and our limits add is the difference), taken in
+    turn on one plane. Each of 64 keep-alive connections
     sends its next request when its answer is written; the driver's own cost (a future per
     request) is in both figures alike."""
     from uvicorn.server import ServerState
 
+    from mariner.loadtest.experiments.bare_prediction import bare_prediction
     from mariner.server.common.config import ServerConfig
+    from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
     from mariner.server.common.listeners import listener_auth
     from mariner.server.common.security import load_tokens
     from mariner.server.frontend.protocols.http_inference import inference_listener
@@ -311,22 +315,25 @@ def protocol_pieces(calls: int, rounds: int) -> list[Piece]:
     async def interleaved() -> dict[str, float]:
         plane = _plane()
         auth = listener_auth(load_tokens(None, None), None)
-        ways = {}
+        loop = asyncio.get_running_loop()
+        ways: dict[str, Callable[[], Any]] = {}
         for way, fast in (("fast", True), ("app", False)):
             config = inference_listener(
                 plane, ServerConfig(), auth, port=0, thread="percall", held=None, fast_predictions=fast
             )
             config.load()
-            ways[way] = (config, ServerState())
+            ways[way] = functools.partial(
+                config.http_protocol_class,
+                config=config,
+                server_state=ServerState(),
+                app_state={},
+                _loop=loop,
+            )
+        ways["bare"] = bare_prediction(plane, DEFAULT_MAX_HEADERS)
 
         async def drive(way: str, n: int) -> None:
-            config, state = ways[way]
-            loop = asyncio.get_running_loop()
-
             async def one() -> None:
-                proto = config.http_protocol_class(  # type: ignore[call-arg]
-                    config=config, server_state=state, app_state={}, _loop=loop
-                )
+                proto = ways[way]()
                 transport = _Transport()
                 proto.connection_made(transport)  # type: ignore[arg-type]
                 for _ in range(n):
@@ -352,10 +359,13 @@ def protocol_pieces(calls: int, rounds: int) -> list[Piece]:
     from mariner.server.common import event_loop
 
     best = [event_loop.run(interleaved()) for _ in range(rounds)]
-    fast, app = (min(r[k] for r in best) for k in ("fast", "app"))
+    fast, app, bare = (min(r[k] for r in best) for k in ("fast", "app", "bare"))
     return [
         Piece("HTTP /predictions through the protocol: the ASGI app", app, "parse + app stack + plane"),
         Piece("HTTP /predictions through the protocol: the fast path", fast, "parse + path + plane"),
+        Piece(
+            "HTTP /predictions through a bare protocol: the fast path's work", bare, "no uvicorn, no limits"
+        ),
     ]
 
 

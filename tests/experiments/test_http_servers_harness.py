@@ -104,3 +104,40 @@ def test_the_bare_protocol_answers_pipelined_requests_in_order_and_honours_close
         assert _exchange(srv.port, b"NOT HTTP AT ALL\r\n\r\n") == b""  # a parse error closes
     finally:
         srv.stop()
+
+
+def test_the_bare_prediction_path_answers_what_the_listener_answers_less_the_servers_headers() -> None:
+    """What `bare-mariner` is measured against `mariner-listener` for: the same prediction work,
+    so the same answer, without uvicorn's default headers (`date`, `server`)."""
+    import socket
+
+    from mariner.loadtest.experiments.http_servers import ANSWER
+
+    request = (
+        b"POST /predictions/digits HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 13\r\n\r\n{"data": [1]}'
+    )
+
+    def answer(port: int) -> tuple[bytes, dict[bytes, bytes], bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            got = b""
+            while not got.endswith(ANSWER):
+                chunk = sock.recv(65536)
+                assert chunk, got
+                got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        status, *lines = head.split(b"\r\n")
+        fields = dict(line.split(b": ", 1) for line in lines)
+        return status, fields, body
+
+    servers = [ServerProc("bare-mariner", "mariner"), ServerProc("mariner-listener", "mariner")]
+    try:
+        (bare_status, bare, bare_body), (status, listener, body) = (answer(s.port) for s in servers)
+    finally:
+        for srv in servers:
+            srv.stop()
+    assert bare_status == status == b"HTTP/1.1 200 OK"
+    assert bare_body == body == ANSWER
+    assert len(bare.pop(b"x-request-id")) == len(listener.pop(b"x-request-id")) > 0
+    assert {k: v for k, v in listener.items() if k not in (b"date", b"server")} == bare
