@@ -208,6 +208,29 @@ async def _settle(transport: FakeTransport, cap: int = 2_000) -> None:
 
 
 @in_loop
+async def test_a_keep_alive_connection_closes_once_idle_for_the_keep_alive_after_its_last_answer() -> None:
+    """One timer per connection, not one per answer: when it fires on a connection answered since
+    it was armed, it waits out the rest of the idle time instead of closing."""
+    keep = 1.0
+    proto, transport = connection(replace(ServerConfig(), http_keep_alive_s=keep))
+    loop = asyncio.get_running_loop()
+    last_answer = loop.time()
+    end = last_answer + 2 * keep  # in use for twice the keep-alive, a request every tenth of it
+    while loop.time() < end:
+        transport.written = b""
+        proto.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await settle(transport)
+        assert transport.written.startswith(b"HTTP/1.1 200 "), transport.written[:60]
+        last_answer = loop.time()
+        assert not transport.closed, "a connection in use is not closed as idle"
+        await asyncio.sleep(keep / 10)
+    await _settle(transport)
+    assert transport.closed, "closed once idle for the keep-alive"
+    assert loop.time() - last_answer >= keep - 0.01, "not before it had been idle that long"
+    proto.connection_lost(None)
+
+
+@in_loop
 async def test_at_shutdown_an_idle_keep_alive_connection_answers_a_request_already_sent() -> None:
     cfg = replace(ServerConfig(), http_keep_alive_s=600.0)
     proto, transport = connection(cfg)
