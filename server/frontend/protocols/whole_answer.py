@@ -14,8 +14,6 @@ tests/unit/test_prediction_paths.py compares the bytes with the app's, which uvi
 
 from __future__ import annotations
 
-from itertools import chain
-
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -30,12 +28,17 @@ def write_whole_answer(
     """Write the answer of `cycle` (module docstring). `headers` must carry a Content-Length
     matching `body`; the request must not be a HEAD (the fast path takes POST and PUT only).
     An unsendable header raises RuntimeError with nothing written, as `send` does."""
-    cycle.response_started = True
+    cycle.response_started = True  # before the checks, as `send` marks it
+    all_headers = [*cycle.default_headers, *headers]
+    # uvicorn's two checks per header, as one search each over every name and every value: both
+    # patterns are single-character classes, so the joined bytes match exactly when one does.
+    if HEADER_RE.search(b"".join([n for n, _ in all_headers])) or HEADER_VALUE_RE.search(
+        b"".join([v for _, v in all_headers])
+    ):
+        raise RuntimeError("Invalid HTTP header.")
     content: list[bytes | memoryview] = [STATUS_LINE[status]]
     closes = False
-    for name, value in chain(cycle.default_headers, headers):
-        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-            raise RuntimeError("Invalid HTTP header.")
+    for name, value in all_headers:
         name = name.lower()
         if name == b"connection" and b"close" in [t.lower().strip() for t in value.split(b",")]:
             cycle.keep_alive = False
