@@ -42,6 +42,7 @@ from mariner.loadtest.servers.mariner import REPO
 # `compat/torchserve/logs/access.py` (a nested class and an async generator).
 HOT_MODULES = (
     "server/frontend/protocols/prediction_path.py",
+    "server/frontend/protocols/prediction_protocol.py",
     "server/frontend/protocols/prediction_routes.py",
     "server/frontend/protocols/whole_answer.py",
     "server/frontend/protocols/torchserve/http.py",
@@ -62,7 +63,7 @@ HOT_MODULES = (
 # Classes the listener subclasses at run time (`limited_protocol`, `prediction_protocol`).
 SUBCLASSED = {
     "server/common/http_limits.py": "LimitedHttpToolsProtocol",
-    "server/frontend/protocols/prediction_path.py": "PredictionProtocol",
+    "server/frontend/protocols/prediction_protocol.py": "PredictionProtocol",
 }
 _FUTURE = "from __future__ import annotations\n"
 

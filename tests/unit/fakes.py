@@ -169,7 +169,8 @@ def inference_protocol(plane: Any, way: str, *, max_body_bytes: int) -> type[Any
     `way="fast"` it answers predictions itself (`frontend.protocols.prediction_path`)."""
     from mariner.server.common.http_common import DEFAULT_MAX_HEADERS
     from mariner.server.common.http_limits import HttpLimits, LimitedHttpToolsProtocol, limited_protocol
-    from mariner.server.frontend.protocols.prediction_path import PredictionPath, prediction_protocol
+    from mariner.server.frontend.protocols.prediction_path import PredictionPath
+    from mariner.server.frontend.protocols.prediction_protocol import prediction_protocol
 
     assert way in PREDICTION_PATHS
     base: type[LimitedHttpToolsProtocol] = LimitedHttpToolsProtocol

@@ -100,11 +100,11 @@ class ScriptedPlane(FakePlane):
 class CountingPath(PredictionPath):
     taken = 0
 
-    def take(self, protocol: Any, cycle: Any) -> Any:
-        prediction = super().take(protocol, cycle)
-        if prediction is not None:
+    def route_of(self, scope: Any, expects_continue: bool) -> Any:
+        taken = super().route_of(scope, expects_continue)
+        if taken is not None:
             CountingPath.taken += 1
-        return prediction
+        return taken
 
 
 PLANE = ScriptedPlane()

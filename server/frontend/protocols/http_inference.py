@@ -17,7 +17,8 @@ from mariner.server.common.security import OPEN_HTTP_HEALTH_PATHS
 from mariner.server.compat.torchserve.logs.access import HttpAccessLog
 from mariner.server.frontend.protocols.http_drain import DrainAware
 from mariner.server.frontend.protocols.http_listener import inference_app
-from mariner.server.frontend.protocols.prediction_path import PredictionPath, prediction_protocol
+from mariner.server.frontend.protocols.prediction_path import PredictionPath
+from mariner.server.frontend.protocols.prediction_protocol import prediction_protocol
 
 if TYPE_CHECKING:
     from mariner.server.common.config import ServerConfig

@@ -6,12 +6,12 @@ and the Open Inference Protocol's `POST /v2/models/{model}[/versions/{version}]/
 Under load a prediction's cost in the frontend was mostly the ASGI machinery around it, not the
 work: a task per request, the app and three middlewares (access log, drain, tokens) each wrapping
 `send` in a closure, Starlette's Request, and a coroutine resumed after its batch. Here the
-protocol (`PredictionProtocol`, uvicorn's httptools protocol with our limits) takes the request
-when its head is in: the body collects in uvicorn's per-request cycle as before; when it is
-complete the route builds the request and it is handed to the batcher synchronously
-(`DataPlane.enqueue`), and the batch's completion writes the answer: the bytes uvicorn's `send`
-would write, head and body in one write, then the cycle's end as `send` ends it (keep-alive or
-close, the next pipelined request: `whole_answer`). A call ends holding no reference back to
+listener's protocol (`prediction_protocol`: uvicorn's httptools protocol with our limits) takes the
+request when its head is in: the body collects in the request's cycle; when it is complete the
+route builds the request and it is handed to the batcher synchronously (`DataPlane.enqueue`), and
+the batch's completion writes the answer: the bytes uvicorn's `send` would write, head and body
+in one write, then the cycle's end as `send` ends it (keep-alive or close, the next pipelined
+request: `whole_answer`). A call ends holding no reference back to
 itself, so it is freed when it ends, not by the cyclic collector (`_end`). The request and the
 answer are built by the functions the Starlette routes use, and the call is recorded by the same
 functions (`call.record`, `call.failure`), so both ways answer the same bytes and count the same
@@ -36,14 +36,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, MutableMapping
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from collections.abc import Callable, Coroutine, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from mariner.server.common.http_common import OFFLOAD_DECODE_BYTES, ClientGone, trimmed_path
-from mariner.server.common.http_limits import LimitedHttpToolsProtocol, nothing_to_stop
+from mariner.server.common.http_limits import nothing_to_stop
 from mariner.server.common.raw_headers import first_header
 from mariner.server.common.security import Credential, authorization_header
 from mariner.server.compat.torchserve.logs.access import log_http_access
@@ -57,6 +57,7 @@ from mariner.server.frontend.streams import STREAMS
 
 if TYPE_CHECKING:
     from mariner.server.frontend.dataplane import DataPlane
+    from mariner.server.frontend.protocols.prediction_protocol import PredictionProtocol
     from mariner.server.frontend.protocols.torchserve.chunked import ChunkedAnswer
 
 log = logging.getLogger("mariner.http")
@@ -92,8 +93,15 @@ class PredictionPath:
     def take(self, protocol: PredictionProtocol, cycle: RequestResponseCycle) -> Prediction | None:
         """The call this request is, when this path answers it (module docstring); None sends it
         to the app."""
-        scope = cycle.scope
-        if scope["root_path"] or cycle.waiting_for_100_continue or self.plane.draining:
+        taken = self.route_of(cycle.scope, cycle.waiting_for_100_continue)
+        return None if taken is None else Prediction(self, *taken, protocol, cycle)
+
+    def route_of(
+        self, scope: Mapping[str, Any], expects_continue: bool
+    ) -> tuple[Route, dict[str, str]] | None:
+        """The route and parameters of the request `scope` describes, when this path answers it
+        (module docstring); None sends it to the app."""
+        if scope["root_path"] or expects_continue or self.plane.draining:
             return None
         path, method = trimmed_path(scope["path"]), scope["method"]  # as the app reads it
         for route in self.routes:
@@ -114,7 +122,7 @@ class PredictionPath:
         credential = self.credential
         if credential is not None and not credential.accepts(authorization_header(scope)):
             return None
-        return Prediction(self, route, protocol, cycle, params)
+        return route, params
 
 
 class Prediction:
@@ -144,9 +152,9 @@ class Prediction:
         self,
         path: PredictionPath,
         route: Route,
+        params: dict[str, str],
         protocol: PredictionProtocol,
         cycle: RequestResponseCycle,
-        params: dict[str, str],
     ) -> None:
         self.path = path
         self.params = params
@@ -330,46 +338,3 @@ class Prediction:
         self.path.plane.end_call()
         if self._status:
             log_http_access(self.path.thread, self._cycle.scope, self._status, self._wall_start)
-
-
-class PredictionProtocol(LimitedHttpToolsProtocol):
-    """The inference listener's protocol: predictions on the fast path (module docstring), the
-    rest to the app; `prediction_path` is the listener's (set by `prediction_protocol`)."""
-
-    prediction_path: ClassVar[PredictionPath | None] = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._waiting: Prediction | None = None  # a prediction whose body is still arriving
-
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        path = self.prediction_path
-        prediction = path.take(self, cycle) if path is not None and app is self.app else None
-        if prediction is None:
-            super()._start_asgi_task(cycle, app)
-        elif cycle.more_body:
-            self._waiting = prediction
-        else:  # a pipelined request, its turn come with the answer before it: start on the next
-            self.loop.call_soon(prediction.start)  # loop turn, not inside that answer's write
-
-    def run(self, work: Coroutine[Any, Any, None]) -> None:
-        """`work` in a task of this connection's (uvicorn's shutdown waits for them)."""
-        task = self.loop.create_task(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        if self._waiting is not None:
-            self.flow.resume_reading()  # no app reads it: the body is bounded by its Content-Length
-
-    def on_message_complete(self) -> None:
-        super().on_message_complete()
-        prediction, self._waiting = self._waiting, None
-        if prediction is not None and not self.cycle.disconnected:
-            prediction.start()
-
-
-def prediction_protocol(path: PredictionPath) -> type[PredictionProtocol]:
-    """The protocol class of one inference listener, taking predictions on `path`."""
-    return type("PredictionProtocol", (PredictionProtocol,), {"prediction_path": path})
