@@ -46,7 +46,8 @@ lingers `SHUTDOWN_LINGER_S` first: a request that arrives meanwhile is answered 
 The layer is a subclass of uvicorn's HttpToolsProtocol (written against uvicorn 0.54) that sees
 every byte before the parser and the parser's callbacks before uvicorn starts the ASGI app. It adds
 no timer to a request that arrives in one read: timers are armed only while a head or a body is
-incomplete at the end of a read (plus one per connection, for the first request).
+incomplete at the end of a read (plus, per connection, one for the first request and the
+keep-alive timer, re-armed at most once per `keep_alive_s`).
 """
 
 from __future__ import annotations
