@@ -1,7 +1,7 @@
 """Mariner's own work per prediction on a protocol with no server library under it: the floor of
 a prediction path that replaced uvicorn's protocol, measured, not built.
 
-`BarePrediction` is httptools' parser on an `asyncio.Protocol` (as `http_servers.BareProtocol`)
+`BarePrediction` is httptools' parser on an `asyncio.Protocol` (`http_servers.BareProtocol`'s)
 that answers TorchServe's `POST /predictions/{model}` with the very functions the inference
 listener's fast path calls (`prediction_path.Prediction`): the route builds the request from the
 body (`TorchServePredictions.request`: request id, form/JSON decode, handler headers), the
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from mariner.loadtest.experiments.http_servers import BareProtocol
 from mariner.server.common.raw_headers import first_header
 from mariner.server.compat.torchserve.logs.access import log_http_access
 from mariner.server.contracts.types import InferResult
@@ -82,18 +83,15 @@ class _Call:
         raise RuntimeError("the bare prediction path answers whole answers only")
 
 
-class BarePrediction(asyncio.Protocol):
-    """One connection: parse, hand over, answer (module docstring). `path` is set per server."""
+class BarePrediction(BareProtocol):
+    """One connection: parse, hand over, answer (module docstring); the parser, the transport and
+    a parse error's close are `BareProtocol`'s. `path` is set per server."""
 
     path: _Path
     route = TorchServePredictions()
 
     def __init__(self) -> None:
-        import httptools
-
-        self._errors = (httptools.HttpParserError,)
-        self._parser = httptools.HttpRequestParser(self)
-        self._transport: asyncio.Transport | None = None
+        super().__init__()
         self._loop = asyncio.get_running_loop()
         self._client: Any = None
         self._url = b""
@@ -101,15 +99,8 @@ class BarePrediction(asyncio.Protocol):
         self._body: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)
         self._client = transport.get_extra_info("peername")
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except self._errors:
-            assert self._transport is not None
-            self._transport.close()
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body = b"", [], []
