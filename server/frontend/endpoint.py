@@ -134,6 +134,7 @@ class ModelEndpoint:
             self.max_queue,
             batch_timeout_s=self.response_timeout_s,
             runner_concurrency=ASYNC_BATCHES_PER_RUNNER if concurrent is True else 1,
+            pipelined=concurrent is not True,  # its worker computes one at a time: send the next early
             # Checked when the supervisor opened the archive, which refuses a bad value.
             max_batch_bytes=max_batch_bytes(entry.model_config, entry.archive_file),
         )
