@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from mariner.server.common import control_channel as channel
 from mariner.server.common import event_loop, parent_death
 from mariner.server.common.connection_budget import frontend_budget
 from mariner.server.common.grpc_server import GrpcLimits
+from mariner.server.common.heap import freeze_heap
 from mariner.server.common.held_bytes import MIB, HeldBytes, HeldLimits
 from mariner.server.common.listeners import (
     EmbeddedUvicorn,
@@ -184,9 +184,8 @@ class Frontend:
         if isinstance(first, channel.ModelTable):
             await self._apply_and_ack(first, writer)
         # The long-lived heap (grpc, starlette, the adapters) is built: without freezing it, every
-        # full collection walks it while requests wait.
-        gc.collect()
-        gc.freeze()
+        # full collection walks it while requests wait (`heap`).
+        freeze_heap()
         await self.grpc.start()
         http_socket = reuseport_listener(self._http_host, self._http_port)
         http_task = asyncio.create_task(self.http.serve(sockets=[http_socket]))

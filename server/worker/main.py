@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from mariner.server.common.heap import freeze_heap
 from mariner.server.contracts.worker_api import (
     EXIT_LOAD_FAILED,
     WorkerSpec,
@@ -155,8 +156,7 @@ def run_worker(spec: WorkerSpec, ready_fd: int = 1) -> NoReturn:
     # torch and the model leave a large heap of long-lived objects; every batch allocates many
     # short-lived ones, so without freezing the former, each full collection walks them all
     # (tens of ms that every batch in flight waits for).
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     code = _event_loop_runner()(worker.serve(ready_out, load_seconds))
     if not code:
         # A clean stop lets the handler and its model go first: what they hold is released with
