@@ -1,9 +1,9 @@
-"""A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a full batch is
-sent to it while it computes and starts the moment the batch ahead ends; a partial one waits for
-it; the batch behind counts its responseTimeout, queue wait and compute time from its start; an
-instance that fails on the batch ahead leaves the batch behind to the next instance. Pure asyncio
-with the fake clock of test_batcher; the runner models a worker (one batch computing, the next
-waiting in its socket)."""
+"""A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a batch as
+large as the one it computes (or full) is sent to it meanwhile and starts the moment the batch
+ahead ends; a smaller one waits for it; the batch behind counts its responseTimeout, queue wait
+and compute time from its start; an instance that fails on the batch ahead leaves the batch
+behind to the next instance. Pure asyncio with the fake clock of test_batcher; the runner models
+a worker (one batch computing, the next waiting in its socket)."""
 
 from __future__ import annotations
 
@@ -92,37 +92,38 @@ def make(
     clock: FakeClock,
     *,
     pipelined: bool = True,
+    max_batch_size: int = 2,
     observer: Books | None = None,
     batch_timeout_s: float | None = None,
     replace_runner: ReplaceRunner | None = None,
 ) -> Batcher:
-    policy = BatchPolicy(max_batch_size=2, pipelined=pipelined, batch_timeout_s=batch_timeout_s)
+    policy = BatchPolicy(max_batch_size=max_batch_size, pipelined=pipelined, batch_timeout_s=batch_timeout_s)
     b = Batcher(runners, policy, clock=clock, observer=observer, replace_runner=replace_runner)
     b.start()
     return b
 
 
-def test_a_full_batch_goes_to_the_busy_runner_and_starts_when_the_batch_ahead_ends() -> None:
+def test_a_batch_as_large_as_the_one_computing_goes_to_its_runner_and_starts_when_that_one_ends() -> None:
     async def body(clock: FakeClock) -> None:
         runner = SerialRunner()
-        b = make([runner], clock)
-        first = submit(b, "r0")  # the runner is idle: sent at once, alone (no idle wait)
+        b = make([runner], clock, max_batch_size=4)
+        first = [submit(b, "r0"), submit(b, "r1")]  # the runner is idle: sent at once (no idle wait)
         await settle()
-        second = submit(b, "r1")
+        second = submit(b, "r2")
         await settle()
-        assert runner.sent == [["r0"]], "a partial batch waits for the runner"
-        third = submit(b, "r2")
+        assert runner.sent == [["r0", "r1"]], "a batch smaller than the one computing waits"
+        third = submit(b, "r3")
         await settle()
-        assert runner.sent == [["r0"], ["r1", "r2"]], "a full batch goes while the runner computes"
-        assert runner.started == [["r0"]]
+        assert runner.sent == [["r0", "r1"], ["r2", "r3"]], "as large: it goes while the runner computes"
+        assert runner.started == [["r0", "r1"]]
         runner.finish()
         await settle()
-        assert result(first) == echo("r0")
-        assert runner.started == [["r0"], ["r1", "r2"]]
+        assert [result(t) for t in first] == [echo("r0"), echo("r1")]
+        assert runner.started == [["r0", "r1"], ["r2", "r3"]]
         assert not second.done()
         runner.finish()
         await settle()
-        assert [result(t) for t in (second, third)] == [echo("r1"), echo("r2")]
+        assert [result(t) for t in (second, third)] == [echo("r2"), echo("r3")]
         await b.close()
 
     run(body)
