@@ -12,6 +12,7 @@ worker process behind.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import threading
 import time
@@ -268,6 +269,17 @@ def test_describe_names_each_worker_process(server: MarinerServe) -> None:
     desc = requests.get(f"{server.management}/models/faulty", timeout=10).json()
     pids = {w["pid"] for d in desc for w in d["workers"]}
     assert pids == {worker_pid(server, "faulty")}, json.dumps(desc)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_workers_run_in_the_batch_scheduling_class_and_the_frontend_does_not(server: MarinerServe) -> None:
+    worker = worker_pid(server, "faulty")
+    assert os.sched_getscheduler(worker) == os.SCHED_BATCH
+    assert server.proc is not None
+    tree = psutil.Process(server.proc.pid).children(recursive=True)
+    frontends = [p.pid for p in tree if "frontend.main" in " ".join(p.cmdline())]
+    assert frontends, "the server runs a frontend process"
+    assert {os.sched_getscheduler(pid) for pid in frontends} == {os.SCHED_OTHER}
 
 
 def test_stopping_the_server_leaves_no_worker_process(tmp_path: Path) -> None:
