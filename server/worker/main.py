@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from mariner.server.common.heap import freeze_heap
+from mariner.server.common.scheduling import batch_class
 from mariner.server.contracts.worker_api import (
     EXIT_LOAD_FAILED,
     WorkerSpec,
@@ -109,19 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_worker(spec, args.ready_fd)
 
 
-def batch_scheduling() -> None:
-    """Put this worker in Linux's SCHED_BATCH class: same CPU share and nice level, but a worker
-    woken by a batch no longer preempts the process that woke it (the frontend, in the middle of
-    answering and reading its clients) and runs when that one yields. A worker computes batches;
-    its frontend is the latency-bound one. Measured (6-round A/Bs, docs/benchmark.md): 8 clients
-    p50 4.14 -> 3.70 ms and worker CPU -10% a request (fewer switches), 64 clients 1.09x req/s.
-    Needs no privilege; where the call is missing or refused the worker runs as before."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp policy that refuses it
-        log.debug("SCHED_BATCH not set: %s", exc)
-
-
 def _event_loop_runner() -> Any:
     """uvloop's `run` where it is installed (it ships with uvicorn[standard]): its socket reads
     and writes and its cross-thread wake-up cost less CPU per batch than asyncio's selector loop."""
@@ -170,7 +158,7 @@ def run_worker(spec: WorkerSpec, ready_fd: int = 1) -> NoReturn:
     # short-lived ones, so without freezing the former, each full collection walks them all
     # (tens of ms that every batch in flight waits for).
     freeze_heap()
-    batch_scheduling()
+    batch_class()  # the handler's thread: woken by batches, it lets the frontend run first
     code = _event_loop_runner()(worker.serve(ready_out, load_seconds))
     if not code:
         # A clean stop lets the handler and its model go first: what they hold is released with

@@ -25,6 +25,7 @@ from mariner.server.compat.torchserve.logs.lines import (
 )
 from mariner.server.compat.torchserve.logs.pump import LineReader, OutputPump
 from mariner.server.compat.torchserve.logs.records import Kind, Record, RecordPipe, decode, encode
+from mariner.server.compat.torchserve.logs.sink import LogSettings, LogSink
 from tests.unit.ts_logs_support import read_available
 
 pytestmark = pytest.mark.unit
@@ -243,3 +244,27 @@ def test_a_failed_pump_closes_the_pipes_it_is_handed_instead_of_leaving_children
             os.write(w, b"line\n")
         os.close(w)
     pump.close()  # after the thread: returns, writes nothing
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_log_threads_run_in_the_batch_class_and_leave_their_starter_as_it_was(tmp_path: Path) -> None:
+    """The supervisor's reader of its children's output and its log writer are woken by a
+    frontend's lines: in SCHED_BATCH they do not preempt it (common/scheduling.py)."""
+    pump = OutputPump()
+    sink = LogSink(LogSettings(tmp_path / "logs", tmp_path / "metrics", console=False))
+    sink.start()
+    try:
+        threads = [pump._thread, sink._thread]
+        assert all(t is not None and t.native_id is not None for t in threads)
+
+        def classes() -> set[int]:
+            return {os.sched_getscheduler(t.native_id) for t in threads}  # type: ignore[union-attr,arg-type]
+
+        deadline = time.monotonic() + 30
+        while classes() != {os.SCHED_BATCH} and time.monotonic() < deadline:  # each sets its own at start
+            time.sleep(0.01)
+        assert classes() == {os.SCHED_BATCH}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER, "the thread that started them is untouched"
+    finally:
+        pump.close()
+        sink.close()

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from mariner.server.common.scheduling import batch_class
+
 log = logging.getLogger("mariner.logs")
 
 READ_CHUNK = 1 << 16
@@ -158,6 +160,7 @@ class OutputPump:
 
     def _run(self) -> None:
         try:
+            batch_class()  # woken by a frontend's lines, it lets the frontend run first
             while True:
                 with self._lock:
                     adding, self._adding = self._adding, []

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from mariner.server.common.scheduling import batch_class
 from mariner.server.compat.torchserve.logdirs import log_dir, metrics_dir, usable_dir
 from mariner.server.compat.torchserve.logs.files import RotatingFile
 from mariner.server.compat.torchserve.logs.lines import Clock, pattern_line, plain_line
@@ -134,6 +135,7 @@ class LogSink:
     # -- the writer thread --------------------------------------------------------------------
     def _run(self) -> None:
         last_flush = time.monotonic()
+        batch_class()  # woken by a frontend's lines, it lets the frontend run first
         while True:
             self._wake.wait(ASYNC_FLUSH_S if self.settings.async_logging else None)
             self._wake.clear()
