@@ -99,7 +99,7 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "mariner_queue_depth",
-            "Items waiting in the batcher queue.",
+            "Items waiting to run: in the batcher queue, or sent to a busy worker and not yet started.",
             labels,
             multiprocess_mode="livesum",
             registry=self.registry,

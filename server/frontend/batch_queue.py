@@ -86,6 +86,9 @@ class BatchQueue:
         self._clock = clock
         self._queue: deque[Pending] = deque()
         self._queued_items = 0
+        # Items of batches sent to a busy runner that have not started (pipelined, `Batcher`):
+        # out of this queue, but still waiting to run, so the depth gauge counts them.
+        self._behind_items = 0
         self._running: list[list[Pending]] = []  # the batches runners hold now
         self._deadlines = DeadlineWatch(clock, self._expire)
         self._tokens = tokens
@@ -98,6 +101,10 @@ class BatchQueue:
     @property
     def queued_items(self) -> int:
         return self._queued_items
+
+    def _report_depth(self) -> None:
+        """The queue depth gauge: items waiting to run, here or in a batch not yet started."""
+        self._observer.queue_depth(self._queued_items + self._behind_items)
 
     # -- the fair order -------------------------------------------------------------------
     def _enqueue(self, req: InferRequest, fut: asyncio.Future[InferResult], caller: Hashable) -> None:
@@ -151,7 +158,7 @@ class BatchQueue:
                 earliest = d
         if len(kept) != len(self._queue):
             self._queue = kept
-            self._observer.queue_depth(self._queued_items)
+            self._report_depth()
         for batch in self._running:
             for p in batch:
                 d = p.req.deadline
@@ -201,7 +208,7 @@ class BatchQueue:
             else:
                 window.append(p)
         if not window:
-            self._observer.queue_depth(self._queued_items)
+            self._report_depth()
             return []
         chosen = group_by_length(
             [cost_of(p.req) for p in window],
@@ -215,7 +222,7 @@ class BatchQueue:
         batch = [window[i] for i in sorted(taken)]
         for p in batch:
             self._forget(p)
-        self._observer.queue_depth(self._queued_items)
+        self._report_depth()
         return batch
 
     def _take(self, budget: int) -> list[Pending]:
@@ -246,7 +253,7 @@ class BatchQueue:
             items += p.req.items
             size += n
             largest = max(largest, n)
-        self._observer.queue_depth(self._queued_items)
+        self._report_depth()
         return batch
 
     def _pop(self) -> None:
@@ -280,7 +287,7 @@ class BatchQueue:
             self._waiting[p.caller] = self._waiting.get(p.caller, 0) + 1
             if self._tokens is not None:
                 self._queued_tokens += own_tokens(p.req)
-        self._observer.queue_depth(self._queued_items)
+        self._report_depth()
 
 
 def _expired(req: InferRequest, response_timeout_s: float | None, *, running: bool = False) -> ServingError:

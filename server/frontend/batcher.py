@@ -26,7 +26,8 @@ Semantics (DESIGN.md):
   crossed back, which under load is a loop turn of the frontend reading its clients (~30% of
   the worker's time at 64 HTTP clients). A smaller batch waits as before: sent with whatever
   had arrived, it would be small, and so would the batches after it. Its responseTimeout, its
-  queue wait and its compute time count from the end of the batch ahead, when it starts; if
+  queue wait and its compute time count from the end of the batch ahead, when it starts, and
+  the queue depth gauge counts its items until then (the HPA scales on that gauge); if
   the instance fails on the batch ahead, it never started and is queued again, as a batch
   still in the queue would have been.
 """
@@ -157,7 +158,7 @@ class Batcher(BatchQueue):
         fut: asyncio.Future[InferResult] = (self._loop or asyncio.get_running_loop()).create_future()
         self._enqueue(req, fut, caller)
         self._queued_items += req.items
-        self._observer.queue_depth(self._queued_items)
+        self._report_depth()
         if req.deadline is not None:
             self._deadlines.watch(req.deadline)
         self._arrival.set()
@@ -237,7 +238,11 @@ class Batcher(BatchQueue):
             if self.policy.pipelined and self.policy.runner_concurrency == 1:
                 ahead = self._tail[runner][2] if load > 1 else None
                 ended = asyncio.get_running_loop().create_future()
-                self._tail[runner] = (self._clock(), sum(p.req.items for p in batch), ended)
+                items = sum(p.req.items for p in batch)
+                self._tail[runner] = (self._clock(), items, ended)
+                if ahead is not None:  # waits behind: still counted in the queue's depth
+                    self._behind_items += items
+                    self._report_depth()
             task = asyncio.get_running_loop().create_task(self._run(runner, batch, ahead, ended))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -290,6 +295,9 @@ class Batcher(BatchQueue):
             if started is not None:
                 return
             started = now = self._clock()
+            if ahead is not None:
+                self._behind_items -= sum(p.req.items for p in batch)
+                self._report_depth()
             self._observer.batch_started(
                 sum(p.req.items for p in batch),
                 [now - p.enqueued for p in batch],

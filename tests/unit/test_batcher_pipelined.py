@@ -1,9 +1,10 @@
 """A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a batch as
 large as the one it computes (or full) is sent to it meanwhile and starts the moment the batch
 ahead ends; a smaller one waits for it; the batch behind counts its responseTimeout, queue wait
-and compute time from its start; an instance that fails on the batch ahead leaves the batch
-behind to the next instance. Pure asyncio with the fake clock of test_batcher; the runner models
-a worker (one batch computing, the next waiting in its socket)."""
+and compute time from its start, and in the queue depth gauge until then; an instance that
+fails on the batch ahead leaves the batch behind to the next instance. Pure asyncio with the
+fake clock of test_batcher; the runner models a worker (one batch computing, the next waiting in
+its socket)."""
 
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ class Books:
     def __init__(self) -> None:
         self.started: list[tuple[int, list[float]]] = []
         self.finished: list[float] = []
+        self.depth = 0
 
     def queue_depth(self, items: int) -> None:
-        pass
+        self.depth = items
 
     def batch_started(
         self, items: int, queue_waits: Sequence[float], versions: Sequence[str | None] = ()
@@ -198,10 +200,12 @@ def test_the_batch_behind_counts_its_response_timeout_queue_wait_and_time_from_i
         behind = [submit(b, "r1"), submit(b, "r2")]
         await settle()
         assert len(runner.sent) == 2
+        assert books.depth == 2, "sent but not started: still counted as waiting"
         clock.advance(8)  # the first batch computes 9 s in all, within its 10
         await settle()
         runner.finish()
         await settle()
+        assert books.depth == 0
         clock.advance(8)  # the batch behind: 17 s since it was sent, 8 since it started
         await settle()
         assert not any(t.done() for t in behind), "its timeout counts from its start"
