@@ -102,8 +102,7 @@ class BatchPolicy:
     # for a model whose worker runs several calls at once (asyncCommunication).
     runner_concurrency: int = 1
     # A runner of one batch at a time is sent the next one while it computes, once the queue
-    # holds as much as that batch (or a full one), so its worker starts it the moment the first
-    # ends (`Batcher`).
+    # holds a full batch, so its worker starts it the moment the first ends (`Batcher`).
     pipelined: bool = False
     # A batch stops taking requests before its inputs pass this many bytes (MAX_BATCH_BYTES).
     max_batch_bytes: int = MAX_BATCH_BYTES

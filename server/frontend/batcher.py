@@ -19,13 +19,14 @@ Semantics (DESIGN.md):
 - A runner computes one batch at a time, or up to `runner_concurrency` for a model whose worker
   runs several calls at once (asyncCommunication): such a runner is offered batches again as
   soon as it took one, while it has room.
-- Pipelined (`BatchPolicy.pipelined`): while every runner is busy and what waits is as large as
-  the batch a runner computes (or a full batch), it is sent to that runner, to start the moment
-  its batch ends; never more than one waits behind another. Otherwise the worker sat idle from
-  the end of each batch until its results had crossed to the frontend and the next batch had
-  crossed back, which under load is a loop turn of the frontend reading its clients (~30% of
-  the worker's time at 64 HTTP clients). A smaller batch waits as before: sent with whatever
-  had arrived, it would be small, and so would the batches after it. Its responseTimeout, its
+- Pipelined (`BatchPolicy.pipelined`): while every runner is busy and a full batch waits, it is
+  sent to the runner whose batch went first, to start the moment that batch ends; never more
+  than one waits behind another. Otherwise the worker sat idle from the end of each batch until
+  its results had crossed to the frontend and the next batch had crossed back, which under load
+  is a loop turn of the frontend reading its clients (~30% of the worker's time at 64 HTTP
+  clients). Only a full batch goes early, since waiting cannot make it fuller: one sent with
+  less would take only what had arrived, and what arrives after it (during a long batch, most
+  of it) would wait one batch more. Its responseTimeout, its
   queue wait and its compute time count from the end of the batch ahead, when it starts, and
   the queue depth gauge counts its items until then (the HPA scales on that gauge); if
   the instance fails on the batch ahead, it never started and is queued again, as a batch
@@ -96,7 +97,7 @@ class Batcher(BatchQueue):
         # Per runner of one batch at a time: when its last batch was sent, and a future that
         # ends with that batch (True if the instance failed or hung on it): a batch pipelined
         # behind it starts then.
-        self._tail: dict[BatchRunner, tuple[float, int, asyncio.Future[bool]]] = {}
+        self._tail: dict[BatchRunner, tuple[float, asyncio.Future[bool]]] = {}
         self._task: asyncio.Task[None] | None = None
         # The loop it dispatches on, kept from `start`: CPython 3.11's `get_running_loop` makes a
         # getpid system call each time, and `enqueue` runs once per request.
@@ -236,38 +237,29 @@ class Batcher(BatchQueue):
             self._running.append(batch)  # from now on the deadline watch sees it as running
             ahead = ended = None
             if self.policy.pipelined and self.policy.runner_concurrency == 1:
-                ahead = self._tail[runner][2] if load > 1 else None
+                ahead = self._tail[runner][1] if load > 1 else None
                 ended = asyncio.get_running_loop().create_future()
-                items = sum(p.req.items for p in batch)
-                self._tail[runner] = (self._clock(), items, ended)
+                self._tail[runner] = (self._clock(), ended)
                 if ahead is not None:  # waits behind: still counted in the queue's depth
-                    self._behind_items += items
+                    self._behind_items += sum(p.req.items for p in batch)
                     self._report_depth()
             task = asyncio.get_running_loop().create_task(self._run(runner, batch, ahead, ended))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
     async def _next_runner(self, max_items: int) -> BatchRunner:
-        """An idle runner; or, while none is idle and a batch waits as large as one computing
-        (or full), that batch's runner, to take the next one behind it (pipelined: module
-        docstring)."""
+        """An idle runner; or, while none is idle and a full batch waits, the busy runner whose
+        batch was sent first, to take the next one behind it (pipelined: module docstring)."""
         while self._idle.empty():
-            if self._queue and (behind := self._runner_to_pipeline(max_items)) is not None:
+            if self._full(max_items) and (behind := self._runner_to_pipeline()) is not None:
                 return behind
             await self._wait_arrival(None)  # a runner freed or added, or a request arrived
         return self._idle.get_nowait()
 
-    def _runner_to_pipeline(self, max_items: int) -> BatchRunner | None:
+    def _runner_to_pipeline(self) -> BatchRunner | None:
         if not self.policy.pipelined or self.policy.runner_concurrency != 1:
             return None
-        full = self._full(max_items)
-        computing = [
-            r
-            for r in self._runners
-            if self._load.get(r) == 1
-            and r not in self._retired
-            and (full or self._queued_items >= self._tail[r][1])
-        ]
+        computing = [r for r in self._runners if self._load.get(r) == 1 and r not in self._retired]
         return min(computing, key=lambda r: self._tail[r][0], default=None)
 
     def _fail(self, batch: list[Pending], err: ServingError) -> None:
@@ -380,7 +372,7 @@ class Batcher(BatchQueue):
             start()  # a batch that never started still ends once in the observer's books
             if ended is not None:
                 ended.set_result(broken is not None)
-                if self._tail.get(runner, (0, 0, None))[2] is ended:
+                if self._tail.get(runner, (0, None))[1] is ended:
                     del self._tail[runner]
             self._running.remove(batch)
             assert started is not None  # set by start() above

@@ -1,10 +1,10 @@
-"""A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a batch as
-large as the one it computes (or full) is sent to it meanwhile and starts the moment the batch
-ahead ends; a smaller one waits for it; the batch behind counts its responseTimeout, queue wait
-and compute time from its start, and in the queue depth gauge until then; an instance that
-fails on the batch ahead leaves the batch behind to the next instance. Pure asyncio with the
-fake clock of test_batcher; the runner models a worker (one batch computing, the next waiting in
-its socket)."""
+"""A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a full batch
+is sent to it meanwhile and starts the moment the batch ahead ends; a partial one waits for it
+(what arrives during a long batch runs together after it); the batch behind counts its
+responseTimeout, queue wait and compute time from its start, and in the queue depth gauge until
+then; an instance that fails on the batch ahead leaves the batch behind to the next instance.
+Pure asyncio with the fake clock of test_batcher; the runner models a worker (one batch
+computing, the next waiting in its socket)."""
 
 from __future__ import annotations
 
@@ -105,27 +105,50 @@ def make(
     return b
 
 
-def test_a_batch_as_large_as_the_one_computing_goes_to_its_runner_and_starts_when_that_one_ends() -> None:
+def test_a_full_batch_goes_to_the_busy_runner_and_starts_when_the_batch_ahead_ends() -> None:
+    async def body(clock: FakeClock) -> None:
+        runner = SerialRunner()
+        b = make([runner], clock, max_batch_size=3)
+        first = submit(b, "r0")  # the runner is idle: sent at once, alone (no idle wait)
+        await settle()
+        partial = [submit(b, "r1"), submit(b, "r2")]
+        await settle()
+        assert runner.sent == [["r0"]], "a partial batch waits for the runner: it may still fill"
+        partial.append(submit(b, "r3"))
+        await settle()
+        assert runner.sent == [["r0"], ["r1", "r2", "r3"]], "a full one goes while the runner computes"
+        assert runner.started == [["r0"]]
+        runner.finish()
+        await settle()
+        assert result(first) == echo("r0")
+        assert runner.started == [["r0"], ["r1", "r2", "r3"]]
+        assert not any(t.done() for t in partial)
+        runner.finish()
+        await settle()
+        assert [result(t) for t in partial] == [echo("r1"), echo("r2"), echo("r3")]
+        await b.close()
+
+    run(body)
+
+
+def test_what_arrives_during_a_long_batch_runs_together_after_it() -> None:
     async def body(clock: FakeClock) -> None:
         runner = SerialRunner()
         b = make([runner], clock, max_batch_size=4)
-        first = [submit(b, "r0"), submit(b, "r1")]  # the runner is idle: sent at once (no idle wait)
+        first = submit(b, "slow")
         await settle()
-        second = submit(b, "r2")
-        await settle()
-        assert runner.sent == [["r0", "r1"]], "a batch smaller than the one computing waits"
-        third = submit(b, "r3")
-        await settle()
-        assert runner.sent == [["r0", "r1"], ["r2", "r3"]], "as large: it goes while the runner computes"
-        assert runner.started == [["r0", "r1"]]
+        later = []
+        for i in range(3):  # one by one while the first computes
+            later.append(submit(b, f"r{i}"))
+            await settle()
+        assert runner.sent == [["slow"]]
         runner.finish()
         await settle()
-        assert [result(t) for t in first] == [echo("r0"), echo("r1")]
-        assert runner.started == [["r0", "r1"], ["r2", "r3"]]
-        assert not second.done()
+        assert runner.sent == [["slow"], ["r0", "r1", "r2"]]
         runner.finish()
         await settle()
-        assert [result(t) for t in (second, third)] == [echo("r2"), echo("r3")]
+        assert result(first) == echo("slow")
+        assert [result(t) for t in later] == [echo(f"r{i}") for i in range(3)]
         await b.close()
 
     run(body)
