@@ -26,11 +26,10 @@ Semantics (DESIGN.md):
   is a loop turn of the frontend reading its clients (~30% of the worker's time at 64 HTTP
   clients). Only a full batch goes early, since waiting cannot make it fuller: one sent with
   less would take only what had arrived, and what arrives after it (during a long batch, most
-  of it) would wait one batch more. Its responseTimeout, its
-  queue wait and its compute time count from the end of the batch ahead, when it starts, and
-  the queue depth gauge counts its items until then (the HPA scales on that gauge); if
-  the instance fails on the batch ahead, it never started and is queued again, as a batch
-  still in the queue would have been.
+  of it) would wait one batch more. Its responseTimeout, its queue wait and its compute time
+  count from the end of the batch ahead, when it starts, and the queue depth gauge counts its
+  items until then (the HPA scales on that gauge); if the instance fails on the batch ahead,
+  it never started and is queued again, as a batch still in the queue would have been.
 """
 
 from __future__ import annotations
@@ -328,8 +327,7 @@ class Batcher(BatchQueue):
         except InstanceFailed as exc:
             broken = "failed"
             if ahead is not None and ahead.done() and ahead.result():
-                retried = True  # it never started: the instance failed on the batch ahead of it
-                self._requeue(batch)
+                self._requeue(batch)  # it never started: the instance failed on the batch ahead
             else:
                 log.error("runner %s failed: %s; replacing it", runner.id, exc)
                 self._fail(
