@@ -105,6 +105,17 @@ def make(
     return b
 
 
+async def one_computing_and_a_full_batch_behind(
+    b: Batcher,
+) -> tuple[asyncio.Task[InferResult], list[asyncio.Task[InferResult]]]:
+    """r0 sent alone to the idle runner, then r1 and r2 (a full batch of 2) sent behind it."""
+    first = submit(b, "r0")
+    await settle()
+    behind = [submit(b, "r1"), submit(b, "r2")]
+    await settle()
+    return first, behind
+
+
 def test_a_full_batch_goes_to_the_busy_runner_and_starts_when_the_batch_ahead_ends() -> None:
     async def body(clock: FakeClock) -> None:
         runner = SerialRunner()
@@ -247,10 +258,7 @@ def test_a_batch_behind_past_its_response_timeout_fails_as_hung() -> None:
     async def body(clock: FakeClock) -> None:
         runner = SerialRunner()
         b = make([runner], clock, batch_timeout_s=10)
-        first = submit(b, "r0")
-        await settle()
-        behind = [submit(b, "r1"), submit(b, "r2")]
-        await settle()
+        first, behind = await one_computing_and_a_full_batch_behind(b)
         runner.finish()
         await settle()
         assert result(first) == echo("r0")
@@ -272,10 +280,7 @@ def test_the_batch_behind_a_batch_its_instance_failed_on_runs_on_the_next_instan
             return spare
 
         b = make([broken], clock, replace_runner=replace)
-        first = submit(b, "r0")
-        await settle()
-        behind = [submit(b, "r1"), submit(b, "r2")]
-        await settle()
+        first, behind = await one_computing_and_a_full_batch_behind(b)
         assert broken.sent == [["r0"], ["r1", "r2"]]
         broken.fail()
         await settle()
@@ -298,10 +303,7 @@ def test_a_batch_its_instance_failed_on_after_the_batch_ahead_was_answered_fails
             return spare
 
         b = make([broken], clock, replace_runner=replace)
-        first = submit(b, "r0")
-        await settle()
-        behind = [submit(b, "r1"), submit(b, "r2")]
-        await settle()
+        first, behind = await one_computing_and_a_full_batch_behind(b)
         broken.finish()
         await settle()
         assert broken.started == [["r0"], ["r1", "r2"]]
