@@ -286,11 +286,12 @@ class Batcher(BatchQueue):
             if started is not None:
                 return
             started = now = self._clock()
+            items = sum(p.req.items for p in batch)
             if ahead is not None:
-                self._behind_items -= sum(p.req.items for p in batch)
+                self._behind_items -= items
                 self._report_depth()
             self._observer.batch_started(
-                sum(p.req.items for p in batch),
+                items,
                 [now - p.enqueued for p in batch],
                 [p.req.version for p in batch],
             )
