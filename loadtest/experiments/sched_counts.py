@@ -1,0 +1,268 @@
+"""What the kernel does to each server process under load: context switches, migrations, user and
+system CPU per request by process role; and what pinning a role to one CPU, or giving it
+SCHED_BATCH, changes, measured on one server in the same minutes.
+
+    python -m mariner.loadtest.experiments.sched_counts                         # 64 clients, 4 x 4 s
+    python -m mariner.loadtest.experiments.sched_counts --pin frontend=0,worker=1
+    python -m mariner.loadtest.experiments.sched_counts --batch frontend --clients 8
+
+Why a tool of its own: the frontend's CPU per prediction live (~95-125 µs at 64 clients on the
+2-core machine) is about twice what `percall` measures in-process (~50), and the interpreter is
+not all of the difference. Per answered request this prints, for each role (frontend, worker,
+supervisor): CPU (and its system part), voluntary and involuntary context switches (from
+/proc/PID/task/TID/status) and migrations between CPUs (`se.nr_migrations` in .../sched, where the
+kernel shows it). With `--pin` or `--batch` each round serves one level as started and one with
+the setting applied to the role's threads (undone after), in alternating order, so the variant and
+the baseline share the server, its warm caches and the minute. Threads a process starts while a
+setting is applied keep the process's own affinity and policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from mariner.loadtest.closedloop import LoadSpec, run_level
+from mariner.loadtest.experiments.ab_live import WARMUP, role
+from mariner.loadtest.payloads import test_digit_bodies
+from mariner.loadtest.servers.mariner import REPO, MarinerProcess
+from mariner.loadtest.servers.process import LOCALHOST
+
+REPORTED_ROLES = ("frontend", "worker", "supervisor")  # the zygote only forks workers
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What the kernel counted for a process (or a role's processes), summed over its threads."""
+
+    cpu_s: float = 0.0
+    system_s: float = 0.0
+    voluntary: int = 0
+    involuntary: int = 0
+    migrations: int | None = 0  # None where the kernel does not show them
+
+    def __add__(self, other: Counters) -> Counters:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: Counters) -> Counters:
+        return self._combine(other, -1)
+
+    def _combine(self, other: Counters, sign: int) -> Counters:
+        mig = (
+            None
+            if self.migrations is None or other.migrations is None
+            else self.migrations + sign * other.migrations
+        )
+        return Counters(
+            self.cpu_s + sign * other.cpu_s,
+            self.system_s + sign * other.system_s,
+            self.voluntary + sign * other.voluntary,
+            self.involuntary + sign * other.involuntary,
+            mig,
+        )
+
+
+def _thread_switches(pid: int, tid: int) -> tuple[int, int, int | None]:
+    voluntary = involuntary = 0
+    migrations: int | None = None
+    with open(f"/proc/{pid}/task/{tid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name == "voluntary_ctxt_switches":
+                voluntary = int(value)
+            elif name == "nonvoluntary_ctxt_switches":
+                involuntary = int(value)
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/sched") as sched:
+        for line in sched:
+            if line.startswith("se.nr_migrations"):
+                migrations = int(line.partition(":")[2])
+    return voluntary, involuntary, migrations
+
+
+def read_counters(pid: int) -> Counters:
+    """The counters of process `pid` now (a thread that ended meanwhile is left out)."""
+    process = psutil.Process(pid)
+    total = Counters()
+    for thread in process.threads():
+        with contextlib.suppress(OSError):
+            voluntary, involuntary, migrations = _thread_switches(pid, thread.id)
+            total += Counters(0.0, 0.0, voluntary, involuntary, migrations)
+    times = process.cpu_times()
+    return Counters(times.user + times.system, times.system) + total
+
+
+def pids_by_role(root: int) -> dict[str, list[int]]:
+    """The server's processes (the supervisor `root` and its descendants) by role."""
+    out: dict[str, list[int]] = {}
+    top = psutil.Process(root)
+    for p in [top, *top.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            out.setdefault(role(p.cmdline()), []).append(p.pid)
+    return out
+
+
+def counters_by_role(roles: dict[str, list[int]]) -> dict[str, Counters]:
+    out: dict[str, Counters] = {}
+    for name, pids in roles.items():
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                out[name] = out.get(name, Counters()) + read_counters(pid)
+    return out
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a variant changes: roles pinned to one CPU each, roles given SCHED_BATCH."""
+
+    pin: dict[str, int] = field(default_factory=dict)
+    batch: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.pin or self.batch)
+
+    def label(self) -> str:
+        parts = [f"{r} on CPU {c}" for r, c in sorted(self.pin.items())]
+        parts += [f"{r} SCHED_BATCH" for r in sorted(self.batch)]
+        return ", ".join(parts) or "as started"
+
+
+@contextlib.contextmanager
+def applied(setting: Setting, roles: dict[str, list[int]]) -> Iterator[None]:
+    """`setting` on every thread of the roles it names, each thread's own affinity and policy
+    restored afterwards."""
+    undo: list[Callable[[], None]] = []
+    try:
+        for name in set(setting.pin) | setting.batch:
+            for pid in roles.get(name, []):
+                for tid in (t.id for t in psutil.Process(pid).threads()):
+                    undo.append(_set(tid, setting.pin.get(name), name in setting.batch))
+        yield
+    finally:
+        for step in reversed(undo):
+            with contextlib.suppress(OSError):
+                step()
+
+
+def _set(tid: int, cpu: int | None, batch: bool) -> Callable[[], None]:
+    cpus, policy, param = os.sched_getaffinity(tid), os.sched_getscheduler(tid), os.sched_getparam(tid)
+    if cpu is not None:
+        os.sched_setaffinity(tid, {cpu})
+    if batch:
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+
+    def restore() -> None:
+        os.sched_setaffinity(tid, cpus)
+        os.sched_setscheduler(tid, policy, param)
+
+    return restore
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level served under one setting: throughput, p50 and each role's counters per request."""
+
+    rps: float
+    p50_ms: float
+    per_request: dict[str, Counters]
+    requests: int
+
+
+def serve_level(
+    server: MarinerProcess, roles: dict[str, list[int]], *, model: str, clients: int, seconds: float
+) -> Level:
+    assert server.pid is not None
+    before = counters_by_role(roles)
+    level = run_level(
+        server="mariner", protocol="http", host=LOCALHOST, port=server.ports.inference, model=model,
+        concurrency=clients, load=LoadSpec(requests=0, warmup=WARMUP, duration_s=seconds),
+        bodies=test_digit_bodies(), server_pid=server.pid,
+    )  # fmt: skip
+    if level.errors:
+        raise RuntimeError(f"{level.errors} errors, the first: {level.first_error}")
+    after = counters_by_role(roles)
+    answered = level.latency.n + max(WARMUP, clients * LoadSpec(0, 0).min_warmup_per_client)
+    return Level(
+        level.throughput_rps, level.latency.p50_ms, {r: after[r] - before[r] for r in after}, answered
+    )
+
+
+def _cells(level: Level, name: str) -> list[str]:
+    c, n = level.per_request.get(name, Counters()), level.requests
+    mig = "n/a" if c.migrations is None else f"{c.migrations / n:.3f}"
+    return [f"{c.cpu_s / n * 1e6:.1f}", f"{c.system_s / n * 1e6:.1f}", f"{c.voluntary / n:.3f}",
+            f"{c.involuntary / n:.3f}", mig]  # fmt: skip
+
+
+def report(levels: dict[str, list[Level]]) -> str:
+    """Per setting, the median round's figures (the round of median throughput) and the median
+    of throughput and p50 over the rounds."""
+    head = ["setting", "req/s", "p50 ms", "role", "CPU µs/req", "system µs/req", "voluntary/req",
+            "involuntary/req", "migrations/req"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for label, runs in levels.items():
+        middle = sorted(runs, key=lambda lv: lv.rps)[(len(runs) - 1) // 2]
+        rps, p50 = statistics.median(lv.rps for lv in runs), statistics.median(lv.p50_ms for lv in runs)
+        for i, name in enumerate(REPORTED_ROLES):
+            first = [label, f"{rps:,.0f}", f"{p50:.2f}"] if i == 0 else ["", "", ""]
+            lines.append("| " + " | ".join([*first, name, *_cells(middle, name)]) + " |")
+    return "\n".join(lines)
+
+
+def parse_pins(text: str) -> dict[str, int]:
+    pins: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        name, sep, cpu = part.partition("=")
+        if not sep or name not in REPORTED_ROLES or not cpu.isdigit():
+            raise ValueError(
+                f"--pin takes ROLE=CPU[,ROLE=CPU] with ROLE one of {REPORTED_ROLES}, not {part!r}"
+            )
+        pins[name] = int(cpu)
+    return pins
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="digits_torchscript")
+    p.add_argument("--model-store", type=Path, default=REPO / "model_store")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--pin", default="", help="ROLE=CPU[,ROLE=CPU]: the variant pins those roles")
+    p.add_argument("--batch", default="", help="ROLE[,ROLE]: the variant gives those roles SCHED_BATCH")
+    a = p.parse_args(argv)
+    if a.rounds < 1 or a.seconds <= 0 or a.clients < 1:
+        p.error("--rounds, --seconds and --clients must be positive")
+    try:
+        batch = frozenset(filter(None, a.batch.split(",")))
+        if not batch <= set(REPORTED_ROLES):
+            raise ValueError(f"--batch takes roles among {REPORTED_ROLES}, not {a.batch!r}")
+        variant = Setting(parse_pins(a.pin), batch)
+    except ValueError as exc:
+        p.error(str(exc))
+    settings = [Setting(), variant] if variant else [Setting()]
+    levels: dict[str, list[Level]] = {s.label(): [] for s in settings}
+    with MarinerProcess(a.model_store, a.model, torch_threads=1) as server:
+        assert server.pid is not None
+        roles = pids_by_role(server.pid)
+        print(f"{a.clients} clients, {a.rounds} x {a.seconds:g} s; processes: {roles}", flush=True)
+        for r in range(a.rounds):
+            for setting in settings if r % 2 == 0 else settings[::-1]:  # each first in half the rounds
+                with applied(setting, roles):
+                    level = serve_level(server, roles, model=a.model, clients=a.clients, seconds=a.seconds)
+                levels[setting.label()].append(level)
+                print(
+                    f"  round {r + 1} {setting.label()}: {level.rps:7.0f} req/s, p50 {level.p50_ms:.2f} ms",
+                    flush=True,
+                )
+        print(report(levels), flush=True)
+
+
+if __name__ == "__main__":
+    main()
