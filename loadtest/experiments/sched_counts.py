@@ -1,28 +1,32 @@
 """What the kernel does to each server process under load: context switches, migrations, user and
-system CPU per request by process role; and what pinning a role to one CPU, or giving it
-SCHED_BATCH, changes, measured on one server in the same minutes.
+system CPU per request by process role; and what pinning a role to one CPU, giving it SCHED_BATCH
+or another time slice changes, measured on one server in the same minutes.
 
     python -m mariner.loadtest.experiments.sched_counts                         # 64 clients, 4 x 4 s
     python -m mariner.loadtest.experiments.sched_counts --pin frontend=0,worker=1
     python -m mariner.loadtest.experiments.sched_counts --batch frontend --clients 8
+    python -m mariner.loadtest.experiments.sched_counts --slice frontend=200
 
 Why a tool of its own: the frontend's CPU per prediction live (~95-125 µs at 64 clients on the
 2-core machine) is about twice what `percall` measures in-process (~50), and the interpreter is
 not all of the difference. Per answered request this prints, for each role (frontend, worker,
 supervisor): CPU (and its system part), voluntary and involuntary context switches (from
 /proc/PID/task/TID/status) and migrations between CPUs (`se.nr_migrations` in .../sched, where the
-kernel shows it). With `--pin` or `--batch` each round serves one level as started and one with
-the setting applied to the role's threads (undone after), in alternating order, so the variant and
-the baseline share the server, its warm caches and the minute. Threads a process starts while a
-setting is applied keep the process's own affinity and policy.
+kernel shows it). With `--pin`, `--batch` or `--slice` (EEVDF's time slice, in µs: the runtime
+`sched_setattr` takes for a fair task since Linux 6.12; x86-64 only) each round serves one level
+as started and one with the setting applied to the role's threads (undone after), in alternating
+order, so the variant and the baseline share the server, its warm caches and the minute. Threads
+a process starts while a setting is applied keep the process's own affinity, policy and slice.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import statistics
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,17 +123,20 @@ def counters_by_role(roles: dict[str, list[int]]) -> dict[str, Counters]:
 
 @dataclass(frozen=True)
 class Setting:
-    """What a variant changes: roles pinned to one CPU each, roles given SCHED_BATCH."""
+    """What a variant changes: roles pinned to one CPU each, roles given SCHED_BATCH, roles given
+    a time slice (µs)."""
 
     pin: dict[str, int] = field(default_factory=dict)
     batch: frozenset[str] = frozenset()
+    slice_us: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.pin or self.batch)
+        return bool(self.pin or self.batch or self.slice_us)
 
     def label(self) -> str:
         parts = [f"{r} on CPU {c}" for r, c in sorted(self.pin.items())]
         parts += [f"{r} SCHED_BATCH" for r in sorted(self.batch)]
+        parts += [f"{r} slice {us} µs" for r, us in sorted(self.slice_us.items())]
         return ", ".join(parts) or "as started"
 
 
@@ -139,10 +146,12 @@ def applied(setting: Setting, roles: dict[str, list[int]]) -> Iterator[None]:
     restored afterwards."""
     undo: list[Callable[[], None]] = []
     try:
-        for name in set(setting.pin) | setting.batch:
+        for name in set(setting.pin) | setting.batch | set(setting.slice_us):
             for pid in roles.get(name, []):
                 for tid in (t.id for t in psutil.Process(pid).threads()):
                     undo.append(_set(tid, setting.pin.get(name), name in setting.batch))
+                    if name in setting.slice_us:
+                        undo.append(_set_slice(tid, setting.slice_us[name] * 1000))
         yield
     finally:
         for step in reversed(undo):
@@ -162,6 +171,39 @@ def _set(tid: int, cpu: int | None, batch: bool) -> Callable[[], None]:
         os.sched_setscheduler(tid, policy, param)
 
     return restore
+
+
+# sched_attr (include/uapi/linux/sched/types.h): size, policy, flags, nice, priority, runtime,
+# deadline, period, util_min, util_max; x86-64's syscall numbers.
+_SCHED_ATTR = struct.Struct("=IIQiIQQQII")
+_SETATTR, _GETATTR = 314, 315
+
+
+def _attr_call(number: int, tid: int, buf: ctypes.Array[ctypes.c_char], *args: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, tid, buf, *args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def slice_ns(tid: int) -> int:
+    """Thread `tid`'s time slice (the runtime `sched_getattr` reports for a fair task)."""
+    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
+    _attr_call(_GETATTR, tid, buf, _SCHED_ATTR.size, 0)
+    return int(_SCHED_ATTR.unpack(buf.raw)[5])
+
+
+def _set_slice(tid: int, ns: int) -> Callable[[], None]:
+    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
+    _attr_call(_GETATTR, tid, buf, _SCHED_ATTR.size, 0)
+    size, policy, _flags, nice, priority, old, *_ = _SCHED_ATTR.unpack(buf.raw)
+
+    def put(runtime: int) -> None:
+        attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, policy, 0, nice, priority, runtime, 0, 0, 0, 0)
+        _attr_call(_SETATTR, tid, ctypes.create_string_buffer(attr, _SCHED_ATTR.size), 0)
+
+    put(ns)
+    return lambda: put(old)
 
 
 @dataclass(frozen=True)
@@ -215,16 +257,18 @@ def report(levels: dict[str, list[Level]]) -> str:
     return "\n".join(lines)
 
 
-def parse_pins(text: str) -> dict[str, int]:
-    pins: dict[str, int] = {}
+def parse_roles(option: str, what: str, text: str) -> dict[str, int]:
+    """`ROLE=N[,ROLE=N]` (`what` names N in the error)."""
+    out: dict[str, int] = {}
     for part in filter(None, text.split(",")):
-        name, sep, cpu = part.partition("=")
-        if not sep or name not in REPORTED_ROLES or not cpu.isdigit():
+        name, sep, value = part.partition("=")
+        if not sep or name not in REPORTED_ROLES or not value.isdigit():
+            roles = ", ".join(REPORTED_ROLES)
             raise ValueError(
-                f"--pin takes ROLE=CPU[,ROLE=CPU] with ROLE one of {REPORTED_ROLES}, not {part!r}"
+                f"{option} takes ROLE={what}[,ROLE={what}] with ROLE one of {roles}, not {part!r}"
             )
-        pins[name] = int(cpu)
-    return pins
+        out[name] = int(value)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -236,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--pin", default="", help="ROLE=CPU[,ROLE=CPU]: the variant pins those roles")
     p.add_argument("--batch", default="", help="ROLE[,ROLE]: the variant gives those roles SCHED_BATCH")
+    p.add_argument(
+        "--slice", default="", help="ROLE=US[,ROLE=US]: the variant gives those roles that time slice"
+    )
     a = p.parse_args(argv)
     if a.rounds < 1 or a.seconds <= 0 or a.clients < 1:
         p.error("--rounds, --seconds and --clients must be positive")
@@ -243,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch = frozenset(filter(None, a.batch.split(",")))
         if not batch <= set(REPORTED_ROLES):
             raise ValueError(f"--batch takes roles among {REPORTED_ROLES}, not {a.batch!r}")
-        variant = Setting(parse_pins(a.pin), batch)
+        slices = parse_roles("--slice", "US", a.slice)
+        variant = Setting(parse_roles("--pin", "CPU", a.pin), batch, slices)
     except ValueError as exc:
         p.error(str(exc))
     settings = [Setting(), variant] if variant else [Setting()]

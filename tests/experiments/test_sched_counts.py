@@ -69,11 +69,19 @@ def test_a_variant_reaches_every_thread_of_its_role_and_is_undone(sleeper: subpr
     assert {tid: (os.sched_getaffinity(tid), os.sched_getscheduler(tid)) for tid in tids} == before
 
 
-def test_pins_are_checked() -> None:
-    assert sched_counts.parse_pins("frontend=0,worker=1") == {"frontend": 0, "worker": 1}
+def test_role_options_are_checked() -> None:
+    assert sched_counts.parse_roles("--pin", "CPU", "frontend=0,worker=1") == {"frontend": 0, "worker": 1}
     for bad in ("frontend", "client=0", "worker=one"):
-        with pytest.raises(ValueError, match="--pin takes ROLE=CPU"):
-            sched_counts.parse_pins(bad)
+        with pytest.raises(ValueError, match="--slice takes ROLE=US"):
+            sched_counts.parse_roles("--slice", "US", bad)
+
+
+def test_a_slice_reaches_every_thread_of_its_role_and_is_undone(sleeper: subprocess.Popen[bytes]) -> None:
+    tids = [int(t) for t in os.listdir(f"/proc/{sleeper.pid}/task")]
+    before = {tid: sched_counts.slice_ns(tid) for tid in tids}
+    with sched_counts.applied(Setting(slice_us={"worker": 300}), {"worker": [sleeper.pid]}):
+        assert {tid: sched_counts.slice_ns(tid) for tid in tids} == dict.fromkeys(tids, 300_000)
+    assert {tid: sched_counts.slice_ns(tid) for tid in tids} == before
 
 
 @pytest.mark.integration
