@@ -160,17 +160,29 @@ def report(samples: dict[str, list[Sample]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="git ref of the build to compare this checkout with")
+def live_parser(doc: str | None, *, rounds: int, seconds: float) -> argparse.ArgumentParser:
+    """The options of every live experiment: the model served and its store, and the closed
+    loop's rounds (`rounds` by default), seconds per level and clients (64)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="digits_torchscript")
     p.add_argument("--model-store", type=Path, default=REPO / "model_store")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--seconds", type=float, default=seconds)
     p.add_argument("--clients", type=int, default=64)
-    a = p.parse_args(argv)
+    return p
+
+
+def check_live(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse (as argparse does) rounds, seconds or clients that are not positive."""
     if a.rounds < 1 or a.seconds <= 0 or a.clients < 1:
         p.error("--rounds, --seconds and --clients must be positive")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = live_parser(__doc__, rounds=10, seconds=3.0)
+    p.add_argument("--base", required=True, help="git ref of the build to compare this checkout with")
+    a = p.parse_args(argv)
+    check_live(p, a)
     with checkout(a.base) as path:
         compare(a, base_env=path_first(path), new_env=None, names=(a.base, "this checkout"))
 

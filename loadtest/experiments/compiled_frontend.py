@@ -25,7 +25,6 @@ extra) and a C compiler.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -34,8 +33,14 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mariner.loadtest.experiments.ab_live import checkout, compare, imported_from, path_first
-from mariner.loadtest.servers.mariner import REPO
+from mariner.loadtest.experiments.ab_live import (
+    check_live,
+    checkout,
+    compare,
+    imported_from,
+    live_parser,
+    path_first,
+)
 
 # What a prediction over HTTP runs in the frontend (module paths under the package root). Left
 # out: `frontend/protocols/call.py` (mypyc cannot compile its generic frozen dataclass `Ok`) and
@@ -117,16 +122,12 @@ def percall(path: Path | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="digits_torchscript")
-    p.add_argument("--model-store", type=Path, default=REPO / "model_store")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--clients", type=int, default=64)
+    p = live_parser(__doc__, rounds=8, seconds=3.0)
     p.add_argument("--in-process-rounds", type=int, default=2, help="percall runs per build, in turn")
     a = p.parse_args(argv)
-    if a.rounds < 1 or a.seconds <= 0 or a.clients < 1 or a.in_process_rounds < 0:
-        p.error("--rounds, --seconds and --clients must be positive, --in-process-rounds not negative")
+    check_live(p, a)
+    if a.in_process_rounds < 0:
+        p.error("--in-process-rounds must not be negative")
     with compiled() as path:
         print(f"compiled with mypyc: {len(HOT_MODULES)} modules of HEAD", flush=True)
         for r in range(a.in_process_rounds):

@@ -21,7 +21,6 @@ a process starts while a setting is applied keep the process's own affinity, pol
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import os
@@ -29,14 +28,13 @@ import statistics
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 
 from mariner.loadtest.closedloop import LoadSpec, run_level
-from mariner.loadtest.experiments.ab_live import WARMUP, role
+from mariner.loadtest.experiments.ab_live import WARMUP, check_live, live_parser, role
 from mariner.loadtest.payloads import test_digit_bodies
-from mariner.loadtest.servers.mariner import REPO, MarinerProcess
+from mariner.loadtest.servers.mariner import MarinerProcess
 from mariner.loadtest.servers.process import LOCALHOST
 
 REPORTED_ROLES = ("frontend", "worker", "supervisor")  # the zygote only forks workers
@@ -272,20 +270,14 @@ def parse_roles(option: str, what: str, text: str) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="digits_torchscript")
-    p.add_argument("--model-store", type=Path, default=REPO / "model_store")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--clients", type=int, default=64)
+    p = live_parser(__doc__, rounds=4, seconds=4.0)
     p.add_argument("--pin", default="", help="ROLE=CPU[,ROLE=CPU]: the variant pins those roles")
     p.add_argument("--batch", default="", help="ROLE[,ROLE]: the variant gives those roles SCHED_BATCH")
     p.add_argument(
         "--slice", default="", help="ROLE=US[,ROLE=US]: the variant gives those roles that time slice"
     )
     a = p.parse_args(argv)
-    if a.rounds < 1 or a.seconds <= 0 or a.clients < 1:
-        p.error("--rounds, --seconds and --clients must be positive")
+    check_live(p, a)
     try:
         batch = frozenset(filter(None, a.batch.split(",")))
         if not batch <= set(REPORTED_ROLES):
