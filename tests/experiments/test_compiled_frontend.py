@@ -17,6 +17,7 @@ import pytest
 
 from mariner.loadtest.experiments import compiled_frontend as cf
 from mariner.loadtest.experiments.ab_live import checkout, imported_from, path_first
+from mariner.loadtest.servers.mariner import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,14 +42,14 @@ def test_a_compiled_module_of_the_worktree_is_what_the_build_imports_and_answers
         )
         assert out.stdout.split() == ["b'2'", "None"]
     assert not tree.exists()  # the worktree and its extensions are gone
-    assert not list(Path(cf.REPO, "server", "common").glob("raw_headers*.so"))  # nothing here
+    assert not list(Path(REPO, "server", "common").glob("raw_headers*.so"))  # nothing here
 
 
 def test_the_classes_the_listener_subclasses_are_marked_for_interpreted_subclasses(tmp_path: Path) -> None:
     for rel, name in cf.SUBCLASSED.items():
         target = tmp_path / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(cf.REPO, rel), target)
+        shutil.copy(Path(REPO, rel), target)
         cf.open_to_subclasses(tmp_path, rel, name)
         text = target.read_text()
         assert f"@mypyc_attr(allow_interpreted_subclasses=True)\nclass {name}(" in text
@@ -60,4 +61,4 @@ def test_the_classes_the_listener_subclasses_are_marked_for_interpreted_subclass
 
 def test_every_hot_module_exists() -> None:
     for rel in (*cf.HOT_MODULES, *cf.SUBCLASSED):
-        assert Path(cf.REPO, rel).is_file(), rel
+        assert Path(REPO, rel).is_file(), rel
