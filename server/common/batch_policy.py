@@ -107,6 +107,12 @@ class BatchPolicy:
     # A batch stops taking requests before its inputs pass this many bytes (MAX_BATCH_BYTES).
     max_batch_bytes: int = MAX_BATCH_BYTES
 
+    @property
+    def pipelines(self) -> bool:
+        """Whether the next batch goes to a busy runner early: `pipelined`, for a runner of one
+        batch at a time (one of several at once is offered batches while it has room anyway)."""
+        return self.pipelined and self.runner_concurrency == 1
+
     def __post_init__(self) -> None:
         if (
             self.max_batch_size < 1

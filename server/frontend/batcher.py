@@ -235,7 +235,7 @@ class Batcher(BatchQueue):
                 self._idle.put_nowait(runner)  # room for another batch at once
             self._running.append(batch)  # from now on the deadline watch sees it as running
             ahead = ended = None
-            if self.policy.pipelined and self.policy.runner_concurrency == 1:
+            if self.policy.pipelines:
                 ahead = self._tail[runner][1] if load > 1 else None
                 ended = asyncio.get_running_loop().create_future()
                 self._tail[runner] = (self._clock(), ended)
@@ -256,7 +256,7 @@ class Batcher(BatchQueue):
         return self._idle.get_nowait()
 
     def _runner_to_pipeline(self) -> BatchRunner | None:
-        if not self.policy.pipelined or self.policy.runner_concurrency != 1:
+        if not self.policy.pipelines:
             return None
         computing = [r for r in self._runners if self._load.get(r) == 1 and r not in self._retired]
         return min(computing, key=lambda r: self._tail[r][0], default=None)
