@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from mariner.loadtest.closedloop import LoadSpec, run_level
+from mariner.loadtest.closedloop import LevelResult, LoadSpec, run_level
 from mariner.loadtest.payloads import test_digit_bodies
 from mariner.loadtest.servers.mariner import REPO, MarinerProcess
 from mariner.loadtest.servers.process import LOCALHOST
@@ -104,6 +104,23 @@ def checkout(ref: str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def drive(
+    server: MarinerProcess, name: str, *, model: str, clients: int, seconds: float, bodies: tuple[bytes, ...]
+) -> tuple[LevelResult, int]:
+    """One level of the benchmark's closed loop (HTTP `/predictions`) against `server`, refused on
+    any error; with the requests it answered, warm-up included (a CPU reading taken around it
+    covers those too)."""
+    assert server.pid is not None
+    level = run_level(
+        server=name, protocol="http", host=LOCALHOST, port=server.ports.inference, model=model,
+        concurrency=clients, load=LoadSpec(requests=0, warmup=WARMUP, duration_s=seconds),
+        bodies=bodies, server_pid=server.pid,
+    )  # fmt: skip
+    if level.errors:
+        raise RuntimeError(f"{name}: {level.errors} errors, the first: {level.first_error}")
+    return level, level.latency.n + max(WARMUP, clients * LoadSpec(0, 0).min_warmup_per_client)
+
+
 def measure(
     servers: dict[str, MarinerProcess], *, model: str, rounds: int, seconds: float, clients: int
 ) -> dict[str, list[Sample]]:
@@ -115,15 +132,10 @@ def measure(
             server = servers[name]
             assert server.pid is not None
             before = cpu_by_role(server.pid)
-            level = run_level(
-                server=name, protocol="http", host=LOCALHOST, port=server.ports.inference, model=model,
-                concurrency=clients, load=LoadSpec(requests=0, warmup=WARMUP, duration_s=seconds),
-                bodies=bodies, server_pid=server.pid,
-            )  # fmt: skip
-            if level.errors:
-                raise RuntimeError(f"{name}: {level.errors} errors, the first: {level.first_error}")
+            level, answered = drive(
+                server, name, model=model, clients=clients, seconds=seconds, bodies=bodies
+            )
             after = cpu_by_role(server.pid)
-            answered = level.latency.n + max(WARMUP, clients * LoadSpec(0, 0).min_warmup_per_client)
             cpu = {k: (after[k] - before.get(k, 0.0)) / answered * 1e6 for k in after}
             samples[name].append(
                 Sample(level.throughput_rps, level.latency.p50_ms, level.latency.p99_ms, cpu)

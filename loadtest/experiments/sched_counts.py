@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import statistics
 import struct
@@ -31,11 +32,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from mariner.loadtest.closedloop import LoadSpec, run_level
-from mariner.loadtest.experiments.ab_live import WARMUP, check_live, live_parser, role
+from mariner.loadtest.experiments.ab_live import check_live, drive, live_parser, role
 from mariner.loadtest.payloads import test_digit_bodies
 from mariner.loadtest.servers.mariner import MarinerProcess
-from mariner.loadtest.servers.process import LOCALHOST
 
 REPORTED_ROLES = ("frontend", "worker", "supervisor")  # the zygote only forks workers
 
@@ -177,28 +176,35 @@ _SCHED_ATTR = struct.Struct("=IIQiIQQQII")
 _SETATTR, _GETATTR = 314, 315
 
 
-def _attr_call(number: int, tid: int, buf: ctypes.Array[ctypes.c_char], *args: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, tid, buf, *args) != 0:
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _syscall(number: int, *args: object) -> None:
+    if _libc().syscall(number, *args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
+def _sched_attr(tid: int) -> tuple[int, ...]:
+    """Thread `tid`'s sched_attr fields (`_SCHED_ATTR`), as `sched_getattr` reads them."""
+    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
+    _syscall(_GETATTR, tid, buf, _SCHED_ATTR.size, 0)
+    return _SCHED_ATTR.unpack(buf.raw)
+
+
 def slice_ns(tid: int) -> int:
     """Thread `tid`'s time slice (the runtime `sched_getattr` reports for a fair task)."""
-    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
-    _attr_call(_GETATTR, tid, buf, _SCHED_ATTR.size, 0)
-    return int(_SCHED_ATTR.unpack(buf.raw)[5])
+    return int(_sched_attr(tid)[5])
 
 
 def _set_slice(tid: int, ns: int) -> Callable[[], None]:
-    buf = ctypes.create_string_buffer(_SCHED_ATTR.size)
-    _attr_call(_GETATTR, tid, buf, _SCHED_ATTR.size, 0)
-    size, policy, _flags, nice, priority, old, *_ = _SCHED_ATTR.unpack(buf.raw)
+    _size, policy, _flags, nice, priority, old, *_ = _sched_attr(tid)
 
     def put(runtime: int) -> None:
         attr = _SCHED_ATTR.pack(_SCHED_ATTR.size, policy, 0, nice, priority, runtime, 0, 0, 0, 0)
-        _attr_call(_SETATTR, tid, ctypes.create_string_buffer(attr, _SCHED_ATTR.size), 0)
+        _syscall(_SETATTR, tid, ctypes.create_string_buffer(attr, _SCHED_ATTR.size), 0)
 
     put(ns)
     return lambda: put(old)
@@ -215,22 +221,19 @@ class Level:
 
 
 def serve_level(
-    server: MarinerProcess, roles: dict[str, list[int]], *, model: str, clients: int, seconds: float
+    server: MarinerProcess,
+    roles: dict[str, list[int]],
+    *,
+    model: str,
+    clients: int,
+    seconds: float,
+    bodies: tuple[bytes, ...],
 ) -> Level:
-    assert server.pid is not None
     before = counters_by_role(roles)
-    level = run_level(
-        server="mariner", protocol="http", host=LOCALHOST, port=server.ports.inference, model=model,
-        concurrency=clients, load=LoadSpec(requests=0, warmup=WARMUP, duration_s=seconds),
-        bodies=test_digit_bodies(), server_pid=server.pid,
-    )  # fmt: skip
-    if level.errors:
-        raise RuntimeError(f"{level.errors} errors, the first: {level.first_error}")
+    level, answered = drive(server, "mariner", model=model, clients=clients, seconds=seconds, bodies=bodies)
     after = counters_by_role(roles)
-    answered = level.latency.n + max(WARMUP, clients * LoadSpec(0, 0).min_warmup_per_client)
-    return Level(
-        level.throughput_rps, level.latency.p50_ms, {r: after[r] - before[r] for r in after}, answered
-    )
+    per_request = {r: after[r] - before[r] for r in after}
+    return Level(level.throughput_rps, level.latency.p50_ms, per_request, answered)
 
 
 def _cells(level: Level, name: str) -> list[str]:
@@ -291,11 +294,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     with MarinerProcess(a.model_store, a.model, torch_threads=1) as server:
         assert server.pid is not None
         roles = pids_by_role(server.pid)
+        bodies = test_digit_bodies()
         print(f"{a.clients} clients, {a.rounds} x {a.seconds:g} s; processes: {roles}", flush=True)
         for r in range(a.rounds):
             for setting in settings if r % 2 == 0 else settings[::-1]:  # each first in half the rounds
                 with applied(setting, roles):
-                    level = serve_level(server, roles, model=a.model, clients=a.clients, seconds=a.seconds)
+                    level = serve_level(
+                        server, roles, model=a.model, clients=a.clients, seconds=a.seconds, bodies=bodies
+                    )
                 levels[setting.label()].append(level)
                 print(
                     f"  round {r + 1} {setting.label()}: {level.rps:7.0f} req/s, p50 {level.p50_ms:.2f} ms",
