@@ -100,11 +100,13 @@ class BatchQueue:
 
     @property
     def queued_items(self) -> int:
-        return self._queued_items
+        """Items waiting to run: here, or in a pipelined batch sent behind the one computing and
+        not yet started. The queue bound, the depth gauge and describe's pendingRequests all count
+        these, so pipelining never lets more wait than max_queue (TorchServe's job_queue_size)."""
+        return self._queued_items + self._behind_items
 
     def _report_depth(self) -> None:
-        """The queue depth gauge: items waiting to run, here or in a batch not yet started."""
-        self._observer.queue_depth(self._queued_items + self._behind_items)
+        self._observer.queue_depth(self.queued_items)
 
     # -- the fair order -------------------------------------------------------------------
     def _enqueue(self, req: InferRequest, fut: asyncio.Future[InferResult], caller: Hashable) -> None:

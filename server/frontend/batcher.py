@@ -27,9 +27,10 @@ Semantics (DESIGN.md):
   clients). Only a full batch goes early, since waiting cannot make it fuller: one sent with
   less would take only what had arrived, and what arrives after it (during a long batch, most
   of it) would wait one batch more. Its responseTimeout, its queue wait and its compute time
-  count from the end of the batch ahead, when it starts, and the queue depth gauge counts its
-  items until then (the HPA scales on that gauge); if the instance fails on the batch ahead,
-  it never started and is queued again, as a batch still in the queue would have been.
+  count from the end of the batch ahead, when it starts; until then its items count as queued
+  (against max_queue, in the depth gauge the HPA scales on, in pendingRequests), so pipelining
+  never lets more wait than the queue bound allows. If the instance fails on the batch ahead,
+  the one behind never started and is queued again, as a batch still in the queue would be.
 """
 
 from __future__ import annotations
@@ -145,10 +146,10 @@ class Batcher(BatchQueue):
                 f"request has {req.items} rows; model {req.model} accepts at most "
                 f"{self.policy.max_batch_size} per request (its max batch size)",
             )
-        if self._queued_items + req.items > self.policy.max_queue:
+        if (waiting := self.queued_items) + req.items > self.policy.max_queue:
             raise ServingError(
                 Code.RESOURCE_EXHAUSTED,
-                f"model {req.model} is overloaded: its queue holds {self._queued_items} of "
+                f"model {req.model} is overloaded: its queue holds {waiting} of "
                 f"{self.policy.max_queue} items; retry later",
             )
         if self._tokens is not None:

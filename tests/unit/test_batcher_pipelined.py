@@ -17,7 +17,7 @@ from mariner.server.common.batch_policy import BatchPolicy, BatchRunner, Instanc
 from mariner.server.contracts.errors import Code
 from mariner.server.contracts.types import InferRequest, InferResult
 from mariner.server.frontend.batcher import Batcher
-from tests.unit.test_batcher import FakeClock, echo, error, result, run, settle, submit
+from tests.unit.test_batcher import FakeClock, echo, error, rejected_at_once, req, result, run, settle, submit
 
 pytestmark = pytest.mark.unit
 
@@ -98,8 +98,14 @@ def make(
     observer: Books | None = None,
     batch_timeout_s: float | None = None,
     replace_runner: ReplaceRunner | None = None,
+    max_queue: int = 1024,
 ) -> Batcher:
-    policy = BatchPolicy(max_batch_size=max_batch_size, pipelined=pipelined, batch_timeout_s=batch_timeout_s)
+    policy = BatchPolicy(
+        max_batch_size=max_batch_size,
+        pipelined=pipelined,
+        batch_timeout_s=batch_timeout_s,
+        max_queue=max_queue,
+    )
     b = Batcher(runners, policy, clock=clock, observer=observer, replace_runner=replace_runner)
     b.start()
     return b
@@ -174,12 +180,43 @@ def test_never_more_than_one_batch_waits_behind_the_one_computing() -> None:
         tasks += [submit(b, f"r{i}") for i in range(1, 7)]
         await settle()
         assert runner.sent == [["r0"], ["r1", "r2"]]
-        assert b.queued_items == 4
+        assert b.queued_items == 6, "the batch sent behind has not started: its items still wait"
         for _ in range(4):
             runner.finish()
             await settle()
         assert runner.sent == [["r0"], ["r1", "r2"], ["r3", "r4"], ["r5", "r6"]]
         assert [result(t) for t in tasks] == [echo(f"r{i}") for i in range(7)]
+        await b.close()
+
+    run(body)
+
+
+def test_a_batch_sent_behind_counts_against_the_queue_bound_until_it_starts() -> None:
+    async def body(clock: FakeClock) -> None:
+        runner = SerialRunner()
+        books = Books()
+        b = make([runner], clock, max_queue=3, observer=books)
+        first = submit(b, "r0")
+        await settle()
+        behind = [submit(b, "r1"), submit(b, "r2")]
+        await settle()
+        assert runner.sent == [["r0"], ["r1", "r2"]]
+        assert (b.queued_items, books.depth) == (2, 2)
+        queued = submit(b, "r3")  # 2 waiting behind + 1 here: the bound of 3
+        await settle()
+        err = rejected_at_once(b, req("r4"))
+        assert err.code is Code.RESOURCE_EXHAUSTED
+        assert "holds 3 of 3 items" in err.message, err.message
+        runner.finish()  # the batch behind starts: its items no longer wait
+        await settle()
+        assert (b.queued_items, books.depth) == (1, 1)
+        room = submit(b, "r4")
+        await settle()
+        assert b.queued_items == 2
+        for _ in range(2):
+            runner.finish()
+            await settle()
+        assert [result(t) for t in [first, *behind, queued, room]] == [echo(f"r{i}") for i in range(5)]
         await b.close()
 
     run(body)
