@@ -24,6 +24,10 @@ class WireProtocol(enum.Enum):
     KSERVE_HTTP = "kserve-v1-http"
 
 
+# TorchServe's own APIs: their wire answers are TorchServe's, their request ids the server's own.
+TORCHSERVE_PROTOCOLS = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
+
+
 @dataclass(frozen=True)
 class TokenCost:
     """What a request costs a model that pads each batch to its longest member: `rows` texts,

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from mariner.server.common.batch_policy import BatchObserver, BatchPolicy, TokenBudget
 from mariner.server.common.token_groups import group_by_length
-from mariner.server.contracts.errors import WORKER_DIED, Code, ServingError
-from mariner.server.contracts.types import InferRequest, InferResult, TokenCost
+from mariner.server.contracts.errors import Code, ServingError
+from mariner.server.contracts.types import TORCHSERVE_PROTOCOLS, InferRequest, InferResult, TokenCost
 from mariner.server.frontend.deadlines import DeadlineWatch
 
 # Length grouping looks at this many live requests per batch slot, from the head of the queue:
@@ -167,7 +167,7 @@ class BatchQueue:
                 if d is None or p.future.done():
                     continue
                 if d <= now:
-                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s, running=True))
+                    p.future.set_exception(_expired(p.req, self.policy.batch_timeout_s))
                 elif earliest is None or d < earliest:
                     earliest = d
         return earliest
@@ -292,18 +292,17 @@ class BatchQueue:
         self._report_depth()
 
 
-def _expired(req: InferRequest, response_timeout_s: float | None, *, running: bool = False) -> ServingError:
-    """A request past its deadline. One its worker was running is answered on TorchServe's
-    endpoints as TorchServe answers a response timeout (500 "Worker died."); the only deadline
-    TorchServe's REST API has is that timeout, and a gRPC client whose own deadline passed has
-    already been told DEADLINE_EXCEEDED by its library."""
+def _expired(req: InferRequest, response_timeout_s: float | None) -> ServingError:
+    """A request past its deadline, queued or running. A TorchServe request has no deadline but
+    its gRPC client's, who has already been told DEADLINE_EXCEEDED by its library; its batch past
+    responseTimeout is the batch timeout's to answer (500 "Worker died.", in batcher.py)."""
     limit = (
-        f"responseTimeout {response_timeout_s:g} s or the client's" if response_timeout_s else "the client's"
+        f"responseTimeout {response_timeout_s:g} s or the client's"
+        if response_timeout_s and req.protocol not in TORCHSERVE_PROTOCOLS
+        else "the client's"
     )
     return ServingError(
-        Code.DEADLINE_EXCEEDED,
-        f"model {req.model} did not answer within the deadline ({limit})",
-        torchserve=WORKER_DIED if running else None,
+        Code.DEADLINE_EXCEEDED, f"model {req.model} did not answer within the deadline ({limit})"
     )
 
 

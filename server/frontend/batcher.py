@@ -56,15 +56,11 @@ from mariner.server.common.batch_policy import (
 )
 from mariner.server.common.token_groups import padded_tokens
 from mariner.server.contracts.errors import WORKER_DIED, Code, ServingError, internal
-from mariner.server.contracts.types import InferRequest, InferResult, WireProtocol
+from mariner.server.contracts.types import InferRequest, InferResult
 from mariner.server.frontend.batch_queue import BatchQueue, Pending, cost_of, own_tokens
 from mariner.server.frontend.streams import BATCH_PROGRESS
 
 log = logging.getLogger("mariner.batcher")
-
-# Protocols whose request carries no time limit of its own (TorchServe's): their deadline is the
-# model's responseTimeout, which a streamed answer's parts restart.
-_TIMEOUT_ONLY = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
 
 
 class Batcher(BatchQueue):
@@ -310,7 +306,7 @@ class Batcher(BatchQueue):
                     ahead.add_done_callback(start)
                 progress = None
                 if self.policy.batch_timeout_s is not None:
-                    progress = BATCH_PROGRESS.set(functools.partial(self._progress, batch, window))
+                    progress = BATCH_PROGRESS.set(functools.partial(self._progress, window))
                 try:
                     results = await runner.run([p.req for p in batch])
                 finally:
@@ -398,20 +394,14 @@ class Batcher(BatchQueue):
                 self._idle.put_nowait(runner)
             self._arrival.set()
 
-    def _progress(self, batch: list[Pending], window: asyncio.Timeout) -> None:
-        """An intermediate answer of `batch` arrived: its responseTimeout starts again, as
-        TorchServe waits that long for each reply of a streaming handler; so does the deadline of
-        each TorchServe request in it, whose only limit is that timeout (a gRPC client's own
-        deadline is its library's to enforce: the call is cancelled at it)."""
+    def _progress(self, window: asyncio.Timeout) -> None:
+        """An intermediate answer of the batch arrived: its responseTimeout starts again, as
+        TorchServe waits that long for each reply of a streaming handler. The requests' own
+        deadlines stay: TorchServe's carry none but a gRPC client's (its library's to enforce),
+        and an OIP or KServe one is the answer time its client was promised."""
         timeout_s = self.policy.batch_timeout_s
-        if timeout_s is None:
-            return
-        window.reschedule(asyncio.get_running_loop().time() + timeout_s)
-        until = self._clock() + timeout_s
-        for p in batch:
-            d = p.req.deadline
-            if d is not None and d < until and p.req.protocol in _TIMEOUT_ONLY:
-                p.req = p.req.with_deadline(until)
+        if timeout_s is not None:
+            window.reschedule(asyncio.get_running_loop().time() + timeout_s)
 
     async def _replace(self, runner: BatchRunner, reason: str) -> None:
         assert self._replace_runner is not None

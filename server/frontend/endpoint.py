@@ -30,7 +30,14 @@ from mariner.server.common.token_cost import TokenCounter, token_counter_or_none
 from mariner.server.compat.torchserve.logs import words
 from mariner.server.contracts.errors import Code, ServingError
 from mariner.server.contracts.tensors import ModelSignature
-from mariner.server.contracts.types import InferRequest, InferResult, ModelInfo, ModelState, WorkerInfo
+from mariner.server.contracts.types import (
+    TORCHSERVE_PROTOCOLS,
+    InferRequest,
+    InferResult,
+    ModelInfo,
+    ModelState,
+    WorkerInfo,
+)
 from mariner.server.contracts.worker_api import ModelEntry
 from mariner.server.frontend.batcher import Batcher
 from mariner.server.frontend.worker_client import WorkerConnection
@@ -239,9 +246,16 @@ class ModelEndpoint:
             raise ServingError(
                 Code.UNAVAILABLE, f"model {self.name} version {self.version} is {self.state.value}"
             )
-        deadline = time.monotonic() + self.response_timeout_s
-        if req.deadline is None or req.deadline > deadline:
-            req = req.with_deadline(deadline)
+        # OIP and KServe requests are answered within responseTimeout of arriving (or their
+        # client's own deadline, if sooner). TorchServe's requests keep TorchServe's meaning:
+        # responseTimeout bounds their batch's run, from its start (the batcher's batch timeout,
+        # answered 500 "Worker died." and the worker replaced), not their wait in the queue,
+        # which the queue bound limits; counting the wait answered requests "Worker died."
+        # while no worker had, and failed in a burst what TorchServe serves.
+        if req.protocol not in TORCHSERVE_PROTOCOLS:
+            deadline = time.monotonic() + self.response_timeout_s
+            if req.deadline is None or req.deadline > deadline:
+                req = req.with_deadline(deadline)
         # The batcher answers DEADLINE_EXCEEDED when the deadline passes, queued or running
         # (one timer for all it holds: see frontend.deadlines).
         return self.batcher.enqueue(req, caller)

@@ -27,12 +27,10 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Protocol
 
-from mariner.server.contracts.types import InferResult, WireProtocol
+from mariner.server.contracts.types import TORCHSERVE_PROTOCOLS, InferResult, WireProtocol
 
 # Bytes of intermediate answers one request may have waiting in a frontend for its client.
 MAX_HELD_BYTES = 16 * 1024 * 1024
-
-_SINK_PROTOCOLS = frozenset({WireProtocol.TS_HTTP, WireProtocol.TS_GRPC})
 
 
 class PartialSink(Protocol):
@@ -44,7 +42,7 @@ class PartialSink(Protocol):
 
 def takes_sinks(protocol: WireProtocol) -> bool:
     """Whether requests of `protocol` may have a sink (their ids are the server's own)."""
-    return protocol in _SINK_PROTOCOLS
+    return protocol in TORCHSERVE_PROTOCOLS
 
 
 def too_much_held(held: int) -> str:

@@ -149,6 +149,45 @@ def test_a_hung_handler_times_out_and_its_instance_is_replaced(server: MarinerSe
     assert counter(server, "mariner_instance_restarts_total", reason="hung") - before == 1
 
 
+def test_a_torchserve_request_may_wait_longer_than_its_response_timeout_in_the_queue(
+    server: MarinerServe, tmp_path: Path
+) -> None:
+    """responseTimeout bounds a batch's run from its start, as on TorchServe, not a request's wait
+    before it: requests queued behind a busy instance for longer than that are answered, over
+    REST and gRPC, and no worker is replaced."""
+    protogen.generate()
+    from mariner.server._proto.torchserve import inference_pb2, inference_pb2_grpc
+
+    before = counter(server, "mariner_instance_restarts_total", reason="hung")
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    with grpc.insecure_channel(server.grpc_target) as ch, ThreadPoolExecutor(4) as pool:
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(ch)
+        grpc_request = inference_pb2.PredictionsRequest(
+            model_name="faulty", input={"data": json.dumps({"op": "ok", "value": "grpc"}).encode()}
+        )
+        blocker = pool.submit(post, server, "block", str(gate))
+        wait_for(lambda: (gate / "started").exists() or blocker.done(), "the blocker never ran")
+        queued_at = time.monotonic()
+        slow = pool.submit(post, server, "sleep", 4.5)  # its batch runs 4.5 s of the 6 allowed
+        rest = pool.submit(post, server, "ok", "rest")
+        over_grpc = pool.submit(stub.Predictions, grpc_request)  # no client deadline, as TorchServe's
+        wait_for(
+            lambda: counter(server, "mariner_queue_depth", model="faulty") == 3 or blocker.done(),
+            "the requests never queued behind the blocker",
+        )
+        time.sleep(2.0)  # held in the queue: with the batch's 4.5 s, longer than responseTimeout
+        (gate / "release").touch()
+        answers = [blocker.result(), slow.result(), rest.result()]
+        grpc_answer = over_grpc.result()
+        waited = time.monotonic() - queued_at
+    assert waited > 6, "the case under test: queued and run for longer than responseTimeout"
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert answers[2].json()["echo"] == "rest"
+    assert json.loads(grpc_answer.prediction)["echo"] == "grpc"
+    assert counter(server, "mariner_instance_restarts_total", reason="hung") == before
+
+
 def test_an_instance_that_ends_is_restarted_and_health_recovers(server: MarinerServe) -> None:
     protogen.generate()
     from grpc_health.v1 import health_pb2, health_pb2_grpc

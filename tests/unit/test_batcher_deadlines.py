@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from mariner.server.contracts.errors import Code
+from mariner.server.contracts.errors import WORKER_DIED, Code
 from tests.unit.test_batcher import FakeClock, FakeRunner, echo, error, make, result, run, settle, submit
 
 pytestmark = pytest.mark.unit
@@ -123,9 +123,8 @@ def test_each_intermediate_answer_restarts_the_response_timeout_of_its_batch() -
         runner = StreamingRunner()
         runner.hold()
         b = make([runner], clock, max_batch_size=8, batch_timeout_s=10)
-        # The endpoint's deadline is the responseTimeout (these are TorchServe HTTP requests,
-        # which carry no other).
-        streamed = submit(b, "streamed", deadline=clock.now + 10)
+        # TorchServe requests carry no deadline: the batch's responseTimeout is their only limit.
+        streamed = submit(b, "streamed")
         await settle()
         (progress,) = runner.progress
         assert callable(progress)
@@ -140,11 +139,12 @@ def test_each_intermediate_answer_restarts_the_response_timeout_of_its_batch() -
         assert result(streamed) == echo("streamed")
         # Without parts the timeout holds as before.
         runner.hold()
-        silent = submit(b, "silent", deadline=clock.now + 10)
+        silent = submit(b, "silent")
         await settle()
         clock.advance(10.5)
         await settle()
         assert error(silent).code is Code.DEADLINE_EXCEEDED
+        assert error(silent).torchserve == WORKER_DIED, "TorchServe's answer to a response timeout"
         runner.release()
         await b.close()
 
