@@ -1,10 +1,10 @@
 """A runner that computes one batch at a time, pipelined (`BatchPolicy.pipelined`): a full batch
 is sent to it meanwhile and starts the moment the batch ahead ends; a partial one waits for it
 (what arrives during a long batch runs together after it); the batch behind counts its
-responseTimeout, queue wait and compute time from its start, and in the queue depth gauge until
-then; an instance that fails on the batch ahead leaves the batch behind to the next instance.
-Pure asyncio with the fake clock of test_batcher; the runner models a worker (one batch
-computing, the next waiting in its socket)."""
+responseTimeout, queue wait and compute time from its start, and as queued until then (against
+max_queue and in the queue depth gauge); an instance that fails on the batch ahead leaves the
+batch behind to the next instance. Pure asyncio with the fake clock of test_batcher; the runner
+models a worker (one batch computing, the next waiting in its socket)."""
 
 from __future__ import annotations
 
